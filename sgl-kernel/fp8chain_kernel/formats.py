@@ -1,0 +1,143 @@
+"""Activation formats: the contract between an FP8 producer and the GEMM that reads it.
+
+Every layout is stated once, here (REFERENCE.md section 3). For an activation of ``rows x cols``:
+
+* data: ``float8_e4m3fn [rows, cols]``, unit column stride (row stride >= cols).
+* ``SM90_G32_FP32_MN`` / ``SM90_G128_FP32_MN``: ``float32 [rows, ceil(cols/g)]``, MN-major,
+  strides ``(1, S)`` with ``S >= align4(rows)`` and ``S % 4 == 0`` (element ``(m, j)`` at
+  ``j * S + m``; a freshly allocated buffer has ``S = align4(rows)``, a row-slice of a buffer
+  captured for more rows keeps the larger ``S``).
+* ``SM100_G32_UE8M0_PACKED_MN``: ``int32 [rows, ceil(cols/128)]``, strides ``(1, S)`` as above;
+  byte ``j % 4`` (little-endian) of word ``j // 4`` is the UE8M0 exponent of group ``j``
+  (value ``2^(byte - 127)``); bytes past ``ceil(cols/32)`` are zero.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def align4(rows: int) -> int:
+    """Rows rounded up to 4: 16-byte alignment of a column of 4-byte scales (TMA)."""
+    return cdiv(rows, 4) * 4
+
+
+class ActFormat(str, enum.Enum):
+    """One activation format: group size along K, scale encoding and scale layout."""
+
+    SM90_G32_FP32_MN = "sm90_g32_fp32_mn"
+    SM90_G128_FP32_MN = "sm90_g128_fp32_mn"
+    SM100_G32_UE8M0_PACKED_MN = "sm100_g32_ue8m0_packed_mn"
+
+    @property
+    def group_size(self) -> int:
+        return 128 if self is ActFormat.SM90_G128_FP32_MN else 32
+
+    @property
+    def pow2_scales(self) -> bool:
+        """Scales are exact powers of two (UE8M0 semantics)."""
+        return self is not ActFormat.SM90_G128_FP32_MN
+
+    @property
+    def packed(self) -> bool:
+        """Scales are UE8M0 bytes, four per int32 word."""
+        return self is ActFormat.SM100_G32_UE8M0_PACKED_MN
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return torch.int32 if self.packed else torch.float32
+
+    def num_groups(self, cols: int) -> int:
+        return cdiv(cols, self.group_size)
+
+    def scale_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        groups = self.num_groups(cols)
+        return (rows, cdiv(groups, 4) if self.packed else groups)
+
+    def scale_strides(self, rows: int, cols: int) -> tuple[int, int]:
+        return (1, align4(rows))
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class QuantizedActivation(NamedTuple):
+    """FP8 data plus scales in ``fmt``; unpacks as ``fp8, scale = pair``."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    fmt: ActFormat
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def rows(self, count: int) -> "QuantizedActivation":
+        """The first ``count`` rows (views; the scale keeps its column stride)."""
+        return QuantizedActivation(self.data[:count], self.scale[:count], self.fmt)
+
+
+def empty_scale(rows: int, cols: int, fmt: ActFormat, device) -> torch.Tensor:
+    """Scale buffer of ``fmt``: a row-major ``[cols_of_scales, align4(rows)]`` allocation viewed
+    transposed, so the padding rows are part of the storage."""
+    scale_cols = fmt.scale_shape(rows, cols)[1]
+    backing = torch.empty((scale_cols, align4(rows)), dtype=fmt.scale_dtype, device=device)
+    return backing.t()[:rows]
+
+
+def empty_pair(rows: int, cols: int, fmt: ActFormat | str, device=None) -> QuantizedActivation:
+    """Producer out-buffers with the exact dtypes, shapes and strides of ``fmt``."""
+    fmt = ActFormat(fmt)
+    data = torch.empty((rows, cols), dtype=FP8_DTYPE, device=device)
+    return QuantizedActivation(data, empty_scale(rows, cols, fmt, device), fmt)
+
+
+def check_pair(pair, fmt: ActFormat | str | None = None) -> QuantizedActivation:
+    """Validate a pair against its own format (and ``fmt`` if given); return it.
+
+    Raises ``TypeError`` for a wrong type, dtype or format and ``ValueError`` for a wrong
+    shape, stride or device, each naming what was expected and what came.
+    """
+    if not isinstance(pair, QuantizedActivation):
+        raise TypeError(f"expected a QuantizedActivation, got {type(pair).__name__}")
+    data, scale, own = pair
+    if not isinstance(own, ActFormat):
+        raise TypeError(f"pair.fmt must be an ActFormat, got {own!r}")
+    if fmt is not None and ActFormat(fmt) is not own:
+        raise TypeError(f"consumer reads {ActFormat(fmt).value}, got a pair in {own.value}")
+    if data.dtype != FP8_DTYPE:
+        raise TypeError(f"pair data must be {FP8_DTYPE}, got {data.dtype}")
+    if scale.dtype != own.scale_dtype:
+        raise TypeError(f"{own.value} scales must be {own.scale_dtype}, got {scale.dtype}")
+    if data.dim() != 2:
+        raise ValueError(f"pair data must be 2-D [rows, cols], got shape {tuple(data.shape)}")
+    if data.device != scale.device:
+        raise ValueError(f"pair data on {data.device} but scales on {scale.device}")
+    rows, cols = data.shape
+    expected = own.scale_shape(rows, cols)
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"{own.value} scales for data {rows}x{cols} must have shape {expected}, "
+            f"got {tuple(scale.shape)}"
+        )
+    if data.numel() and (data.stride(1) != 1 or data.stride(0) < cols):
+        raise ValueError(f"pair data must be row-major with unit column stride, got strides {data.stride()}")
+    if scale.numel():
+        row_stride, col_stride = scale.stride()
+        if row_stride != 1 or (expected[1] > 1 and (col_stride < align4(rows) or col_stride % 4)):
+            raise ValueError(
+                f"{own.value} scales must be MN-major with strides (1, S), S >= align4(rows)="
+                f"{align4(rows)} and S % 4 == 0, got strides {scale.stride()}"
+            )
+    return pair

@@ -1,0 +1,108 @@
+"""Triton device functions every FP8 producer shares: quantize a tile, store its scales.
+
+These are the Triton twin of ``reference._quantize_groups`` (same amax, same exponent bit
+arithmetic, same two fp32 divisions, same clamp), so any kernel that calls ``quantize_tile`` on
+its bf16-rounded output writes bytes and scales equal to ``reference.quantize`` of that output.
+
+fp32 -> e4m3: compiled for a GPU, the native conversion (``cvt.rn.satfinite``) is used. The Triton
+CPU interpreter's native conversion is wrong for a few percent of values (triton issue #8322), so
+under the interpreter the conversion is done with integer bit operations (round to nearest even,
+saturate, NaN -> 0x7F), which matches torch byte for byte. See docs/formats.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from .formats import ActFormat
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def format_constexprs(fmt: ActFormat) -> dict:
+    """Compile-time arguments a kernel needs to write ``fmt`` (pass with ``**``)."""
+    return dict(GROUP=fmt.group_size, POW2=fmt.pow2_scales, PACKED=fmt.packed,
+                EXACT_CAST=interpreting())
+
+
+@triton.jit
+def cast_to_e4m3(x, EXACT_CAST: tl.constexpr):
+    """fp32 tile -> float8e4nv tile, round to nearest even, saturating, NaN kept."""
+    if EXACT_CAST:
+        bits = x.to(tl.int32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        mag = bits & 0x7FFFFFFF
+        finite_mag = tl.minimum(mag, 0x7F800000)
+        # Normal e4m3 (|x| >= 2^-6): keep 3 mantissa bits (round half to even), rebias 127 -> 7.
+        normal = ((finite_mag + 0x7FFFF + ((finite_mag >> 20) & 1)) >> 20) - (120 << 3)
+        normal = tl.minimum(normal, 0x7E)
+        # Subnormal e4m3: |x| * 2^9 rounded half to even to an integer.
+        shift = tl.minimum(tl.maximum(141 - (finite_mag >> 23), 21), 31)
+        mantissa = (finite_mag & 0x7FFFFF) | 0x800000
+        whole = mantissa >> shift
+        rest = mantissa & ((1 << shift) - 1)
+        half = 1 << (shift - 1)
+        sub = whole + ((rest > half) | ((rest == half) & ((whole & 1) == 1))).to(tl.int32)
+        code = tl.where(finite_mag < (121 << 23), sub, normal)
+        code = tl.where(mag > 0x7F800000, 0x7F, code) | sign
+        return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    else:
+        return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize_tile(y, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                  POW2: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """fp32 ``[BLOCK_M, BLOCK_K]`` (masked elements 0) -> (e4m3 tile, fp32 scale per group).
+
+    The scale tile is ``[BLOCK_M, BLOCK_K // GROUP]``.
+    """
+    grouped = tl.reshape(y, (BLOCK_M, BLOCK_K // GROUP, GROUP))
+    mag = tl.abs(grouped)
+    mag = tl.where(mag == mag, mag, 0.0)  # NaN is ignored by amax and kept in the data
+    amax = tl.maximum(tl.max(mag, axis=2), 1e-4)
+    if POW2:
+        bits = amax.to(tl.int32, bitcast=True)
+        exponent = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        scale = (exponent << 23).to(tl.float32, bitcast=True)
+        multiplier = ((254 - exponent) << 23).to(tl.float32, bitcast=True)
+    else:
+        fp8_max = tl.full(amax.shape, 448.0, tl.float32)
+        scale = tl.math.div_rn(amax, fp8_max)
+        multiplier = tl.math.div_rn(fp8_max, amax)
+    scaled = grouped * tl.expand_dims(multiplier, 2)
+    scaled = tl.clamp(scaled, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    data = cast_to_e4m3(tl.reshape(scaled, (BLOCK_M, BLOCK_K)), EXACT_CAST)
+    return data, scale
+
+
+@triton.jit
+def store_scale_tile(scale_ptr, scale, offs_m, group0, M, num_groups, stride_sm, stride_sg,
+                     GROUPS: tl.constexpr, PACKED: tl.constexpr):
+    """Store a ``[BLOCK_M, GROUPS]`` scale tile whose first group is ``group0``.
+
+    fp32 formats: one float per group at ``m * stride_sm + j * stride_sg``. Packed UE8M0: four
+    exponent bytes per int32 word (``GROUPS`` and ``group0`` multiples of 4); exponents of groups
+    at or past ``num_groups`` are written as zero bytes.
+    """
+    offs_g = group0 + tl.arange(0, GROUPS)
+    row_ok = offs_m[:, None] < M
+    if PACKED:
+        exponent = scale.to(tl.int32, bitcast=True) >> 23
+        exponent = tl.where(offs_g[None, :] < num_groups, exponent, 0)
+        shifted = tl.reshape(exponent, (exponent.shape[0], GROUPS // 4, 4)) << (tl.arange(0, 4) * 8)[None, None, :]
+        words = tl.sum(shifted, axis=2)  # disjoint bytes: the sum is their bitwise or
+        offs_w = group0 // 4 + tl.arange(0, GROUPS // 4)
+        mask = row_ok & (offs_w[None, :] < (num_groups + 3) // 4)
+        tl.store(scale_ptr + offs_m[:, None] * stride_sm + offs_w[None, :] * stride_sg,
+                 words.to(tl.int32), mask=mask)
+    else:
+        mask = row_ok & (offs_g[None, :] < num_groups)
+        tl.store(scale_ptr + offs_m[:, None] * stride_sm + offs_g[None, :] * stride_sg,
+                 scale, mask=mask)

@@ -1,0 +1,48 @@
+"""Checks shared by the suites: bitwise pair equality, NaN-safe error norms, poisoned buffers."""
+
+from __future__ import annotations
+
+import torch
+
+from fp8chain_kernel.formats import QuantizedActivation, empty_pair
+
+
+def assert_pairs_equal(got: QuantizedActivation, want: QuantizedActivation) -> None:
+    """Data bytes and the logical scale view equal bit for bit (NaN payloads included)."""
+    assert got.fmt is want.fmt, (got.fmt, want.fmt)
+    assert got.data.shape == want.data.shape, (got.data.shape, want.data.shape)
+    assert got.scale.shape == want.scale.shape, (got.scale.shape, want.scale.shape)
+    gd, wd = got.data.view(torch.uint8).cpu(), want.data.view(torch.uint8).cpu()
+    bad = (gd != wd).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} data bytes differ, first at {bad[:5].tolist()}: " \
+        f"got {gd[tuple(bad[0])]:#x} want {wd[tuple(bad[0])]:#x}"
+    gs = got.scale.cpu().contiguous().view(torch.int32)
+    ws = want.scale.cpu().contiguous().view(torch.int32)
+    bad = (gs != ws).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} scales differ, first at {bad[:5].tolist()}"
+
+
+def poisoned_pair(rows: int, cols: int, fmt, device) -> QuantizedActivation:
+    """An out pair whose every byte is 0x7F/0xFF, so an unwritten element cannot pass."""
+    pair = empty_pair(rows, cols, fmt, device)
+    pair.data.view(torch.uint8).fill_(0x7F)
+    pair.scale.fill_(-1)
+    return pair
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp64; NaN anywhere in either gives inf (never passes)."""
+    out, ref = out.double(), ref.double()
+    if not (torch.isfinite(out).all() and torch.isfinite(ref).all()):
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor, ulps: float = 1.0) -> None:
+    """Elementwise within ``ulps`` bf16 ulps of ``ref`` (fp32 reference); NaN fails."""
+    assert torch.isfinite(out).all(), "non-finite values in output"
+    ref = ref.float()
+    ulp = torch.where(ref == 0, torch.full_like(ref, 2.0**-133), ref.abs() * 2.0**-7)
+    err = (out.float() - ref).abs() / ulp
+    worst = err.max().item()
+    assert worst <= ulps, f"max error {worst:.2f} bf16 ulps > {ulps}"
