@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import (
+from ..formats import (
     AMAX_FLOOR, FP8_DTYPE, FP8_MAX, ActFormat, QuantizedActivation, align4, cdiv, empty_scale,
 )
 

@@ -1,0 +1,1 @@
+"""Reference for fp8chain_kernel.gemm."""
