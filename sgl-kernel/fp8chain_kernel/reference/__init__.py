@@ -5,7 +5,6 @@ One module per kernel family; everything public is re-exported here, so
 """
 
 from .quant import *  # noqa: F401,F403
-from .quant import __all__ as _quant_all
 from .norm import *  # noqa: F401,F403
 from .act import *  # noqa: F401,F403
 from .einsum import *  # noqa: F401,F403
