@@ -1,0 +1,178 @@
+"""Benchmark harness: CUDA-graph replay timing, copy bandwidth, launch counts, results on disk.
+
+Every benchmark times both arms of a comparison in the same process with ``graph_time_us``
+(many calls captured in one CUDA graph, replayed several times, median per call), measures the
+device's copy bandwidth in the same run for the bytes floor, and writes JSON + PNG under
+``benchmark/results/``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import statistics
+import subprocess
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parents[3] / "benchmark" / "results"
+
+
+def graph_time_us(fn: Callable[[], object], iters: int = 100, repeats: int = 7) -> float:
+    """Median microseconds per call of ``fn``, from CUDA-graph replays of ``iters`` calls.
+
+    ``fn`` must be capturable (no host sync, no allocation that changes between calls is fine:
+    the graph owns its pool). Warms up eagerly first so compilation stays outside the timing.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("graph_time_us needs a CUDA device")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / iters)
+    del graph
+    return statistics.median(samples)
+
+
+def copy_bandwidth(device=None, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    device = torch.device(device or "cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    src.fill_(1)
+    us = graph_time_us(lambda: dst.copy_(src), iters=10, repeats=7)
+    return 2 * nbytes / (us * 1e-6)
+
+
+def count_launches(fn: Callable[[], object]) -> dict[str, int]:
+    """Kernel name -> launches during one call of ``fn`` (torch.profiler, CUDA activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    counts: Counter[str] = Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            counts[event.name] += 1
+    return dict(counts)
+
+
+def quantize_launches(launches: dict[str, int]) -> int:
+    """Launches of the standalone quantize kernel among ``count_launches`` results."""
+    return sum(n for name, n in launches.items() if "_quantize_kernel" in name)
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def bench_meta() -> dict:
+    """Date, device, commit and versions: what every recorded figure carries."""
+    import triton
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": device,
+        "commit": _git_commit(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+
+
+def save_results(name: str, meta: dict, records: list[dict], results_dir: Path | None = None) -> Path:
+    """Write ``{"meta": ..., "records": [...]}`` to ``<results_dir>/<name>.json``; return the path."""
+    out_dir = Path(results_dir or RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps({"meta": meta, "records": records}, indent=2, default=str))
+    return path
+
+
+def plot_records(name: str, records: list[dict], x: str, y_keys: Iterable[str], ylabel: str,
+                 group: str | None = None, results_dir: Path | None = None, logy: bool = True) -> Path:
+    """One PNG: ``y_keys`` against ``x`` (log-log), one panel per value of ``group``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    y_keys = list(y_keys)
+    groups = sorted({r[group] for r in records}, key=str) if group else [None]
+    cols = min(3, len(groups))
+    rows = -(-len(groups) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    for ax, value in zip(axes.flat, groups):
+        subset = [r for r in records if group is None or r[group] == value]
+        for key in y_keys:
+            points = [(r[x], r[key]) for r in subset if r.get(key) is not None]
+            if points:
+                xs, ys = zip(*sorted(points))
+                ax.plot(xs, ys, marker="o", label=key)
+        ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_xlabel(x)
+        ax.set_ylabel(ylabel)
+        if value is not None:
+            ax.set_title(str(value), fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    out_dir = Path(results_dir or RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def markdown_table(records: list[dict], columns: list[str]) -> str:
+    """A markdown table of ``columns`` (floats to 3 significant digits, None as '-')."""
+
+    def cell(value) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return f"{value:.3g}"
+        return str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in records]
+    return "\n".join(lines)
+
+
+def progress(iterable, desc: str, total: int | None = None):
+    """A progress bar on stderr (tqdm), quiet when stderr is not a terminal-friendly stream."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, dynamic_ncols=True, leave=False)
