@@ -72,12 +72,33 @@ class ActFormat(str, enum.Enum):
         return self.value
 
 
-class QuantizedActivation(NamedTuple):
-    """FP8 data plus scales in ``fmt``; unpacks as ``fp8, scale = pair``."""
-
+class _DataScale(NamedTuple):
     data: torch.Tensor
     scale: torch.Tensor
-    fmt: ActFormat
+
+
+class QuantizedActivation(_DataScale):
+    """FP8 data plus scales in ``fmt``.
+
+    A NamedTuple of ``(data, scale)`` carrying ``fmt`` as an attribute, so code written for
+    upstream's plain tuples keeps working: ``fp8, scale = pair``.
+    """
+
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, fmt: ActFormat):
+        pair = super().__new__(cls, data, scale)
+        pair.fmt = fmt
+        return pair
+
+    def __getnewargs__(self):
+        return (self.data, self.scale, self.fmt)
+
+    def __repr__(self) -> str:
+        return (f"QuantizedActivation(data={tuple(self.data.shape)} {self.data.dtype}, "
+                f"scale={tuple(self.scale.shape)} {self.scale.dtype}, fmt={self.fmt.value})")
+
+    def _replace(self, **changes) -> "QuantizedActivation":
+        fields = {"data": self.data, "scale": self.scale, "fmt": self.fmt, **changes}
+        return QuantizedActivation(fields["data"], fields["scale"], fields["fmt"])
 
     @property
     def shape(self) -> torch.Size:
@@ -111,7 +132,7 @@ def check_pair(pair, fmt: ActFormat | str | None = None) -> QuantizedActivation:
     """
     if not isinstance(pair, QuantizedActivation):
         raise TypeError(f"expected a QuantizedActivation, got {type(pair).__name__}")
-    data, scale, own = pair
+    data, scale, own = pair.data, pair.scale, pair.fmt
     if not isinstance(own, ActFormat):
         raise TypeError(f"pair.fmt must be an ActFormat, got {own!r}")
     if fmt is not None and ActFormat(fmt) is not own:

@@ -117,7 +117,7 @@ def quantize(x: torch.Tensor, fmt: ActFormat | str) -> QuantizedActivation:
 
 def scales_as_float(pair: QuantizedActivation) -> torch.Tensor:
     """fp32 ``[rows, G]`` scale per group, whatever the encoding."""
-    data, scale, fmt = pair
+    data, scale, fmt = pair.data, pair.scale, pair.fmt
     if fmt.packed:
         return _pow2_from_exponent(unpack_ue8m0(scale, fmt.num_groups(data.shape[1])))
     return scale.float()
@@ -125,7 +125,7 @@ def scales_as_float(pair: QuantizedActivation) -> torch.Tensor:
 
 def dequantize(pair: QuantizedActivation) -> torch.Tensor:
     """fp32 ``[rows, cols]`` values of a pair."""
-    data, _, fmt = pair
+    data, fmt = pair.data, pair.fmt
     cols = data.shape[1]
     scale = scales_as_float(pair).repeat_interleave(fmt.group_size, dim=1)[:, :cols]
     return data.float() * scale
