@@ -63,8 +63,11 @@ def _quantize_groups(x: torch.Tensor, fmt: ActFormat):
         multiplier = _pow2_from_exponent(254 - exponent)
     else:
         exponent = None
-        scale = amax / FP8_MAX
-        multiplier = FP8_MAX / amax
+        # Tensor / tensor on purpose: torch evaluates `scalar / t` as `t.reciprocal() * scalar`
+        # and (on CUDA) `t / scalar` as `t * (1 / scalar)`, both off by an ulp at times.
+        fp8_max = torch.full_like(amax, FP8_MAX)
+        scale = amax / fp8_max
+        multiplier = fp8_max / amax
     mult_cols = multiplier.repeat_interleave(g, dim=1)[:, :cols]
     scaled = (x.float() * mult_cols).clamp(-FP8_MAX, FP8_MAX)
     return scaled.to(FP8_DTYPE), scale, exponent

@@ -1,0 +1,84 @@
+"""Standalone quantize: Triton kernel vs the torch-composed reference, against the copy floor.
+
+For each format, M and K: median microseconds per call under CUDA-graph replay, the bytes the
+quantize must move (bf16 in, fp8 + scales out), the floor those bytes give at the copy bandwidth
+measured in this run, and the fraction of that bandwidth the kernel reaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
+
+from fp8chain.bench import harness  # noqa: E402
+from fp8chain_kernel import quant, reference  # noqa: E402
+from fp8chain_kernel.formats import ActFormat, empty_pair  # noqa: E402
+
+ROWS = [1, 4, 16, 64, 256, 2048, 8192]
+COLS = [1280, 2048, 5120, 8192]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--formats", nargs="+", default=[f.value for f in ActFormat],
+                        choices=[f.value for f in ActFormat], help="activation formats to time")
+    parser.add_argument("--rows", nargs="+", type=int, default=ROWS, help="M values")
+    parser.add_argument("--cols", nargs="+", type=int, default=COLS, help="K values")
+    parser.add_argument("--quick", action="store_true", help="M in {1, 16, 256, 8192}, K in {1280, 5120}")
+    parser.add_argument("--iters", type=int, default=100, help="calls per captured graph")
+
+
+def quantize_bytes(rows: int, cols: int, fmt: ActFormat) -> int:
+    scale_cols = fmt.scale_shape(rows, cols)[1]
+    return rows * cols * 2 + rows * cols + rows * scale_cols * 4
+
+
+def run(args) -> tuple[dict, list[dict]]:
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark quant needs a CUDA GPU (kernel logic is tested on CPU instead)")
+    rows_list, cols_list = (([1, 16, 256, 8192], [1280, 5120]) if args.quick else (args.rows, args.cols))
+    meta = harness.bench_meta()
+    bandwidth = harness.copy_bandwidth()
+    meta["copy_bandwidth_TBps"] = bandwidth / 1e12
+    cases = [(ActFormat(f), m, k) for f in args.formats for k in cols_list for m in rows_list]
+    records = []
+    for fmt, rows, cols in harness.progress(cases, "quantize"):
+        x = torch.randn(rows, cols, device="cuda").bfloat16()
+        out = empty_pair(rows, cols, fmt, "cuda")
+        triton_us = harness.graph_time_us(lambda: quant.quantize(x, fmt, out=out), iters=args.iters)
+        torch_us = harness.graph_time_us(lambda: reference.quantize(x, fmt), iters=args.iters)
+        nbytes = quantize_bytes(rows, cols, fmt)
+        floor_us = nbytes / bandwidth * 1e6
+        records.append({
+            "format": fmt.value, "M": rows, "K": cols, "triton_us": triton_us, "torch_us": torch_us,
+            "floor_us": floor_us, "bytes": nbytes, "bw_fraction": floor_us / triton_us,
+            "speedup_vs_torch": torch_us / triton_us,
+        })
+    return meta, records
+
+
+COLUMNS = ["format", "M", "K", "triton_us", "torch_us", "floor_us", "bw_fraction", "speedup_vs_torch"]
+
+
+def report(meta: dict, records: list[dict], results_dir=None) -> str:
+    json_path = harness.save_results("quant", meta, records, results_dir)
+    for fmt in sorted({r["format"] for r in records}):
+        subset = [dict(r, shape=f"K={r['K']}") for r in records if r["format"] == fmt]
+        harness.plot_records(f"quant_{fmt}", subset, "M", ["triton_us", "torch_us", "floor_us"],
+                             "us per call", group="shape", results_dir=results_dir)
+    return f"{json_path}\n" + harness.markdown_table(records, COLUMNS)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.add_argument("--results-dir", default=None, help="where JSON/PNG go (default benchmark/results)")
+    cli_args = parser.parse_args()
+    meta_, records_ = run(cli_args)
+    print(f"device {meta_['device']}, copy {meta_['copy_bandwidth_TBps']:.2f} TB/s, commit {meta_['commit']}")
+    print(report(meta_, records_, cli_args.results_dir))

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Run the GPU test suite and the benchmarks on a CUDA machine, in one call, without network.
+#
+#   scripts/device.sh OUTDIR [all|tests|bench] [--quick] [-- PYTEST_ARGS...]
+#
+# Writes under OUTDIR: gpu-tests.xml (junit), gpu-tests.log, bench.log, results.tar.gz
+# (benchmark/results JSON + PNG). Installs nothing: it runs from the source tree with the
+# machine's python3 (torch, triton, numpy, safetensors, pytest, rich, tqdm, matplotlib).
+set -uo pipefail
+out=${1:?usage: scripts/device.sh OUTDIR [all|tests|bench] [--quick] [-- PYTEST_ARGS...]}
+shift
+what=${1:-all}
+[ $# -gt 0 ] && shift
+quick=""
+if [ "${1:-}" = "--quick" ]; then quick="--quick"; shift; fi
+[ "${1:-}" = "--" ] && shift
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+mkdir -p "$out"
+export PYTHONPATH="$root/python:$root/sgl-kernel${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+status=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$out/device.txt"
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  python3 -m pytest -q -m gpu --junitxml="$out/gpu-tests.xml" -p no:cacheprovider "${@:-test}" \
+    2>&1 | tee "$out/gpu-tests.log" | tail -n 40
+  status=${PIPESTATUS[0]}
+fi
+if [ "$what" = all ] || [ "$what" = bench ]; then
+  python3 -m fp8chain bench all $quick --results-dir benchmark/results 2>&1 | tee "$out/bench.log" | tail -n 80
+  [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+  tar czf "$out/results.tar.gz" benchmark/results
+fi
+exit $status

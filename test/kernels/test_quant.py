@@ -1,0 +1,123 @@
+"""Triton standalone quantize == reference.quantize, bit for bit (CPU interpreter and GPU)."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from fp8chain_kernel import quant
+from fp8chain_kernel import reference as ref
+from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, empty_pair
+from fp8chain_kernel.fp8_tile import cast_to_e4m3, interpreting
+from helpers import assert_pairs_equal, poisoned_pair
+
+ALL_FORMATS = list(ActFormat)
+
+
+def _activation(rows, cols, device):
+    """Fresh random rows of very different magnitudes, one all-zero row, one NaN, one huge value."""
+    x = torch.randn(rows, cols, device=device) * torch.exp2(torch.randint(-12, 12, (rows, 1), device=device).float())
+    if rows >= 3:
+        x[1] = 0
+        x[2, cols // 2] = float("nan")
+    if rows >= 4:
+        x[3, 0] = 3.0e38  # beyond 448 * any scale of its group's neighbours
+    return x.bfloat16()
+
+
+@triton.jit
+def _cast_kernel(x_ptr, out_ptr, n, EXACT_CAST: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(out_ptr + offs, cast_to_e4m3(x, EXACT_CAST), mask=offs < n)
+
+
+@pytest.mark.cpu
+def test_cast_to_e4m3_matches_torch_on_every_region():
+    """The cast used under the interpreter == torch's RNE saturating cast, incl. ties,
+    subnormals, carries into the exponent, NaN and +-inf (inputs pre-clamped as kernels do)."""
+    n = 1 << 16
+    bits = torch.randint(0, 2**31 - 1, (n,), dtype=torch.int64)
+    # Aim at fp8's range: exponents 2^-12 .. 2^9, random mantissas, both signs.
+    exponent = torch.randint(127 - 12, 127 + 9, (n,))
+    bits = (exponent << 23) | (bits & 0x7FFFFF)
+    values = bits.to(torch.int32).view(torch.float32) * torch.where(torch.rand(n) < 0.5, -1.0, 1.0)
+    ties = torch.arange(0, 256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    ties = (ties[:-1] + ties[1:]) / 2  # exact midpoints between neighbouring fp8 codes
+    special = torch.tensor([0.0, -0.0, 448.0, -448.0, 2.0**-9, 2.0**-10, 3 * 2.0**-10,
+                            2.0**-6, 2.0**-6 - 2.0**-10, 1e-30, float("nan"), float("inf"), -float("inf")])
+    x = torch.cat([values, ties[torch.isfinite(ties)], special]).clamp(-448, 448).contiguous()
+    x = torch.where(torch.isnan(torch.cat([values, ties[torch.isfinite(ties)], special])), float("nan"), x)
+    want = x.to(FP8_DTYPE).view(torch.uint8)
+    got = torch.empty_like(want).view(FP8_DTYPE)
+    _cast_kernel[(triton.cdiv(x.numel(), 1024),)](x, got, x.numel(), EXACT_CAST=True, BLOCK=1024)
+    got = got.view(torch.uint8)
+    assert torch.equal(got, want), f"{(got != want).sum()} codes differ"
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 64, 257])
+@pytest.mark.parametrize("cols", [32, 128, 1280, 5120])
+def test_quantize_matches_reference_cpu(fmt, rows, cols):
+    if rows * cols > 64 * 1280 and rows > 64:
+        cols = 128  # keep the interpreter fast: 257 rows only at narrow widths
+    x = _activation(rows, cols, "cpu")
+    out = poisoned_pair(rows, cols, fmt, "cpu")
+    got = quant.quantize(x, fmt, out=out)
+    assert got.data.data_ptr() == out.data.data_ptr()
+    assert_pairs_equal(got, ref.quantize(x, fmt))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_quantize_fp32_input_and_zero_rows(fmt):
+    x = torch.randn(7, 384)
+    assert_pairs_equal(quant.quantize(x, fmt), ref.quantize(x, fmt))
+    empty = quant.quantize(torch.empty(0, 384, dtype=torch.bfloat16), fmt)
+    assert empty.data.shape == (0, 384)
+    zeros = quant.quantize(torch.zeros(5, 256, dtype=torch.bfloat16), fmt)
+    assert (zeros.data.view(torch.uint8) == 0).all()
+    assert torch.isfinite(ref.scales_as_float(zeros)).all()
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_quantize_into_rows_of_a_captured_buffer(fmt):
+    """A producer writing 3 rows into a buffer captured for 64 uses that buffer's column stride."""
+    captured = poisoned_pair(64, 512, fmt, "cpu")
+    x = _activation(3, 512, "cpu")
+    got = quant.quantize(x, fmt, out=captured.rows(3))
+    assert got.scale.stride(1) == 64
+    assert_pairs_equal(got, ref.quantize(x, fmt))
+    # rows past 3 stay untouched
+    assert (captured.data[3:].view(torch.uint8) == 0x7F).all()
+
+
+@pytest.mark.cpu
+def test_quantize_rejects_bad_input():
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        quant.quantize(x.half(), ActFormat.SM90_G32_FP32_MN)
+    with pytest.raises(ValueError, match="2-D"):
+        quant.quantize(x.view(2, 2, 256), ActFormat.SM90_G32_FP32_MN)
+    with pytest.raises(ValueError, match="unit column stride"):
+        quant.quantize(torch.randn(256, 4, dtype=torch.bfloat16).t(), ActFormat.SM90_G32_FP32_MN)
+    with pytest.raises(TypeError, match="sm90_g32_fp32_mn.*sm90_g128_fp32_mn"):
+        quant.quantize(x, ActFormat.SM90_G32_FP32_MN, out=empty_pair(4, 256, ActFormat.SM90_G128_FP32_MN))
+    with pytest.raises(ValueError, match="shape"):
+        quant.quantize(x, ActFormat.SM90_G32_FP32_MN, out=empty_pair(5, 256, ActFormat.SM90_G32_FP32_MN))
+    with pytest.raises(ValueError, match="sm9"):
+        quant.quantize(x, "sm90_g64")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 16, 64, 127, 256, 2048, 8192])
+@pytest.mark.parametrize("cols", [1280, 2048, 2304, 5120, 8192])
+def test_quantize_matches_reference_gpu(fmt, rows, cols):
+    assert not interpreting()
+    x = _activation(rows, cols, "cuda")
+    out = poisoned_pair(rows, cols, fmt, "cuda")
+    got = quant.quantize(x, fmt, out=out)
+    assert_pairs_equal(got, ref.quantize(x, fmt))
