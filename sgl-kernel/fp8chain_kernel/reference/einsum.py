@@ -1,1 +1,29 @@
-"""Reference for fp8chain_kernel.einsum."""
+"""Reference for ``fp8chain_kernel.einsum``: the wo_a grouped einsum.
+
+``o [T, G, D]`` bf16, ``wo_a [G, R, D]`` bf16 -> ``y [T, G*R]`` bf16 with
+``y[t, g*R + r] = bf16(sum_d o[t, g, d] * wo_a[g, r, d])`` accumulated in fp32 (rounded once);
+with ``out_format`` the pair is ``reference.quantize(y, out_format)`` of the flattened matrix.
+Returns ``y``, ``(y, pair)`` or ``pair`` (``return_bf16=False``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import ActFormat
+from .norm import finish
+
+__all__ = ["wo_a_einsum"]
+
+
+def wo_a_einsum_fp(o: torch.Tensor, wo_a: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[T, G*R]`` in ``dtype`` (fp32 for the reference, fp64 for error bounds), unrounded."""
+    out = torch.einsum("tgd,grd->tgr", o.to(dtype), wo_a.to(dtype))
+    return out.reshape(o.shape[0], -1)
+
+
+def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, out_format: ActFormat | str | None = None,
+                return_bf16: bool = True):
+    """Reference grouped einsum ``o [T, G, D] x wo_a [G, R, D] -> [T, G*R]``; see the module docstring."""
+    y = wo_a_einsum_fp(o, wo_a).to(torch.bfloat16)
+    return finish(y, out_format, return_bf16)

@@ -1,0 +1,214 @@
+"""RMSNorm (with optional fused residual add) -> bf16, and in the same launch its FP8 pair.
+
+``rms_norm(x, weight, eps, *, residual=None, out_format=None, out=None, out_bf16=None,
+return_bf16=True)``
+
+* ``x``: bf16 ``[T, H]``, unit column stride (any row stride); ``weight``: bf16 ``[H]``, contiguous.
+* ``residual`` (optional): bf16 ``[T, H]``, unit column stride. Then ``h = bf16(x + residual)``
+  is written back into ``residual`` in place (fused add-norm convention) and normalised;
+  otherwise ``h = x``.
+* ``y = bf16(h * rsqrt(mean(h^2) + eps) * weight)``, computed in fp32 and rounded once.
+* ``out_format`` (an ``ActFormat``): the same launch quantizes the bf16-rounded ``y`` with
+  ``fp8_tile.quantize_tile``, so the pair equals ``reference.quantize(y, out_format)`` bit for bit.
+* Returns ``y`` (bf16 ``[T, H]``) without ``out_format``; ``(y, pair)`` with it; only ``pair``
+  with ``return_bf16=False`` (then no bf16 store happens at all).
+* ``out``: a caller-given pair (``[T, H]`` in ``out_format``; its scale column stride is honoured,
+  so a row-slice of a buffer captured for more rows works); ``out`` alone implies its format.
+  ``out_bf16``: a caller-given bf16 ``[T, H]`` buffer with unit column stride.
+
+The same return convention (and the helpers ``resolve_outputs`` / ``producer_result`` below)
+is shared by ``act.silu_mul`` and ``einsum.wo_a_einsum``.
+
+Errors: ``TypeError`` for a wrong type or dtype or a pair of another format; ``ValueError`` for
+a wrong shape, stride or device. ``T = 0`` launches nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .formats import ActFormat, QuantizedActivation
+from .fp8_tile import format_constexprs, interpreting, quantize_tile, store_scale_tile
+from .quant import prepare_out
+
+__all__ = ["rms_norm"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Host-side checks and the producers' shared output convention
+# ----------------------------------------------------------------------------------------------
+
+def check_tensor(t, name: str, dtype: torch.dtype, dim: int) -> None:
+    """``t`` is a tensor of ``dtype`` with ``dim`` dimensions (TypeError / ValueError otherwise)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+
+
+def check_rows(t: torch.Tensor, name: str, shape: tuple[int, int], device) -> None:
+    """A bf16 2-D ``shape`` matrix with unit column stride on ``device``."""
+    check_tensor(t, name, torch.bfloat16, 2)
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.numel() and t.stride(1) != 1:
+        raise ValueError(f"{name} must have unit column stride, got strides {t.stride()}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+def resolve_outputs(rows: int, cols: int, device, out_format, out, out_bf16, return_bf16: bool):
+    """Validate/allocate a producer's outputs: ``(fmt or None, pair or None, y or None)``.
+
+    ``out`` without ``out_format`` implies ``out.fmt``; ``out`` in another format than
+    ``out_format`` raises ``TypeError`` (from ``quant.prepare_out``).
+    """
+    if out_format is None and out is not None:
+        if not isinstance(out, QuantizedActivation):
+            raise TypeError(f"out must be a QuantizedActivation, got {type(out).__name__}")
+        out_format = out.fmt
+    fmt = None
+    if out_format is not None:
+        if not isinstance(out_format, (ActFormat, str)):
+            raise TypeError(f"out_format must be an ActFormat, got {type(out_format).__name__}")
+        try:
+            fmt = ActFormat(out_format)
+        except ValueError:
+            raise ValueError(f"unknown out_format {out_format!r}; one of {[f.value for f in ActFormat]}") from None
+    if fmt is None and not return_bf16:
+        raise ValueError("return_bf16=False needs an out_format (there would be no output)")
+    pair = prepare_out(out, rows, cols, fmt, device) if fmt is not None else None
+    if return_bf16:
+        if out_bf16 is None:
+            y = torch.empty((rows, cols), dtype=torch.bfloat16, device=device)
+        else:
+            check_rows(out_bf16, "out_bf16", (rows, cols), device)
+            y = out_bf16
+    else:
+        if out_bf16 is not None:
+            raise ValueError("out_bf16 was given but return_bf16=False (no bf16 output is written)")
+        y = None
+    return fmt, pair, y
+
+
+def producer_result(y, pair):
+    """``y``, ``(y, pair)`` or ``pair``: the return convention of every producer."""
+    if pair is None:
+        return y
+    return pair if y is None else (y, pair)
+
+
+def launch_args(fmt, pair, y, dummy: torch.Tensor) -> dict:
+    """Pointer/stride arguments for a pair and bf16 output either of which may be absent."""
+    if pair is not None:
+        consts = format_constexprs(fmt)
+        data, scale = pair.data, pair.scale
+        strides = (data.stride(0), scale.stride(0), scale.stride(1))
+    else:
+        consts = dict(GROUP=32, POW2=True, PACKED=False, EXACT_CAST=interpreting())
+        data = scale = dummy
+        strides = (0, 0, 0)
+    y_arg = y if y is not None else dummy
+    y_stride = y.stride(0) if y is not None else 0
+    return dict(y=y_arg, y_stride=y_stride, data=data, scale=scale, strides=strides, consts=consts,
+                QUANT=pair is not None, STORE_BF16=y is not None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def round_bf16(x, EXACT_CAST: tl.constexpr):
+    """fp32 tile -> bf16 tile, round to nearest even (NaN kept, overflow to inf).
+
+    Compiled, the native conversion rounds to nearest even. The Triton CPU interpreter's native
+    conversion truncates, so there the rounding is done on the fp32 bits first (the truncating
+    cast of the already rounded value is then exact).
+    """
+    if EXACT_CAST:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        rounded = tl.where(x == x, rounded, bits | 0x400000)
+        return rounded.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, H, eps,
+                     stride_xm, stride_rm, stride_ym, stride_dm, stride_sm, stride_sg,
+                     HAS_RESIDUAL: tl.constexpr, STORE_BF16: tl.constexpr, QUANT: tl.constexpr,
+                     GROUP: tl.constexpr, POW2: tl.constexpr, PACKED: tl.constexpr,
+                     EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    # One program normalises BLOCK_M whole rows held in registers (BLOCK_H >= H).
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_h = tl.arange(0, BLOCK_H)
+    rows = offs_m.to(tl.int64)[:, None]
+    mask = (offs_m[:, None] < M) & (offs_h[None, :] < H)
+    h = tl.load(x_ptr + rows * stride_xm + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r_ptrs = res_ptr + rows * stride_rm + offs_h[None, :]
+        r = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        hb = round_bf16(h + r, EXACT_CAST)
+        tl.store(r_ptrs, hb, mask=mask)
+        h = hb.to(tl.float32)
+    mean_sq = tl.sum(h * h, axis=1) / H
+    rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
+    w = tl.load(w_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
+    yb = round_bf16(h * rstd[:, None] * w[None, :], EXACT_CAST)
+    if STORE_BF16:
+        tl.store(y_ptr + rows * stride_ym + offs_h[None, :], yb, mask=mask)
+    if QUANT:
+        y = tl.where(mask, yb.to(tl.float32), 0.0)
+        data, scale = quantize_tile(y, BLOCK_M, BLOCK_H, GROUP, POW2, EXACT_CAST)
+        tl.store(data_ptr + rows * stride_dm + offs_h[None, :], data, mask=mask)
+        store_scale_tile(scale_ptr, scale, offs_m, 0, M, tl.cdiv(H, GROUP), stride_sm, stride_sg,
+                         BLOCK_H // GROUP, PACKED)
+
+
+def _launch_config(rows: int, cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_H, num_warps): whole rows per program, ~16 fp32 values per thread."""
+    block_h = max(128, triton.next_power_of_2(cols))
+    block_m = max(1, min(triton.next_power_of_2(rows), 2048 // block_h))
+    num_warps = max(4, min(16, block_m * block_h // 512))
+    return block_m, block_h, num_warps
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,
+             out_format: ActFormat | str | None = None, out: QuantizedActivation | None = None,
+             out_bf16: torch.Tensor | None = None, return_bf16: bool = True):
+    """RMSNorm of ``x [T, H]`` bf16 (optionally after ``residual += x`` in place); see the module
+    docstring for shapes, layouts, numerics and the return convention."""
+    check_tensor(x, "x", torch.bfloat16, 2)
+    rows, cols = x.shape
+    if x.numel() and x.stride(1) != 1:
+        raise ValueError(f"x must have unit column stride, got strides {x.stride()}")
+    check_tensor(weight, "weight", torch.bfloat16, 1)
+    if weight.shape[0] != cols:
+        raise ValueError(f"weight must have shape ({cols},), got {tuple(weight.shape)}")
+    if cols and weight.stride(0) != 1:
+        raise ValueError(f"weight must be contiguous, got stride {weight.stride()}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+    if residual is not None:
+        check_rows(residual, "residual", (rows, cols), x.device)
+    if not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    fmt, pair, y = resolve_outputs(rows, cols, x.device, out_format, out, out_bf16, return_bf16)
+    if rows == 0 or cols == 0:
+        return producer_result(y, pair)
+    a = launch_args(fmt, pair, y, x)
+    block_m, block_h, num_warps = _launch_config(rows, cols)
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(triton.cdiv(rows, block_m),)](
+        x, res, weight, a["y"], a["data"], a["scale"], rows, cols, float(eps),
+        x.stride(0), res.stride(0), a["y_stride"], *a["strides"],
+        HAS_RESIDUAL=residual is not None, STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"],
+        BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps, **a["consts"],
+    )
+    return producer_result(y, pair)
