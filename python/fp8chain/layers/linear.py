@@ -1,0 +1,232 @@
+"""Linear layers with SGLang's names and hooks: ``LinearBase`` and its tensor-parallel variants.
+
+A layer owns its parameters; *how* they are created, prepared after loading and applied is its
+``quant_method`` (``UnquantizedLinearMethod`` for bf16 weights, ``Fp8LinearMethod`` for FP8
+block-quantized checkpoints). The producer -> consumer protocol (docs/layers.md):
+
+1. construction: a model sets ``layer.deepgemm_mxfp8_input = True`` on a linear that follows an
+   FP8-capable producer (the request; upstream's attribute name);
+2. load: ``quant_method.process_weights_after_loading(layer)`` honours the request or refuses it
+   with a logged reason, and sets ``layer.input_format`` (the ``ActFormat`` a producer writes);
+3. forward: ``layer(pair)`` with a ``QuantizedActivation`` in ``layer.input_format`` goes
+   straight to the GEMM; ``layer(bf16)`` quantizes first (the unchained path).
+
+Tensor parallelism: ``ColumnParallelLinear`` shards N, ``RowParallelLinear`` shards K across
+``tp_size`` ranks. Each parameter's ``weight_loader`` accepts a checkpoint tensor either full
+(narrowed to this rank's shard) or already sharded, and copies it into the existing storage.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, QuantizedActivation
+
+from .parameter import set_param_attrs
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "LinearMethodBase", "UnquantizedLinearMethod", "LinearBase", "ReplicatedLinear",
+    "ColumnParallelLinear", "RowParallelLinear", "divide",
+]
+
+
+def divide(numerator: int, denominator: int, what: str = "size") -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} {numerator} is not divisible by tp_size {denominator}")
+    return numerator // denominator
+
+
+class LinearMethodBase:
+    """How a linear layer's weights are created, prepared after loading and applied."""
+
+    def create_weights(self, layer: "LinearBase", input_size_per_partition: int,
+                       output_size_per_partition: int, params_dtype: torch.dtype,
+                       device=None) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: "LinearBase") -> None:
+        """Called after every (re)load; must be idempotent and keep derived storages."""
+
+    def apply(self, layer: "LinearBase", x) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """bf16 (``params_dtype``) weights and ``F.linear``; a pre-quantized input is refused."""
+
+    def create_weights(self, layer, input_size_per_partition, output_size_per_partition,
+                       params_dtype, device=None):
+        weight = nn.Parameter(
+            torch.zeros(output_size_per_partition, input_size_per_partition, dtype=params_dtype,
+                        device=device), requires_grad=False)
+        set_param_attrs(weight, shard_dim=layer.weight_shard_dim, weight_loader=layer.weight_loader)
+        layer.register_parameter("weight", weight)
+
+    def process_weights_after_loading(self, layer):
+        if layer.deepgemm_mxfp8_input:
+            logger.info("%s: unquantized layer (bf16 weights); keeping bf16 input", layer.display_name)
+        layer.deepgemm_mxfp8_input = False
+        layer.input_format = None
+        from .warmup import linear_warmup, register_warmup
+        register_warmup(layer, linear_warmup)
+
+    def apply(self, layer, x):
+        if isinstance(x, QuantizedActivation):
+            raise TypeError(f"{layer.display_name} reads bf16 input (unquantized layer), "
+                            f"got a pair in {x.fmt.value}")
+        weight = layer.weight
+        return F.linear(x.to(weight.dtype), weight, layer.forward_bias)
+
+
+class LinearBase(nn.Module):
+    """A linear ``y = x W^T (+ b)`` with ``W [output_size, input_size]`` split over ``tp_size``.
+
+    Attributes:
+        deepgemm_mxfp8_input: the request for a pre-quantized input (set before loading); after
+            ``process_weights_after_loading`` it is True only if the request was honoured.
+        input_format: the ``ActFormat`` a producer should write for this layer, or None (not
+            requested, refused, or weights not processed yet).
+        quant_method: creates, prepares and applies the weights.
+    """
+
+    weight_shard_dim: int | None = None  # which dim of weight (and its block scales) is sharded
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False,
+                 quant_config=None, prefix: str = "", tp_rank: int = 0, tp_size: int = 1,
+                 params_dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise ValueError(f"invalid tensor-parallel rank {tp_rank} of size {tp_size}")
+        self.input_size = input_size
+        self.output_size = output_size
+        self.prefix = prefix
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.params_dtype = params_dtype
+        self.deepgemm_mxfp8_input: bool = False
+        self.input_format: ActFormat | None = None
+        self.input_size_per_partition, self.output_size_per_partition = self._partition_sizes()
+        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        self.quant_method: LinearMethodBase = method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, self.input_size_per_partition,
+                                         self.output_size_per_partition, params_dtype, device)
+        if bias:
+            shape = self._bias_size()
+            b = nn.Parameter(torch.zeros(shape, dtype=params_dtype, device=device), requires_grad=False)
+            set_param_attrs(b, shard_dim=0 if shape != output_size else None,
+                            weight_loader=self.weight_loader)
+            self.register_parameter("bias", b)
+        else:
+            self.register_parameter("bias", None)
+
+    # ---- sharding -------------------------------------------------------------------------
+    def _partition_sizes(self) -> tuple[int, int]:
+        return self.input_size, self.output_size
+
+    def _bias_size(self) -> int:
+        return self.output_size_per_partition
+
+    @property
+    def display_name(self) -> str:
+        return self.prefix or type(self).__name__
+
+    @property
+    def forward_bias(self) -> torch.Tensor | None:
+        """The bias this rank adds (all of them except RowParallel ranks > 0)."""
+        return self.bias
+
+    def _param_name(self, param: torch.Tensor) -> str:
+        for name, p in self._parameters.items():
+            if p is param:
+                return name
+        return "<parameter>"
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Copy a checkpoint tensor into ``param`` in place (its storage is kept).
+
+        ``loaded`` may be the full tensor (narrowed here to this rank's shard along the
+        parameter's ``shard_dim``) or already this rank's shard.
+        """
+        name = f"{self.display_name}.{self._param_name(param)}"
+        if not isinstance(loaded, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(loaded).__name__}")
+        dim = getattr(param, "shard_dim", None)
+        if (dim is not None and self.tp_size > 1 and loaded.dim() == param.dim()
+                and loaded.shape[dim] == param.shape[dim] * self.tp_size):
+            size = param.shape[dim]
+            loaded = loaded.narrow(dim, self.tp_rank * size, size)
+        if tuple(loaded.shape) != tuple(param.shape):
+            shard = "" if dim is None or self.tp_size == 1 else \
+                f" (rank {self.tp_rank} of {self.tp_size}, full size along dim {dim}: " \
+                f"{param.shape[dim] * self.tp_size})"
+            raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match "
+                             f"parameter shape {tuple(param.shape)}{shard}")
+        if (param.dtype == FP8_DTYPE) != (loaded.dtype == FP8_DTYPE):
+            raise TypeError(f"{name}: checkpoint dtype {loaded.dtype} cannot be loaded into a "
+                            f"{param.dtype} parameter")
+        with torch.no_grad():
+            param.data.copy_(loaded)
+
+    # ---- forward --------------------------------------------------------------------------
+    def forward(self, x):
+        return self.quant_method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        fmt = self.input_format.value if self.input_format is not None else None
+        return (f"in={self.input_size_per_partition}, out={self.output_size_per_partition}, "
+                f"bias={self.bias is not None}, tp={self.tp_rank}/{self.tp_size}, "
+                f"quant={type(self.quant_method).__name__}, input_format={fmt}")
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole weight."""
+
+
+class ColumnParallelLinear(LinearBase):
+    """Shards the output dimension N: rank r holds rows ``[r*N/tp, (r+1)*N/tp)`` of the weight
+    (and of its block scales and bias). The output stays sharded (no gather)."""
+
+    weight_shard_dim = 0
+
+    def _partition_sizes(self):
+        return self.input_size, divide(self.output_size, self.tp_size, "output_size")
+
+
+class RowParallelLinear(LinearBase):
+    """Shards the input dimension K: rank r holds columns ``[r*K/tp, (r+1)*K/tp)`` and reads the
+    matching slice of the input. The bias is whole on every rank and added by rank 0 only, so
+    the sum over ranks (the all-reduce) adds it once.
+
+    With ``tp_size > 1`` the forward returns this rank's partial sum; the cross-rank all-reduce
+    belongs to the distributed runtime and is not wired here yet (``reduce_results=True`` then
+    raises instead of returning a partial result).
+    """
+
+    weight_shard_dim = 1
+
+    def __init__(self, input_size: int, output_size: int, *, reduce_results: bool = True, **kwargs):
+        super().__init__(input_size, output_size, **kwargs)
+        self.reduce_results = reduce_results
+
+    def _partition_sizes(self):
+        return divide(self.input_size, self.tp_size, "input_size"), self.output_size
+
+    def _bias_size(self) -> int:
+        return self.output_size
+
+    @property
+    def forward_bias(self):
+        return self.bias if self.tp_rank == 0 else None
+
+    def forward(self, x):
+        if self.tp_size > 1 and self.reduce_results:
+            raise NotImplementedError(
+                f"{self.display_name}: the tensor-parallel all-reduce is not wired yet; construct "
+                f"with reduce_results=False to get this rank's partial sum")
+        return self.quant_method.apply(self, x)

@@ -1,0 +1,77 @@
+"""Loading (and reloading) named checkpoint tensors into a model or a single layer.
+
+``load_weights`` copies every tensor into its parameter in place (the parameter's
+``weight_loader``: sharding, shape and dtype checks) and then runs
+``quant_method.process_weights_after_loading`` on every layer that has a ``quant_method``.
+Running it again on a live model is a reload: loader targets and derived tensors keep their
+storage (``data_ptr``), so CUDA graphs captured before the reload read the new weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["default_weight_loader", "load_weights", "process_weights_after_loading"]
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Copy ``loaded`` into ``param`` in place; shapes must match, FP8 only into FP8."""
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} does not match parameter shape "
+                         f"{tuple(param.shape)}")
+    if (param.dtype == torch.float8_e4m3fn) != (loaded.dtype == torch.float8_e4m3fn):
+        raise TypeError(f"checkpoint dtype {loaded.dtype} cannot be loaded into a {param.dtype} "
+                        f"parameter")
+    with torch.no_grad():
+        param.data.copy_(loaded)
+
+
+def process_weights_after_loading(model: nn.Module) -> int:
+    """Run ``process_weights_after_loading`` of every submodule's ``quant_method``; returns the
+    number of layers processed."""
+    count = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+            count += 1
+    return count
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *,
+                 strict: bool = True) -> set[str]:
+    """Load ``(name, tensor)`` pairs (names as in ``model.named_parameters()``), then process.
+
+    Each tensor goes through its parameter's ``weight_loader`` (``default_weight_loader`` when
+    the parameter has none), in place. A name with no parameter raises ``KeyError`` when
+    ``strict``, else it is logged and skipped. A partial set of tensors is fine (reloading some
+    layers); every quantized layer is re-processed, which is idempotent.
+
+    Returns the names loaded.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    skipped: list[str] = []
+    for name, tensor in weights:
+        param = params.get(name)
+        if param is None:
+            if strict:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in "
+                               f"{type(model).__name__}")
+            skipped.append(name)
+            continue
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor)
+        loaded.add(name)
+    if skipped:
+        logger.warning("load_weights: skipped %d tensors with no parameter (first: %s)",
+                       len(skipped), skipped[0])
+    process_weights_after_loading(model)
+    return loaded

@@ -1,0 +1,59 @@
+"""Parameters that survive weight reloads under captured CUDA graphs.
+
+A captured CUDA graph reads tensors through the device addresses it saw at capture. A reload
+that writes new values into the *same* storage is seen by every later replay; one that swaps a
+parameter's storage is not (the graph keeps reading the old buffer). ``copy_or_rebind_param``
+is the one place that decides which of the two happens, and says so when it has to rebind.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["copy_or_rebind_param", "set_param_attrs"]
+
+
+def set_param_attrs(param: nn.Parameter, **attrs) -> nn.Parameter:
+    """Attach loader metadata (``weight_loader``, ``shard_dim``...) to a parameter; returns it."""
+    for key, value in attrs.items():
+        setattr(param, key, value)
+    return param
+
+
+def copy_or_rebind_param(module: nn.Module, name: str, tensor: torch.Tensor) -> nn.Parameter:
+    """Put ``tensor``'s values into ``module.<name>``, keeping its storage whenever possible.
+
+    * ``module.<name>`` is a Parameter of the same shape and dtype: copy in place. The storage
+      (``data_ptr``) and the strides stay, so captured CUDA graphs read the new values.
+    * a Parameter of another shape or dtype: rebind ``.data`` to ``tensor`` (new storage) and log
+      a warning: captured graphs that read it keep reading the old storage and must be
+      re-captured. Attributes on the Parameter (``weight_loader`` ...) are kept.
+    * absent: register ``tensor`` as a new Parameter (``requires_grad=False``), strides as given.
+
+    Returns the parameter. A buffer or a non-parameter attribute of that name is an error.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(tensor).__name__}")
+    tensor = tensor.detach()
+    param = module._parameters.get(name)
+    if param is not None:
+        if param.shape == tensor.shape and param.dtype == tensor.dtype:
+            with torch.no_grad():
+                param.copy_(tensor)
+            return param
+        logger.warning(
+            "%s.%s: rebinding storage (%s %s -> %s %s); CUDA graphs captured reading it are stale "
+            "and must be re-captured", type(module).__name__, name, param.dtype,
+            tuple(param.shape), tensor.dtype, tuple(tensor.shape))
+        param.data = tensor
+        return param
+    if name in module._buffers or (name in module.__dict__) or name in module._modules:
+        raise TypeError(f"{type(module).__name__}.{name} exists and is not a Parameter")
+    param = nn.Parameter(tensor, requires_grad=False)
+    module.register_parameter(name, param)
+    return param

@@ -1,0 +1,271 @@
+"""FP8 block-quantized linear layers: ``Fp8Config`` (from a checkpoint's ``quantization_config``)
+and ``Fp8LinearMethod`` (weights, load-time preparation, forward).
+
+Checkpoint tensors (DeepSeek-V4.1 names): ``weight`` e4m3 ``[N, K]`` and ``weight_scale_inv``
+fp32 ``[ceil(N/b), ceil(K/b)]`` with ``b`` the square block size (32 for DSv4.1 with power-of-two
+``ue8m0`` scales, 128 for V3/V4 checkpoints with arbitrary scales). The GEMM computes
+``y = dequant(x_pair) @ dequant(weight)^T`` in bf16 on the backend ``fp8chain_kernel.backends``
+selects for the arch and shape.
+
+Load-time preparation (``process_weights_after_loading``) always recomputes from the raw
+``weight`` and ``weight_scale_inv``; derived tensors (e.g. DeepGEMM's packed
+``weight_scale_inv_deepgemm``) have shapes fixed by the weight's shape and are written through
+``copy_or_rebind_param``, so a reload lands in the same storage and running it twice equals
+running it once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+
+from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv
+
+from ..linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from ..parameter import copy_or_rebind_param, set_param_attrs
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Fp8Config", "Fp8LinearMethod"]
+
+_BLOCK_SIZES = (32, 128)
+_SCALE_FMTS = (None, "ue8m0")
+
+
+def _backends():
+    from fp8chain_kernel import backends
+    return backends
+
+
+@dataclasses.dataclass
+class Fp8Config:
+    """FP8 block quantization of a checkpoint (``quant_method: "fp8"``).
+
+    Args:
+        weight_block_size: square weight block ``(b, b)``, b in {32, 128}.
+        scale_fmt: ``"ue8m0"`` when the checkpoint's weight scales are powers of two (DSv4.1),
+            None for arbitrary fp32 scales.
+        ignored_layers: layer prefixes kept unquantized (bf16 weights).
+        backend: preferred GEMM backend name (``select_backend(prefer=...)``), None = automatic.
+    """
+
+    weight_block_size: tuple[int, int] = (128, 128)
+    scale_fmt: str | None = None
+    activation_scheme: str = "dynamic"
+    ignored_layers: tuple[str, ...] = ()
+    backend: str | None = None
+
+    def __post_init__(self):
+        block = tuple(int(b) for b in self.weight_block_size)
+        if len(block) != 2 or block[0] != block[1] or block[0] not in _BLOCK_SIZES:
+            raise ValueError(f"fp8: weight_block_size must be [32, 32] or [128, 128], got "
+                             f"{list(self.weight_block_size)}")
+        self.weight_block_size = block
+        if self.scale_fmt not in _SCALE_FMTS:
+            raise ValueError(f"fp8: scale_fmt must be one of {_SCALE_FMTS}, got {self.scale_fmt!r}")
+        if self.activation_scheme != "dynamic":
+            raise ValueError(f"fp8: only dynamic activation scales are supported, got "
+                             f"activation_scheme={self.activation_scheme!r}")
+        self.ignored_layers = tuple(self.ignored_layers or ())
+
+    @property
+    def block(self) -> int:
+        return self.weight_block_size[0]
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "fp8"
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Fp8Config":
+        """From a checkpoint's ``quantization_config`` dict (config.json)."""
+        method = config.get("quant_method")
+        if method != "fp8":
+            raise ValueError(f"Fp8Config reads quant_method 'fp8', got {method!r}")
+        if not config.get("is_checkpoint_fp8_serialized", True):
+            raise ValueError("fp8: only FP8-serialized checkpoints are supported")
+        block = config.get("weight_block_size")
+        if block is None:
+            raise ValueError("fp8: weight_block_size is required (block-wise FP8 checkpoints only)")
+        ignored = config.get("ignored_layers") or config.get("modules_to_not_convert") or ()
+        return cls(weight_block_size=tuple(block), scale_fmt=config.get("scale_fmt"),
+                   activation_scheme=config.get("activation_scheme", "dynamic"),
+                   ignored_layers=tuple(ignored), backend=config.get("fp8chain_backend"))
+
+    def is_ignored(self, prefix: str) -> bool:
+        return any(prefix == p or prefix.startswith(p + ".") or prefix.endswith("." + p)
+                   for p in self.ignored_layers)
+
+    def get_quant_method(self, layer: nn.Module, prefix: str):
+        if not isinstance(layer, LinearBase):
+            return None
+        if self.is_ignored(prefix):
+            return UnquantizedLinearMethod()
+        return Fp8LinearMethod(self)
+
+
+class Fp8LinearMethod(LinearMethodBase):
+    """Block-FP8 weights; FP8 activations in the format of the selected GEMM backend.
+
+    After ``process_weights_after_loading`` the layer carries:
+
+    * ``gemm_backend``: the backend serving this shape, or None (none can: the layer then runs a
+      torch fallback GEMM on the same FP8 numerics, slow but correct);
+    * ``act_format``: the activation format the layer quantizes bf16 input into;
+    * ``derived_weight_names``: names of the derived parameters handed to the backend;
+    * ``input_format``: ``act_format`` if the pre-quantized input was requested and honoured.
+    """
+
+    def __init__(self, quant_config: Fp8Config):
+        self.quant_config = quant_config
+
+    # ---- weights ----------------------------------------------------------------------------
+    def create_weights(self, layer, input_size_per_partition, output_size_per_partition,
+                       params_dtype, device=None):
+        b = self.quant_config.block
+        n, k = output_size_per_partition, input_size_per_partition
+        if layer.tp_size > 1:
+            sharded = n if layer.weight_shard_dim == 0 else k
+            if sharded % b:
+                raise ValueError(f"{layer.display_name}: per-rank size {sharded} is not a multiple "
+                                 f"of the {b}x{b} weight block; block scales cannot be sharded")
+        weight = nn.Parameter(torch.zeros(n, k, dtype=FP8_DTYPE, device=device), requires_grad=False)
+        scale = nn.Parameter(torch.ones(cdiv(n, b), cdiv(k, b), dtype=torch.float32, device=device),
+                             requires_grad=False)
+        for p in (weight, scale):
+            set_param_attrs(p, shard_dim=layer.weight_shard_dim, weight_loader=layer.weight_loader)
+        layer.register_parameter("weight", weight)
+        layer.register_parameter("weight_scale_inv", scale)
+        layer.weight_block_size = self.quant_config.weight_block_size
+        layer.gemm_backend = None
+        layer.act_format = None
+        layer.derived_weight_names = ()
+
+    def _check_scales(self, layer) -> None:
+        """Shape, finiteness, positivity; powers of two when the checkpoint says ``ue8m0``."""
+        name = f"{layer.display_name}.weight_scale_inv"
+        b = self.quant_config.block
+        n, k = layer.weight.shape
+        scale = layer.weight_scale_inv
+        want = (cdiv(n, b), cdiv(k, b))
+        if tuple(scale.shape) != want:
+            raise ValueError(f"{name}: shape {tuple(scale.shape)}, expected {want} for weight "
+                             f"{n}x{k} with {b}x{b} blocks")
+        if scale.dtype != torch.float32:
+            raise TypeError(f"{name}: dtype {scale.dtype}, expected torch.float32")
+        bad = ~(torch.isfinite(scale) & (scale > 0))
+        if self.quant_config.scale_fmt == "ue8m0":
+            bad |= (scale.contiguous().view(torch.int32) & 0x7FFFFF) != 0
+            need = "positive, finite powers of two (checkpoint scale_fmt='ue8m0')"
+        else:
+            need = "positive and finite"
+        if bad.any():
+            idx = bad.nonzero()[0].tolist()
+            raise ValueError(f"{name}: {int(bad.sum())} of {scale.numel()} scales are not {need}; "
+                             f"first at {idx}: {scale[tuple(idx)].item()!r}")
+
+    def process_weights_after_loading(self, layer) -> None:
+        """Select the backend, derive its weight tensors in place, honour or refuse the request.
+
+        Always recomputes from the raw ``weight``/``weight_scale_inv`` (nothing is latched), so
+        running it again after a reload, or twice, gives the same result in the same storage.
+        """
+        from ..warmup import linear_warmup, register_warmup
+
+        self._check_scales(layer)
+        requested = bool(layer.deepgemm_mxfp8_input)
+        n, k = layer.weight.shape
+        block = self.quant_config.block
+        bk = _backends()
+        backend, fmt, derived, reason = None, None, {}, None
+        try:
+            fmt = bk.input_format_for(block)
+            backend = bk.select_backend(fmt, block, n, k, prefer=self.quant_config.backend)
+            derived = backend.derive_weight_tensors(layer.weight, layer.weight_scale_inv, block)
+        except ValueError as exc:
+            backend, derived, reason = None, {}, str(exc).strip() or type(exc).__name__
+        if fmt is None:  # no format for this block on this arch: the fallback still needs one
+            fmt = ActFormat.SM90_G32_FP32_MN if block == 32 else ActFormat.SM90_G128_FP32_MN
+        names = []
+        for key, tensor in derived.items():
+            copy_or_rebind_param(layer, key, tensor)
+            names.append(key)
+        layer.gemm_backend = backend
+        layer.act_format = fmt
+        layer.derived_weight_names = tuple(names)
+        honoured = requested and backend is not None
+        layer.deepgemm_mxfp8_input = honoured
+        layer.input_format = fmt if honoured else None
+        if backend is None:
+            logger.warning("%s: %s; %susing the torch fallback GEMM", layer.display_name, reason,
+                           "keeping bf16 input, " if requested else "")
+        register_warmup(layer, linear_warmup)
+
+    # ---- forward ----------------------------------------------------------------------------
+    def apply(self, layer, x) -> torch.Tensor:
+        n = layer.weight.shape[0]
+        k = layer.weight.shape[1]
+        if isinstance(x, QuantizedActivation):
+            want = layer.input_format
+            if want is None:
+                raise TypeError(f"{layer.display_name} reads bf16 input (no pre-quantized input "
+                                f"was requested and honoured), got a pair in {x.fmt.value}")
+            if x.fmt is not want:
+                raise TypeError(f"{layer.display_name} reads {want.value}, got a pair in "
+                                f"{x.fmt.value}")
+            pair, lead = x, x.data.shape[:-1]
+            if x.data.shape[-1] != k:
+                raise ValueError(f"{layer.display_name}: input has {x.data.shape[-1]} columns, "
+                                 f"weight expects K={k}")
+        else:
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{layer.display_name}: expected a tensor or a QuantizedActivation, "
+                                f"got {type(x).__name__}")
+            if x.shape[-1] != k:
+                raise ValueError(f"{layer.display_name}: input has {x.shape[-1]} columns, weight "
+                                 f"expects K={k}")
+            lead = x.shape[:-1]
+            x2 = x.reshape(-1, k)
+            if x2.numel() and x2.stride(1) != 1:
+                x2 = x2.contiguous()
+            fmt = layer.act_format
+            if fmt is None:
+                raise RuntimeError(f"{layer.display_name}: weights not processed; call "
+                                   f"process_weights_after_loading (or load_weights) first")
+            if x2.shape[0] == 0:
+                pair = None
+            else:
+                from fp8chain_kernel.quant import quantize
+                pair = quantize(x2, fmt)
+        rows = int(torch.Size(lead).numel())
+        if rows == 0:
+            device = x.data.device if isinstance(x, QuantizedActivation) else x.device
+            out = torch.empty(0, n, dtype=torch.bfloat16, device=device)
+        else:
+            out = self._gemm(layer, pair)
+        bias = layer.forward_bias
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*lead, n)
+
+    def _gemm(self, layer, pair: QuantizedActivation) -> torch.Tensor:
+        backend = layer.gemm_backend
+        if backend is None:
+            return _fallback_gemm(pair, layer.weight, layer.weight_scale_inv,
+                                  self.quant_config.block)
+        derived = {name: getattr(layer, name) for name in layer.derived_weight_names}
+        return backend.gemm(pair, layer.weight, layer.weight_scale_inv, derived)
+
+
+def _fallback_gemm(pair: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   block: int) -> torch.Tensor:
+    """Torch GEMM on the dequantized operands (fp32 accumulate, bf16 out): the same FP8 numerics
+    as a backend, for shapes no backend serves."""
+    from fp8chain_kernel.reference import dequantize, dequantize_weight
+
+    a = dequantize(pair)
+    w = dequantize_weight(weight, weight_scale, block)
+    return (a @ w.t()).to(torch.bfloat16)
