@@ -1,0 +1,165 @@
+"""LinearBase and its tensor-parallel variants: shard math, weight loaders, unquantized forward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp8chain.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from fp8chain.layers.loading import load_weights
+from fp8chain.layers.quantization.fp8 import Fp8Config
+from fp8chain_kernel.formats import FP8_DTYPE
+
+pytestmark = pytest.mark.cpu
+
+
+def _fp8_weight(n, k):
+    return (torch.randn(n, k) * 50).to(FP8_DTYPE)
+
+
+def _pow2_scales(rows, cols):
+    return torch.exp2(torch.randint(-12, -4, (rows, cols)).float())
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+@pytest.mark.parametrize("block", [32, 128])
+def test_column_parallel_shards_n(tp_size, block):
+    n, k = 128 * tp_size, 256
+    config = Fp8Config(weight_block_size=(block, block), scale_fmt="ue8m0")
+    full_w, full_s = _fp8_weight(n, k), _pow2_scales(n // block, k // block)
+    full_b = torch.randn(n).to(torch.bfloat16)
+    for rank in range(tp_size):
+        layer = ColumnParallelLinear(k, n, bias=True, quant_config=config, tp_rank=rank, tp_size=tp_size)
+        ptrs = {name: p.data_ptr() for name, p in layer.named_parameters()}
+        assert layer.weight.shape == (n // tp_size, k)
+        assert layer.weight_scale_inv.shape == (n // tp_size // block, k // block)
+        # full checkpoint tensors are narrowed to this rank's rows
+        layer.weight_loader(layer.weight, full_w)
+        layer.weight_loader(layer.weight_scale_inv, full_s)
+        layer.weight_loader(layer.bias, full_b)
+        rows = slice(rank * n // tp_size, (rank + 1) * n // tp_size)
+        srows = slice(rank * n // tp_size // block, (rank + 1) * n // tp_size // block)
+        assert torch.equal(layer.weight.view(torch.uint8), full_w[rows].view(torch.uint8))
+        assert torch.equal(layer.weight_scale_inv, full_s[srows])
+        assert torch.equal(layer.bias, full_b[rows])
+        # already-sharded tensors are taken as they are
+        layer.weight_loader(layer.weight_scale_inv, full_s[srows] * 2)
+        assert torch.equal(layer.weight_scale_inv, full_s[srows] * 2)
+        assert ptrs == {name: p.data_ptr() for name, p in layer.named_parameters()}
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_row_parallel_shards_k(tp_size):
+    n, k, block = 128, 128 * tp_size, 32
+    config = Fp8Config(weight_block_size=(block, block), scale_fmt="ue8m0")
+    full_w, full_s = _fp8_weight(n, k), _pow2_scales(n // block, k // block)
+    full_b = torch.randn(n).to(torch.bfloat16)
+    for rank in range(tp_size):
+        layer = RowParallelLinear(k, n, bias=True, quant_config=config, tp_rank=rank, tp_size=tp_size)
+        assert layer.weight.shape == (n, k // tp_size)
+        layer.weight_loader(layer.weight, full_w)
+        layer.weight_loader(layer.weight_scale_inv, full_s)
+        layer.weight_loader(layer.bias, full_b)
+        cols = slice(rank * k // tp_size, (rank + 1) * k // tp_size)
+        scols = slice(rank * k // tp_size // block, (rank + 1) * k // tp_size // block)
+        assert torch.equal(layer.weight.view(torch.uint8), full_w[:, cols].view(torch.uint8))
+        assert torch.equal(layer.weight_scale_inv, full_s[:, scols])
+        assert torch.equal(layer.bias, full_b)  # bias is whole on every rank
+        assert (layer.forward_bias is None) == (rank != 0)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_unquantized_row_parallel_partials_sum_to_full(tp_size):
+    n, k = 48, 64
+    w, b = torch.randn(n, k), torch.randn(n)
+    x = torch.randn(5, k)
+    total = torch.zeros(5, n)
+    for rank in range(tp_size):
+        layer = RowParallelLinear(k, n, bias=True, tp_rank=rank, tp_size=tp_size,
+                                  params_dtype=torch.float32, reduce_results=False)
+        load_weights(layer, [("weight", w), ("bias", b)])
+        cols = slice(rank * k // tp_size, (rank + 1) * k // tp_size)
+        total += layer(x[:, cols])
+    torch.testing.assert_close(total, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_row_parallel_without_all_reduce_refuses_to_return_partials():
+    layer = RowParallelLinear(64, 32, tp_rank=0, tp_size=2)
+    with pytest.raises(NotImplementedError, match="all-reduce"):
+        layer(torch.randn(2, 32).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_unquantized_column_parallel_outputs_are_slices(tp_size):
+    n, k = 64, 40
+    w, b = torch.randn(n, k).to(torch.bfloat16), torch.randn(n).to(torch.bfloat16)
+    x = torch.randn(3, k).to(torch.bfloat16)
+    full = F.linear(x, w, b)
+    for rank in range(tp_size):
+        layer = ColumnParallelLinear(k, n, bias=True, tp_rank=rank, tp_size=tp_size)
+        load_weights(layer, [("weight", w), ("bias", b)])
+        rows = slice(rank * n // tp_size, (rank + 1) * n // tp_size)
+        assert torch.equal(layer(x), full[:, rows])
+
+
+def test_loader_errors():
+    config = Fp8Config(weight_block_size=(32, 32))
+    layer = ColumnParallelLinear(64, 128, quant_config=config, tp_rank=1, tp_size=2)
+    with pytest.raises(ValueError, match="checkpoint shape"):
+        layer.weight_loader(layer.weight, _fp8_weight(96, 64))
+    with pytest.raises(TypeError, match="cannot be loaded"):
+        layer.weight_loader(layer.weight, torch.randn(64, 64).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="not divisible"):
+        ColumnParallelLinear(64, 102, tp_rank=0, tp_size=4)
+    with pytest.raises(ValueError, match="multiple of the 32x32"):
+        ColumnParallelLinear(64, 80, quant_config=config, tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match="rank"):
+        ReplicatedLinear(64, 64, tp_rank=2, tp_size=2)
+
+
+def test_unquantized_forward_and_leading_dims():
+    layer = ReplicatedLinear(32, 24, bias=True)
+    w, b = torch.randn(24, 32).to(torch.bfloat16), torch.randn(24).to(torch.bfloat16)
+    load_weights(layer, [("weight", w), ("bias", b)])
+    x = torch.randn(2, 3, 32).to(torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, w, b))
+    assert layer.input_format is None and not layer.deepgemm_mxfp8_input
+
+
+def test_unquantized_refuses_request(caplog):
+    layer = ReplicatedLinear(32, 24, prefix="model.x")
+    layer.deepgemm_mxfp8_input = True
+    with caplog.at_level("INFO", logger="fp8chain.layers.linear"):
+        load_weights(layer, [("weight", torch.randn(24, 32).to(torch.bfloat16))])
+    assert layer.deepgemm_mxfp8_input is False and layer.input_format is None
+    assert len(caplog.records) == 1 and "model.x" in caplog.records[0].getMessage()
+
+
+def test_load_weights_strictness():
+    layer = ReplicatedLinear(32, 24)
+    with pytest.raises(KeyError, match="nope"):
+        load_weights(layer, [("nope", torch.zeros(1))])
+    assert load_weights(layer, [("nope", torch.zeros(1))], strict=False) == set()
+
+
+def test_fp8_config_from_config():
+    cfg = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [32, 32],
+                                 "scale_fmt": "ue8m0", "activation_scheme": "dynamic"})
+    assert cfg.weight_block_size == (32, 32) and cfg.scale_fmt == "ue8m0" and cfg.block == 32
+    assert Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [128, 128]}).scale_fmt is None
+    for bad in ({"quant_method": "awq", "weight_block_size": [32, 32]},
+                {"quant_method": "fp8"},
+                {"quant_method": "fp8", "weight_block_size": [64, 64]},
+                {"quant_method": "fp8", "weight_block_size": [32, 128]},
+                {"quant_method": "fp8", "weight_block_size": [32, 32], "scale_fmt": "e8m0x"},
+                {"quant_method": "fp8", "weight_block_size": [32, 32], "activation_scheme": "static"}):
+        with pytest.raises(ValueError):
+            Fp8Config.from_config(bad)
+
+
+def test_ignored_layers_stay_unquantized():
+    cfg = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [32, 32],
+                                 "ignored_layers": ["model.layers.0.attn.wq_b"]})
+    kept = ReplicatedLinear(64, 64, quant_config=cfg, prefix="model.layers.0.attn.wq_b")
+    quant = ReplicatedLinear(64, 64, quant_config=cfg, prefix="model.layers.1.attn.wq_b")
+    assert kept.weight.dtype == torch.bfloat16 and not hasattr(kept, "weight_scale_inv")
+    assert quant.weight.dtype == FP8_DTYPE and quant.weight_scale_inv.shape == (2, 2)

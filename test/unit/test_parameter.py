@@ -1,0 +1,86 @@
+"""copy_or_rebind_param: in place, rebind with a warning, register."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from fp8chain.layers.parameter import copy_or_rebind_param
+
+pytestmark = pytest.mark.cpu
+
+
+def _module_with(name, tensor):
+    m = nn.Module()
+    p = nn.Parameter(tensor, requires_grad=False)
+    p.weight_loader = "marker"
+    m.register_parameter(name, p)
+    return m, p
+
+
+def test_same_shape_and_dtype_copies_in_place(caplog):
+    m, p = _module_with("w", torch.zeros(4, 6))
+    ptr = p.data_ptr()
+    new = torch.randn(4, 6)
+    with caplog.at_level(logging.WARNING):
+        got = copy_or_rebind_param(m, "w", new)
+    assert got is p and m.w is p
+    assert p.data_ptr() == ptr
+    assert torch.equal(p, new)
+    assert new.data_ptr() != ptr  # values copied, not aliased
+    assert not caplog.records
+
+
+def test_in_place_keeps_strides_of_existing_parameter():
+    backing = torch.zeros(3, 8, dtype=torch.int32)  # an MN-major [8, 3] view
+    m, p = _module_with("s", backing.t())
+    ptr, strides = p.data_ptr(), p.stride()
+    new = torch.randint(-100, 100, (8, 3), dtype=torch.int32)  # row-major
+    copy_or_rebind_param(m, "s", new)
+    assert p.data_ptr() == ptr and p.stride() == strides
+    assert torch.equal(p, new)
+
+
+@pytest.mark.parametrize("new", [torch.randn(5, 6), torch.randn(4, 6).to(torch.bfloat16)],
+                         ids=["shape", "dtype"])
+def test_different_shape_or_dtype_rebinds_with_warning(new, caplog):
+    m, p = _module_with("w", torch.zeros(4, 6))
+    ptr = p.data_ptr()
+    with caplog.at_level(logging.WARNING, logger="fp8chain.layers.parameter"):
+        got = copy_or_rebind_param(m, "w", new)
+    assert got is p and m.w is p
+    assert p.data_ptr() == new.data_ptr() != ptr
+    assert p.shape == new.shape and p.dtype == new.dtype
+    assert p.weight_loader == "marker"  # attributes survive a rebind
+    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(msgs) == 1 and "stale" in msgs[0] and "w" in msgs[0]
+
+
+def test_absent_registers_parameter_without_grad():
+    m = nn.Module()
+    t = torch.randn(3, 2)
+    p = copy_or_rebind_param(m, "derived", t)
+    assert isinstance(p, nn.Parameter) and not p.requires_grad
+    assert "derived" in dict(m.named_parameters())
+    assert p.data_ptr() == t.data_ptr()
+    # a second call with the same shape copies into the registered storage
+    ptr = p.data_ptr()
+    copy_or_rebind_param(m, "derived", torch.ones(3, 2))
+    assert m.derived.data_ptr() == ptr and torch.equal(m.derived, torch.ones(3, 2))
+
+
+def test_register_keeps_given_strides():
+    m = nn.Module()
+    t = torch.zeros(2, 12, dtype=torch.int32).t()[:10]
+    p = copy_or_rebind_param(m, "packed", t)
+    assert p.stride() == (1, 12)
+
+
+def test_non_parameter_attribute_is_an_error():
+    m = nn.Module()
+    m.register_buffer("buf", torch.zeros(2))
+    with pytest.raises(TypeError, match="not a Parameter"):
+        copy_or_rebind_param(m, "buf", torch.ones(2))
+    with pytest.raises(TypeError):
+        copy_or_rebind_param(m, "x", [1, 2])
