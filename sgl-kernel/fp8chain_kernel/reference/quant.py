@@ -82,7 +82,7 @@ def pack_ue8m0(exponent: torch.Tensor, out: torch.Tensor | None = None) -> torch
     words = cdiv(groups, 4)
     padded = torch.zeros(rows, words * 4, dtype=torch.int64, device=exponent.device)
     padded[:, :groups] = exponent.to(torch.int64) & 0xFF
-    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64, device=exponent.device)
+    shifts = torch.arange(0, 32, 8, dtype=torch.int64, device=exponent.device)
     packed = (padded.view(rows, words, 4) << shifts).sum(-1)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
     if out is None:
@@ -94,7 +94,7 @@ def pack_ue8m0(exponent: torch.Tensor, out: torch.Tensor | None = None) -> torch
 def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
     """int32 ``[rows, W]`` -> int32 exponent bytes ``[rows, groups]``."""
     words = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64, device=packed.device)
+    shifts = torch.arange(0, 32, 8, dtype=torch.int64, device=packed.device)
     bytes_ = (words.unsqueeze(-1) >> shifts) & 0xFF
     return bytes_.reshape(packed.shape[0], -1)[:, :groups].to(torch.int32)
 
