@@ -1,0 +1,364 @@
+"""FP8 GEMM consumers: a ``QuantizedActivation`` as its producer wrote it, times block-scaled FP8
+weights, bf16 out. Nothing here re-quantizes a pair.
+
+``fp8_gemm(pair, weight, weight_scale, weight_block=32)`` reads ``SM90_G32_FP32_MN`` pairs against
+DSv4.1 weights (e4m3 ``[N, K]``, power-of-two fp32 scales per 32x32 block);
+``weight_block=128`` reads ``SM90_G128_FP32_MN`` pairs against V3/V4-style 128x128 blocks with
+arbitrary fp32 scales. A bf16 ``[M, K]`` tensor plus ``fmt`` is quantized first with
+``quant.quantize`` and then runs the very same GEMM (the unchained baseline).
+``w8a16_gemm`` is the bf16-activation baseline (FP8 weights dequantized in the kernel).
+
+One Triton kernel serves both, see docs/gemm.md:
+
+* swap-AB tiles: the accumulator is ``[BLOCK_N, BLOCK_M]`` (weights on the MMA's M side, at least
+  64 rows, tokens on its N side, 16..128), so a decode step with one token still runs full-size
+  wgmma instructions on Hopper and reads the weights once;
+* per K group (32 or 128 columns) one ``tl.dot`` on the e4m3 operands, then
+  ``acc += partial * (weight_scale[n // block, g] * act_scale[m, g])`` in fp32;
+* split-K for decode shapes: each K slice stores its fp32 partial tile to a workspace and bumps a
+  per-tile counter; the program that arrives last sums the partials in slice order (so the result
+  is deterministic and independent of arrival order), writes bf16 and re-arms the counter;
+* configs come from a static table keyed by (M bucket, N, K), measured on an H200, with a
+  heuristic for shapes outside it. Nothing is autotuned at serving time.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair
+from .fp8_tile import interpreting
+from .quant import check_activation, quantize
+
+__all__ = [
+    "GemmConfig", "fp8_gemm", "w8a16_gemm", "input_format_for_block", "check_weight",
+    "select_config", "CONFIG_TABLE",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _to_bf16(x, EXACT: tl.constexpr):
+    """fp32 -> bf16, round to nearest even. Compiled, the native conversion does that; the CPU
+    interpreter's native conversion truncates, so there it is done on the bits."""
+    if EXACT:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = tl.where(x == x, rounded.to(tl.float32, bitcast=True), x)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _block_scaled_gemm_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, count_ptr,
+    M, N, K,
+    stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsk, stride_om,
+    GROUP: tl.constexpr, A_FP8: tl.constexpr, SPLIT: tl.constexpr, ITERS: tl.constexpr,
+    FP32_DOT: tl.constexpr,  # the CPU interpreter: fp32 dots and bit-exact bf16 rounding
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE_GROUP: tl.constexpr,
+):
+    """out[m, n] = sum_g (sum_{k in g} a[m, k] w[n, k]) * a_scale[m, g] * w_scale[n // GROUP, g].
+
+    Grid: (tiles, SPLIT); slice ``pid_k`` covers K iterations ``[pid_k * ITERS, (pid_k + 1) * ITERS)``
+    of BLOCK_K columns each. The weight block along N equals GROUP (32x32 or 128x128 blocks).
+    With A_FP8 = False, ``a`` is bf16 and carries no scales (W8A16).
+    """
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    # Grouped order: TILE_GROUP consecutive programs share one weight tile column band.
+    per_band = TILE_GROUP * tiles_n
+    band = pid // per_band
+    first_m = band * TILE_GROUP
+    band_m = tl.minimum(tiles_m - first_m, TILE_GROUP)
+    pid_m = first_m + (pid % per_band) % band_m
+    pid_n = (pid % per_band) // band_m
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    rows_n = offs_n.to(tl.int64)
+    rows_m = offs_m.to(tl.int64)
+    offs_g = tl.arange(0, GROUP)
+    w_rows = w_ptr + rows_n[:, None] * stride_wn + offs_g[None, :]
+    a_rows = a_ptr + rows_m[:, None] * stride_am + offs_g[None, :]
+    ws_rows = w_scale_ptr + (offs_n // GROUP).to(tl.int64) * stride_wsn
+    as_rows = a_scale_ptr + rows_m * stride_asm
+
+    it_begin = pid_k * ITERS
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for i in range(ITERS):
+        it = it_begin + i
+        for sub in tl.static_range(BLOCK_K // GROUP):
+            g = it * (BLOCK_K // GROUP) + sub
+            k0 = g * GROUP
+            w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)
+            a = tl.load(a_rows + k0, mask=m_ok[:, None], other=0.0)
+            w_s = tl.load(ws_rows + g * stride_wsk, mask=n_ok, other=0.0)
+            if A_FP8:
+                a_s = tl.load(as_rows + g * stride_asg, mask=m_ok, other=0.0)
+                part = tl.dot(w, tl.trans(a))
+                acc += part * (w_s[:, None] * a_s[None, :])
+            else:
+                if FP32_DOT:  # the interpreter's bf16 tl.dot is wrong; fp32 is exact there
+                    part = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+                else:
+                    part = tl.dot(w.to(tl.bfloat16), tl.trans(a))
+                acc += part * w_s[:, None]
+
+    out_ptrs = out_ptr + rows_m[None, :] * stride_om + rows_n[:, None]
+    out_mask = n_ok[:, None] & m_ok[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptrs, _to_bf16(acc, FP32_DOT), mask=out_mask)
+    else:
+        # Deterministic split-K: partial tiles to the workspace, the last arrival reduces them
+        # in slice order, writes bf16 and re-arms the tile's counter for the next call.
+        tile = pid_m * tiles_n + pid_n
+        tile_elems = BLOCK_N * BLOCK_M
+        local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(part_ptr + (pid_k * tl.num_programs(0) + tile).to(tl.int64) * tile_elems + local, acc)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                total += tl.load(part_ptr + (s * tl.num_programs(0) + tile).to(tl.int64) * tile_elems
+                                 + local, cache_modifier=".cg")
+            tl.store(out_ptrs, _to_bf16(total, FP32_DOT), mask=out_mask)
+            tl.atomic_xchg(count_ptr + tile, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------
+
+class GemmConfig(NamedTuple):
+    """One launch shape: tile sizes, K split, pipeline depth, warps, grouped tile order."""
+
+    block_n: int
+    block_m: int
+    block_k: int
+    split: int = 1
+    stages: int = 4
+    warps: int = 4
+    tile_group: int = 8
+
+
+# Static table, (M bucket, N, K, group) -> config, filled from H200 sweeps (benchmark/gemm.py
+# --sweep). M buckets: 16, 32, 64, 128, 256, 1 << 30 (anything larger). Shapes not listed fall
+# back to ``_heuristic_config``. ``group`` is 32 (DSv4.1 weights) or 128; W8A16 uses the heuristic.
+CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {}
+
+_M_BUCKETS = (16, 32, 64, 128, 256, 1 << 30)
+_COUNTER_SLOTS = 1 << 14
+
+
+def _m_bucket(m: int) -> int:
+    for bucket in _M_BUCKETS:
+        if m <= bucket:
+            return bucket
+    return _M_BUCKETS[-1]
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: small, so CPU tests exercise split-K
+
+
+def _heuristic_config(m: int, n: int, k: int, group: int, sms: int, a_fp8: bool = True) -> GemmConfig:
+    if m <= 64:
+        block_m = max(16, triton.next_power_of_2(m))
+        block_n = 64
+        block_k = 256 if (group == 128 and k % 256 == 0) else 128 if k % 128 == 0 else group
+        stages, warps = (5, 4) if block_m <= 32 else (4, 4)
+    elif m <= 256:
+        block_m, block_n, block_k, stages, warps = 64, 128, 128 if k % 128 == 0 else group, 4, 4
+    else:
+        block_m, block_n, block_k, stages, warps = 128, 128, 128 if k % 128 == 0 else group, 3, 8
+    tiles = cdiv(n, block_n) * cdiv(m, block_m)
+    iters = cdiv(k, block_k)
+    split = 1
+    # Split K until there are about two programs per SM, keeping >= 4 K iterations per slice.
+    while tiles * split < 2 * sms and iters // (split * 2) >= 4 and split < 16:
+        split *= 2
+    return GemmConfig(block_n, block_m, block_k, split, stages, warps, 8)
+
+
+def select_config(m: int, n: int, k: int, group: int, device: torch.device, a_fp8: bool = True) -> GemmConfig:
+    """The launch config for an ``m x n x k`` problem with K groups of ``group`` columns."""
+    if a_fp8:
+        hit = CONFIG_TABLE.get((_m_bucket(m), n, k, group))
+        if hit is not None and k % hit.block_k == 0:
+            return hit
+    return _heuristic_config(m, n, k, group, _num_sms(device), a_fp8)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """Per-tile arrival counters for split-K (zero between calls: the last arrival resets its own).
+
+    One buffer per device: split-K GEMMs on one device must not run concurrently on two streams.
+    """
+    buf = _counters.get(device)
+    if buf is None:
+        buf = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+        _counters[device] = buf
+    return buf
+
+
+def input_format_for_block(weight_block: int) -> ActFormat:
+    """The SM90 activation format the Triton GEMM reads for ``weight_block`` x ``weight_block``
+    weight blocks."""
+    if weight_block == 32:
+        return ActFormat.SM90_G32_FP32_MN
+    if weight_block == 128:
+        return ActFormat.SM90_G128_FP32_MN
+    raise ValueError(f"weight_block must be 32 or 128, got {weight_block}")
+
+
+def check_weight(weight: torch.Tensor, weight_scale: torch.Tensor, weight_block: int) -> tuple[int, int]:
+    """Validate an e4m3 ``[N, K]`` weight and its fp32 block scales; return ``(N, K)``."""
+    if weight.dtype != FP8_DTYPE:
+        raise TypeError(f"weight must be {FP8_DTYPE}, got {weight.dtype}")
+    if weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(f"weight must be 2-D [N, K] with unit column stride, got shape "
+                         f"{tuple(weight.shape)} strides {weight.stride()}")
+    if weight_scale.dtype != torch.float32:
+        raise TypeError(f"weight_scale must be float32, got {weight_scale.dtype}")
+    n, k = weight.shape
+    want = (cdiv(n, weight_block), cdiv(k, weight_block))
+    if tuple(weight_scale.shape) != want:
+        raise ValueError(f"weight {n}x{k} with {weight_block}x{weight_block} blocks needs scales {want}, "
+                         f"got {tuple(weight_scale.shape)}")
+    if weight_scale.device != weight.device:
+        raise ValueError(f"weight on {weight.device} but weight_scale on {weight_scale.device}")
+    if k % weight_block:
+        raise ValueError(f"K={k} must be a multiple of the {weight_block}-column group")
+    return n, k
+
+
+def _prepare_out(out: torch.Tensor | None, m: int, n: int, device) -> torch.Tensor:
+    if out is None:
+        return torch.empty((m, n), dtype=torch.bfloat16, device=device)
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n):
+        raise ValueError(f"out must be bfloat16 {(m, n)}, got {out.dtype} {tuple(out.shape)}")
+    if out.numel() and out.stride(1) != 1:
+        raise ValueError(f"out must have unit column stride, got strides {out.stride()}")
+    if out.device != torch.device(device):
+        raise ValueError(f"out on {out.device}, inputs on {device}")
+    return out
+
+
+def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, config: GemmConfig | None):
+    m, k = a.shape
+    n = weight.shape[0]
+    if m == 0 or n == 0:
+        return out
+    cfg = config or select_config(m, n, k, group, a.device, a_fp8)
+    if k % cfg.block_k or cfg.block_k % group:
+        raise ValueError(f"config block_k={cfg.block_k} must divide K={k} and be a multiple of {group}")
+    tiles = cdiv(n, cfg.block_n) * cdiv(m, cfg.block_m)
+    iters = k // cfg.block_k
+    split = max(1, min(cfg.split, iters))
+    while iters % split:  # equal slices: the largest divisor of the K iterations <= the request
+        split -= 1
+    if split > 1 and tiles > _COUNTER_SLOTS:
+        split = 1
+    iters_per_split = iters // split
+    if split > 1:
+        part = torch.empty(split * tiles * cfg.block_n * cfg.block_m, dtype=torch.float32, device=a.device)
+        counters = _split_counters(a.device)
+    else:
+        part = counters = out  # unused placeholders
+    if a_scale is None:
+        a_scale, stride_asm, stride_asg = a, 0, 0
+    else:
+        stride_asm, stride_asg = a_scale.stride(0), a_scale.stride(1)
+    extra = {} if interpreting() else {"num_stages": cfg.stages}
+    _block_scaled_gemm_kernel[(tiles, split)](
+        a, a_scale, weight, weight_scale, out, part, counters,
+        m, n, k,
+        a.stride(0), stride_asm, stride_asg, weight.stride(0),
+        weight_scale.stride(0), weight_scale.stride(1), out.stride(0),
+        GROUP=group, A_FP8=a_fp8, SPLIT=split, ITERS=iters_per_split, FP32_DOT=interpreting(),
+        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, TILE_GROUP=cfg.tile_group,
+        num_warps=cfg.warps, **extra,
+    )
+    return out
+
+
+def fp8_gemm(a: QuantizedActivation | torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
+             weight_block: int, fmt: ActFormat | str | None = None, out: torch.Tensor | None = None,
+             config: GemmConfig | None = None) -> torch.Tensor:
+    """bf16 ``[M, N]`` = dequant(a) @ dequant(weight)^T.
+
+    ``a``: a ``QuantizedActivation`` in the format ``weight_block`` reads (32 ->
+    ``sm90_g32_fp32_mn``, 128 -> ``sm90_g128_fp32_mn``), used exactly as written; or a bf16/fp32
+    ``[M, K]`` tensor together with ``fmt``, quantized first (the unchained baseline).
+    A pair (or ``fmt``) of another format raises ``TypeError`` naming both formats.
+    ``out``: optional caller buffer (bf16 ``[M, N]``, unit column stride). ``config``: override
+    the table (benchmarks, tests).
+    """
+    want = input_format_for_block(weight_block)
+    if isinstance(a, QuantizedActivation):
+        if fmt is not None and ActFormat(fmt) is not a.fmt:
+            raise TypeError(f"fmt={ActFormat(fmt).value} given with a pair in {a.fmt.value}")
+        if a.fmt is not want:
+            raise TypeError(f"fp8_gemm with {weight_block}x{weight_block} weight blocks reads "
+                            f"{want.value}, got a pair in {a.fmt.value}")
+        check_pair(a)
+        pair = a
+    else:
+        if fmt is None:
+            raise TypeError("fp8_gemm on a plain tensor needs fmt= (the format to quantize into)")
+        if ActFormat(fmt) is not want:
+            raise TypeError(f"fp8_gemm with {weight_block}x{weight_block} weight blocks reads "
+                            f"{want.value}, got fmt={ActFormat(fmt).value}")
+        check_activation(a, "a")
+        pair = quantize(a, want)
+    n, k = check_weight(weight, weight_scale, weight_block)
+    m, ka = pair.data.shape
+    if ka != k:
+        raise ValueError(f"activation has K={ka}, weight has K={k}")
+    if pair.data.device != weight.device:
+        raise ValueError(f"activation on {pair.data.device}, weight on {weight.device}")
+    out = _prepare_out(out, m, n, weight.device)
+    return _launch(pair.data, pair.scale, weight, weight_scale, out, weight_block, True, config)
+
+
+def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *, weight_block: int,
+               out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """bf16 ``[M, N]`` = x @ dequant(weight)^T with bf16 ``x`` (the FP8 weights are widened to bf16
+    in the kernel, each K block's partial product scaled by its weight scale in fp32)."""
+    check_activation(x, "x")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"w8a16_gemm reads bfloat16 activations, got {x.dtype}")
+    if weight_block not in (32, 128):
+        raise ValueError(f"weight_block must be 32 or 128, got {weight_block}")
+    n, k = check_weight(weight, weight_scale, weight_block)
+    m, kx = x.shape
+    if kx != k:
+        raise ValueError(f"x has K={kx}, weight has K={k}")
+    out = _prepare_out(out, m, n, weight.device)
+    return _launch(x, None, weight, weight_scale, out, weight_block, False, config)
+
+
+if os.environ.get("FP8CHAIN_GEMM_NO_TABLE") == "1":  # benchmarks: measure the heuristic alone
+    CONFIG_TABLE.clear()
