@@ -1,0 +1,5 @@
+import sys
+
+from fp8chain.cli import main
+
+sys.exit(main())

@@ -1,0 +1,174 @@
+"""The ``fp8chain`` command: demo, bench, verify, info.
+
+    fp8chain demo                 tiny DSv4.1 checkpoint, chain on vs off, tokens + launches saved
+    fp8chain bench {quant,producers,gemm,layer,all} [--quick]
+    fp8chain verify               bitwise / accuracy checks of the kernels on the hardware present
+    fp8chain info                 GPU, arch, consumer backends found and rejected
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BENCH_DIR = REPO_ROOT / "benchmark"
+BENCHMARKS = ["quant", "producers", "gemm", "layer"]
+
+
+def _use_interpreter_without_cuda() -> None:
+    """Kernels run on the Triton CPU interpreter when there is no GPU (set before they load)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _load_benchmark(name: str):
+    path = BENCH_DIR / f"{name}.py"
+    if not path.exists():
+        raise SystemExit(f"benchmark '{name}' not found at {path} (run from a source checkout)")
+    spec = importlib.util.spec_from_file_location(f"fp8chain_benchmark_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="run benchmarks on the GPU found (JSON + PNG + markdown)",
+                           description="Per-op and per-layer benchmarks: CUDA-graph replay, median "
+                                       "of many, both arms in one process.")
+    which = bench.add_subparsers(dest="benchmark", required=True, metavar="{" + ",".join(BENCHMARKS + ["all"]) + "}")
+    for name in BENCHMARKS:
+        path = BENCH_DIR / f"{name}.py"
+        parser = which.add_parser(name, help=f"benchmark/{name}.py", description=f"benchmark/{name}.py")
+        if path.exists():
+            _load_benchmark(name).add_arguments(parser)
+        parser.add_argument("--results-dir", default=None, help="where JSON/PNG/markdown go (default benchmark/results)")
+    everything = which.add_parser("all", help="every benchmark in turn")
+    everything.add_argument("--quick", action="store_true", help="the reduced sweep of each benchmark")
+    everything.add_argument("--results-dir", default=None, help="where JSON/PNG/markdown go")
+
+
+def _run_benchmark(name: str, args) -> None:
+    from fp8chain.bench import harness
+
+    module = _load_benchmark(name)
+    meta, records = module.run(args)
+    if hasattr(module, "report"):
+        text = module.report(meta, records, args.results_dir)
+    else:
+        path = harness.save_results(name, meta, records, args.results_dir)
+        columns = list(dict.fromkeys(k for r in records for k in r))
+        text = f"{path}\n" + harness.markdown_table(records, columns)
+    header = (f"### {name} - {meta.get('date')}, {meta.get('device')}, commit {meta.get('commit')}, "
+              f"torch {meta.get('torch')}, triton {meta.get('triton')}")
+    if "copy_bandwidth_TBps" in meta:
+        header += f", copy bandwidth {meta['copy_bandwidth_TBps']:.2f} TB/s (measured in this run)"
+    results_dir = Path(args.results_dir or harness.RESULTS_DIR)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / f"{name}.md").write_text(header + "\n\n" + text + "\n")
+    print(header)
+    print(text)
+
+
+def _cmd_bench(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("fp8chain bench needs a CUDA GPU; none found (kernel logic is checked on CPU by "
+              "`fp8chain verify` and the test suite)", file=sys.stderr)
+        return 2
+    names = BENCHMARKS if args.benchmark == "all" else [args.benchmark]
+    failed = []
+    for name in names:
+        if not (BENCH_DIR / f"{name}.py").exists():
+            print(f"[skip] benchmark/{name}.py is not in this checkout")
+            continue
+        if args.benchmark == "all":
+            parser = argparse.ArgumentParser()
+            _load_benchmark(name).add_arguments(parser)
+            sub_args = parser.parse_args(["--quick"] if args.quick else [])
+            sub_args.results_dir = args.results_dir
+        else:
+            sub_args = args
+        try:
+            _run_benchmark(name, sub_args)
+        except Exception as exc:  # one broken benchmark must not hide the others' numbers
+            import traceback
+
+            traceback.print_exc()
+            failed.append(f"{name}: {exc}")
+    if failed:
+        print("failed benchmarks:\n  " + "\n  ".join(failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from fp8chain.runtime.demo import run_demo
+
+    return run_demo(args) or 0
+
+
+def _cmd_verify(args) -> int:
+    from fp8chain.verify import run_checks
+
+    return 0 if run_checks(quick=args.quick) else 1
+
+
+def _cmd_info(args) -> int:
+    import torch
+    import triton
+
+    print(f"torch {torch.__version__}, triton {triton.__version__}, python {sys.version.split()[0]}")
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        print(f"GPU: {props.name}, sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "
+              f"{props.total_memory / 2**30:.0f} GiB")
+    else:
+        print("GPU: none (kernels run on the Triton CPU interpreter)")
+    from fp8chain_kernel import backends
+    from fp8chain_kernel.formats import ActFormat
+
+    caps = backends.probe()
+    print(f"capabilities: {caps}")
+    for block, fmt in ((32, backends.input_format_for(32)), (128, ActFormat.SM90_G128_FP32_MN)):
+        for n, k in ((1792, 5120), (5120, 8192)):
+            print(f"weight block {block}, {fmt.value}, N={n} K={k}:")
+            for name in backends.BACKEND_NAMES:
+                reason = backends.get_backend(name).rejection(fmt, block, n, k)
+                print(f"  {name:16s} {'usable' if reason is None else 'rejected: ' + reason}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fp8chain", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="tiny DSv4.1 model, chain on vs off (CPU or GPU)")
+    try:
+        from fp8chain.runtime.demo import add_demo_arguments
+    except ImportError:  # runtime not installed in a kernel-only checkout
+        pass
+    else:
+        add_demo_arguments(demo)
+    _bench_parser(sub)
+    verify = sub.add_parser("verify", help="correctness checks of the kernels on the hardware present")
+    verify.add_argument("--quick", action="store_true", help="fewer shapes")
+    sub.add_parser("info", help="GPU, arch, backends found and rejected")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _use_interpreter_without_cuda()
+    args = build_parser().parse_args(argv)
+    command = {"demo": _cmd_demo, "bench": _cmd_bench, "verify": _cmd_verify, "info": _cmd_info}
+    return command[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""``fp8chain verify``: the kernels' correctness contract, checked on the hardware present.
+
+On a GPU the checks run at DSv4.1 sizes with the compiled kernels; on a CPU at small sizes
+through the Triton interpreter. Each FP8 producer's pair must equal the reference quantization
+of its own bf16 output bit for bit; GEMMs must match an fp64 reference on the dequantized
+operands within bf16 output rounding.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from fp8chain_kernel import reference as ref
+from fp8chain_kernel.formats import ActFormat
+
+Check = Callable[[torch.device, bool], str]
+
+
+def _pairs_equal(got, want) -> bool:
+    same_data = torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    same_scale = torch.equal(got.scale.contiguous().view(torch.int32), want.scale.contiguous().view(torch.int32))
+    return same_data and same_scale
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise AssertionError(what)
+
+
+def _random_rows(rows: int, cols: int, device) -> torch.Tensor:
+    x = torch.randn(rows, cols, device=device) * torch.exp2(torch.randint(-8, 8, (rows, 1), device=device).float())
+    if rows > 2:
+        x[1] = 0
+    return x.bfloat16()
+
+
+def check_quantize(device, quick) -> str:
+    from fp8chain_kernel import quant
+
+    sizes = [(1, 5120), (3, 1280), (64, 5120), (2048, 8192)] if device.type == "cuda" else [(1, 256), (3, 128), (17, 512)]
+    for fmt in ActFormat:
+        for rows, cols in sizes[:2] if quick else sizes:
+            x = _random_rows(rows, cols, device)
+            _require(_pairs_equal(quant.quantize(x, fmt), ref.quantize(x, fmt)), f"{fmt.value} {rows}x{cols}")
+    return f"{len(sizes)} shapes x {len(ActFormat)} formats bitwise"
+
+
+def check_producers(device, quick) -> str:
+    from fp8chain_kernel import act, norm
+
+    hidden, inter = (5120, 2304) if device.type == "cuda" else (256, 128)
+    rows_list = [1, 3, 64] if device.type == "cuda" else [1, 3]
+    for fmt in ActFormat:
+        for rows in rows_list:
+            x = _random_rows(rows, hidden, device)
+            weight = (torch.rand(hidden, device=device) + 0.5).bfloat16()
+            y, pair = norm.rms_norm(x, weight, 1e-6, out_format=fmt)
+            _require(_pairs_equal(pair, ref.quantize(y, fmt)), f"rms_norm {fmt.value} T={rows}")
+            gate_up = _random_rows(rows, 2 * inter, device)
+            y, pair = act.silu_mul(gate_up, limit=10.0, out_format=fmt)
+            _require(_pairs_equal(pair, ref.quantize(y, fmt)), f"silu_mul {fmt.value} T={rows}")
+    return f"rms_norm, silu_mul: T in {rows_list} x {len(ActFormat)} formats bitwise"
+
+
+def check_gemm(device, quick) -> str:
+    from fp8chain_kernel import gemm, quant
+    from fp8chain_kernel.formats import FP8_DTYPE
+
+    n, k = (1792, 5120) if device.type == "cuda" else (128, 256)
+    worst = 0.0
+    for fmt, block in ((ActFormat.SM90_G32_FP32_MN, 32), (ActFormat.SM90_G128_FP32_MN, 128)):
+        weight = (torch.randn(n, k, device=device) * 64).clamp(-448, 448).to(FP8_DTYPE)
+        exps = torch.randint(-12, -4, (-(-n // block), -(-k // block)), device=device).float()
+        scale = torch.exp2(exps)
+        for rows in (1, 3, 64):
+            pair = quant.quantize(_random_rows(rows, k, device), fmt)
+            out = gemm.fp8_gemm(pair, weight, scale, weight_block=block)
+            want = ref.fp8_gemm(pair, weight, scale, block).double()
+            _require(bool(torch.isfinite(out).all()), f"non-finite GEMM output {fmt.value} M={rows}")
+            err = ((out.double() - want).norm() / want.norm()).item()
+            _require(err < 5e-3, f"GEMM {fmt.value} M={rows}: relative error {err:.2e}")
+            worst = max(worst, err)
+    return f"fp8_gemm {n}x{k}, both Hopper formats, worst relative error {worst:.1e}"
+
+
+CHECKS: dict[str, Check] = {
+    "quantize": check_quantize,
+    "producers": check_producers,
+    "gemm": check_gemm,
+}
+
+
+def run_checks(quick: bool = False) -> bool:
+    """Run every check; print one line each; True when all pass."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"verifying on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (Triton interpreter)'}")
+    all_ok = True
+    for name, check in CHECKS.items():
+        start = time.perf_counter()
+        try:
+            detail = check(device, quick)
+            status = "ok  "
+        except ImportError as exc:
+            detail, status, all_ok = f"kernel module missing: {exc}", "FAIL", False
+        except AssertionError as exc:
+            detail, status, all_ok = f"mismatch: {exc}", "FAIL", False
+        print(f"[{status}] {name:10s} {detail} ({time.perf_counter() - start:.1f} s)")
+    return all_ok
