@@ -1,0 +1,90 @@
+"""mHC (manifold-constrained hyper-connections) modules, in DSv4.1's shifted ordering.
+
+The residual is ``R [T, hc, H]`` bf16 (``hc`` = 4 streams). Each sublayer ``s`` owns
+``fn [(2+hc)*hc, hc*H]``, ``scale [3]`` and ``base [(2+hc)*hc]`` (all fp32). A sublayer entering
+with ``(R, p_prev)`` runs on ``x_s = RMSNorm(sum_k p_prev[k] R[k])``; its own stats
+``(pre_s, post_s, comb_s)`` come from the ``R`` entering it; the boundary after it writes
+``R' = post_s * y_s + comb_s^T R`` and the next sublayer's input
+``x = RMSNorm(sum_k pre_s[k] R'[k])`` in one ``mhc_mega_boundary`` launch, which may also write
+the FP8 pair of ``x`` for the next linear (REFERENCE.md section 5).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fp8chain_kernel import mhc as mhc_kernels
+from fp8chain_kernel.formats import QuantizedActivation
+
+from .norm import RMSNorm
+
+__all__ = ["HyperConnection", "MHCStats", "mhc_boundary", "expand_streams"]
+
+
+class MHCStats(tuple):
+    """``(pre [T, hc], post [T, hc], comb [T, hc, hc])`` of one sublayer, fp32."""
+
+    __slots__ = ()
+
+    def __new__(cls, pre, post, comb):
+        return super().__new__(cls, (pre, post, comb))
+
+    @property
+    def pre(self):
+        return self[0]
+
+    @property
+    def post(self):
+        return self[1]
+
+    @property
+    def comb(self):
+        return self[2]
+
+
+class HyperConnection(nn.Module):
+    """One sublayer's mHC parameters and its stats launch."""
+
+    def __init__(self, hidden_size: int, hc_mult: int = 4, *, rms_eps: float = 1e-6,
+                 hc_eps: float = 1e-6, sinkhorn_iters: int = 20):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.hc_mult = hc_mult
+        self.mix = (2 + hc_mult) * hc_mult
+        self.rms_eps = rms_eps
+        self.hc_eps = hc_eps
+        self.sinkhorn_iters = sinkhorn_iters
+        self.fn = nn.Parameter(torch.zeros(self.mix, hc_mult * hidden_size, dtype=torch.float32),
+                               requires_grad=False)
+        self.base = nn.Parameter(torch.zeros(self.mix, dtype=torch.float32), requires_grad=False)
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32), requires_grad=False)
+
+    def stats(self, residual: torch.Tensor) -> MHCStats:
+        """``(pre, post, comb)`` from the residual ``[T, hc, H]`` entering this sublayer."""
+        pre, post, comb = mhc_kernels.mhc_stats(
+            residual, self.fn, self.scale, self.base, rms_eps=self.rms_eps, hc_eps=self.hc_eps,
+            sinkhorn_iters=self.sinkhorn_iters)
+        return MHCStats(pre, post, comb)
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden_size}, hc={self.hc_mult}, iters={self.sinkhorn_iters}, "
+                f"hc_eps={self.hc_eps}")
+
+
+def mhc_boundary(y: torch.Tensor, residual: torch.Tensor, stats: MHCStats, next_norm: RMSNorm,
+                 out_format=None) -> tuple[torch.Tensor, torch.Tensor, QuantizedActivation | None]:
+    """Post of sublayer ``s`` + the next sublayer's combine + RMSNorm, one launch.
+
+    Returns ``(new_residual [T, hc, H], x [T, H] bf16, pair or None)``; the pair (of ``x``, in
+    ``out_format``) is written only when ``out_format`` is given.
+    """
+    pre, post, comb = stats
+    new_residual, x, pair = mhc_kernels.mhc_mega_boundary(
+        y, residual, pre, post, comb, next_norm.weight, next_norm.eps, out_format=out_format)
+    return new_residual, x, (pair if out_format is not None else None)
+
+
+def expand_streams(hidden: torch.Tensor, hc_mult: int) -> torch.Tensor:
+    """The initial residual: the embedding ``[T, H]`` copied into ``hc`` streams ``[T, hc, H]``."""
+    return hidden.unsqueeze(1).expand(hidden.shape[0], hc_mult, hidden.shape[1]).contiguous()

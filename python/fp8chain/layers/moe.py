@@ -1,0 +1,214 @@
+"""DSv4.1 MoE pieces: router, FP8 shared expert (a chained producer/consumer pair), and the
+routed experts as a torch reference over dequantized MXFP4 weights.
+
+MXFP4 (the routed experts' checkpoint format): e2m1 values, two per byte (element ``2j`` in the
+low nibble of byte ``j``, ``2j+1`` in the high nibble; nibble = sign bit 3 + magnitude code
+0..7 -> 0, 0.5, 1, 1.5, 2, 3, 4, 6), one UE8M0 scale per 32 consecutive elements along K
+(byte ``e`` means ``2^(e-127)``). Value = e2m1 * scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8chain_kernel import act as act_kernels
+from fp8chain_kernel.formats import QuantizedActivation
+
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .norm import split_producer_result
+
+__all__ = [
+    "E2M1_VALUES", "MXFP4_GROUP", "dequantize_mxfp4", "quantize_mxfp4", "TopKRouter",
+    "SharedExpert", "RoutedExpertsReference", "swiglu_reference",
+]
+
+MXFP4_GROUP = 32
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+
+
+def _e2m1_table(device) -> torch.Tensor:
+    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return torch.cat([mags, -mags])  # code 8..15: sign bit set
+
+
+def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale.view(torch.uint8)
+    if scale.dtype in (torch.uint8, torch.int8):
+        return scale.view(torch.uint8)
+    raise TypeError(f"MXFP4 scales must be float8_e8m0fnu or uint8, got {scale.dtype}")
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed e2m1 ``[..., N, K/2]`` uint8 + UE8M0 ``[..., N, K/32]`` -> ``[..., N, K]``.
+
+    Every MXFP4 value is exact in bf16 and fp32 (3 significant bits times a power of two).
+    """
+    if packed.dtype not in (torch.uint8, torch.int8):
+        raise TypeError(f"packed e2m1 data must be uint8, got {packed.dtype}")
+    packed = packed.view(torch.uint8)
+    k = packed.shape[-1] * 2
+    sbytes = _scale_bytes(scale)
+    if sbytes.shape[-1] * MXFP4_GROUP != k or sbytes.shape[:-1] != packed.shape[:-1]:
+        raise ValueError(f"MXFP4 data {tuple(packed.shape)} needs scales "
+                         f"{tuple(packed.shape[:-1]) + (k // MXFP4_GROUP,)}, got {tuple(sbytes.shape)}")
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], k)
+    values = _e2m1_table(packed.device)[codes.long()]
+    pow2 = ((sbytes.to(torch.int32) << 23).view(torch.float32))  # 2^(e-127), exact
+    values = values * pow2.repeat_interleave(MXFP4_GROUP, dim=-1)
+    return values.to(dtype)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``[..., N, K]`` -> (packed uint8 ``[..., N, K/2]``, UE8M0 bytes uint8 ``[..., N, K/32]``).
+
+    Scale per 32: the smallest power of two ``s`` with ``amax / s <= 6``; values rounded to the
+    nearest e2m1 (ties to the smaller magnitude). For writing checkpoints.
+    """
+    *lead, n, k = w.shape
+    if k % MXFP4_GROUP:
+        raise ValueError(f"MXFP4 needs K % 32 == 0, got K={k}")
+    g = w.float().reshape(*lead, n, k // MXFP4_GROUP, MXFP4_GROUP)
+    amax = g.abs().amax(dim=-1).clamp_min(2.0 ** -100)
+    exponent = torch.ceil(torch.log2(amax / E2M1_MAX)).clamp(-127, 127)
+    # fix any log2 rounding at the boundary: ensure amax / 2^e <= 6 and amax / 2^(e-1) > 6
+    exponent = torch.where(amax / torch.exp2(exponent) > E2M1_MAX, exponent + 1, exponent)
+    exponent = torch.where(amax / torch.exp2(exponent - 1) <= E2M1_MAX, exponent - 1, exponent)
+    scaled = g / torch.exp2(exponent).unsqueeze(-1)
+    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
+    mids = (mags[1:] + mags[:-1]) / 2
+    code = torch.bucketize(scaled.abs(), mids, right=False)  # ties go to the smaller magnitude
+    code = code | ((scaled < 0).to(code.dtype) << 3)
+    code = code.reshape(*lead, n, k).to(torch.uint8)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    scale = (exponent + 127).to(torch.uint8)
+    return packed.contiguous(), scale.contiguous()
+
+
+def swiglu_reference(gate_up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """fp32 ``silu(min(gate, limit)) * clamp(up, -limit, limit)`` of ``[T, 2I]`` (the act spec)."""
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :inter].float(), gate_up[..., inter:].float()
+    if limit is not None:
+        gate = torch.clamp(gate, max=limit)
+        up = torch.clamp(up, min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+class TopKRouter(nn.Module):
+    """bf16 router ``[E, H]``: sqrt-softplus scores, top-k (selection adds the fp32 correction
+    ``bias``), weights renormalized over the top-k, times ``routed_scaling_factor``."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, routed_scaling_factor: float,
+                 renormalize: bool = True):
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.routed_scaling_factor = routed_scaling_factor
+        self.renormalize = renormalize
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size, dtype=torch.bfloat16),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H]`` bf16 -> ``(topk_idx int64 [T, k], topk_weights fp32 [T, k])``."""
+        logits = x.float() @ self.weight.float().t()
+        return route(logits, self.bias, self.top_k, self.routed_scaling_factor, self.renormalize)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
+          renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing from fp32 router logits (shared by the module and the fp32 model reference)."""
+    scores = torch.sqrt(F.softplus(logits.float()))
+    idx = torch.topk(scores + bias.float(), top_k, dim=-1, sorted=True).indices
+    weights = scores.gather(-1, idx)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    return idx, weights * scaling
+
+
+class SharedExpert(nn.Module):
+    """FP8 gate_up (column parallel) -> SiLU*mul producer -> FP8 down (row parallel).
+
+    Both linears request a pre-quantized input (``deepgemm_mxfp8_input``). With ``chain`` on,
+    the SiLU*mul launch writes ``down``'s FP8 pair itself; off, it writes bf16 and ``down``
+    quantizes its own input.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, swiglu_limit: float | None,
+                 quant_config=None, prefix: str = "", tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.swiglu_limit = swiglu_limit
+        self.chain = True
+        self.gate_up = ColumnParallelLinear(hidden_size, 2 * intermediate_size, bias=False,
+                                            quant_config=quant_config, prefix=f"{prefix}.gate_up",
+                                            tp_rank=tp_rank, tp_size=tp_size)
+        self.down = RowParallelLinear(intermediate_size, hidden_size, bias=False,
+                                      quant_config=quant_config, prefix=f"{prefix}.down",
+                                      tp_rank=tp_rank, tp_size=tp_size)
+        self.gate_up.deepgemm_mxfp8_input = True
+        self.down.deepgemm_mxfp8_input = True
+
+    def forward(self, x: torch.Tensor, x_pair: QuantizedActivation | None = None) -> torch.Tensor:
+        gate_up = self.gate_up(x_pair if (self.chain and x_pair is not None) else x)
+        fmt = self.down.input_format if self.chain else None
+        result = act_kernels.silu_mul(gate_up, limit=self.swiglu_limit, out_format=fmt)
+        h, h_pair = split_producer_result(result, fmt)
+        return self.down(h_pair if h_pair is not None else h)
+
+
+class RoutedExpertsReference(nn.Module):
+    """Routed experts over dequantized MXFP4 weights, in torch (the reference the MoE kernels
+    replace). Checkpoint tensors live in ``w13_weight/w13_scale/w2_weight/w2_scale`` (gate rows
+    first, then up rows); the dequantized bf16 copies are derived at load, in place.
+
+    Each expert's GEMMs run over the whole token block and unrouted tokens get weight 0, so
+    the computation has static shapes (CUDA-graph capturable) and each token's result is what
+    a grouped (sorted-by-expert) run computes: ``sum_k w_k * down_e(act(gate_up_e(x)))`` with
+    fp32 accumulation and the activation rounded to bf16, as the expert kernels do.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 swiglu_limit: float | None):
+        super().__init__()
+        e, h, i = num_experts, hidden_size, intermediate_size
+        self.num_experts, self.hidden_size, self.intermediate_size = e, h, i
+        self.swiglu_limit = swiglu_limit
+        u8 = dict(dtype=torch.uint8)
+        self.w13_weight = nn.Parameter(torch.zeros(e, 2 * i, h // 2, **u8), requires_grad=False)
+        self.w13_scale = nn.Parameter(torch.full((e, 2 * i, h // MXFP4_GROUP), 127, **u8),
+                                      requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.zeros(e, h, i // 2, **u8), requires_grad=False)
+        self.w2_scale = nn.Parameter(torch.full((e, h, i // MXFP4_GROUP), 127, **u8),
+                                     requires_grad=False)
+        self.register_buffer("w13_dequant", torch.zeros(e, 2 * i, h, dtype=torch.bfloat16),
+                             persistent=False)
+        self.register_buffer("w2_dequant", torch.zeros(e, h, i, dtype=torch.bfloat16),
+                             persistent=False)
+
+    def process_weights_after_loading(self) -> None:
+        """Derive the bf16 weights into the existing buffers (same storage on every reload)."""
+        with torch.no_grad():
+            self.w13_dequant.copy_(dequantize_mxfp4(self.w13_weight, self.w13_scale, torch.bfloat16))
+            self.w2_dequant.copy_(dequantize_mxfp4(self.w2_weight, self.w2_scale, torch.bfloat16))
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` bf16 -> fp32 ``[T, H]`` (routing weights applied, already scaled)."""
+        t = x.shape[0]
+        dense = torch.zeros(t, self.num_experts, dtype=torch.float32, device=x.device)
+        dense.scatter_add_(1, topk_idx, topk_weights.float())
+        routed = torch.zeros(t, self.num_experts, dtype=torch.bool, device=x.device)
+        routed.scatter_(1, topk_idx, True)
+        out = torch.zeros(t, self.hidden_size, dtype=torch.float32, device=x.device)
+        xf = x.float()
+        for e in range(self.num_experts):
+            gate_up = xf @ self.w13_dequant[e].float().t()
+            h = swiglu_reference(gate_up, self.swiglu_limit).to(torch.bfloat16)
+            y = h.float() @ self.w2_dequant[e].float().t()
+            out += torch.where(routed[:, e:e + 1], dense[:, e:e + 1] * y, torch.zeros_like(y))
+        return out

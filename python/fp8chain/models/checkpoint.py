@@ -1,0 +1,212 @@
+"""DSv4.1 checkpoints: the tensor layout, a random checkpoint writer, a reader.
+
+The format is DSv4.1's (docs/model.md lists every name):
+
+* dense linears: FP8 e4m3 ``<name>.weight [N, K]`` with fp32 power-of-two 32x32 block scales
+  ``<name>.weight_scale_inv [N/32, K/32]`` (dequantized value = fp8 * scale);
+* routed experts: MXFP4, ``experts.<e>.w{1,2,3}.weight`` packed e2m1 uint8 ``[N, K/2]`` and
+  ``.scale`` UE8M0 (``float8_e8m0fnu``) ``[N, K/32]``;
+* embedding, head, norms, router weight: bf16; router correction bias, attention sinks and
+  mHC parameters: fp32;
+* safetensors shards + ``model.safetensors.index.json`` + ``config.json``.
+
+``write_random_checkpoint`` draws every tensor from one seeded generator in layout order, so a
+seed names a checkpoint exactly; weights are scaled (``~1/sqrt(fan_in)``) so activations stay
+O(1) through the layers and greedy decoding is not degenerate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+import torch
+
+from fp8chain_kernel.formats import FP8_DTYPE, FP8_MAX
+from fp8chain_kernel.reference import ue8m0_exponent
+
+from ..layers.moe import MXFP4_GROUP, quantize_mxfp4
+from .deepseek_v41 import DeepseekV41Config
+
+__all__ = ["TensorSpec", "checkpoint_layout", "random_checkpoint_tensors", "write_random_checkpoint",
+           "load_checkpoint", "load_state_dict", "quantize_fp8_blockwise"]
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class TensorSpec(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str  # fp8 | fp8_scale | mxfp4 | mxfp4_scale | embed | head | norm | router | bias | sink | hc_fn | hc_base | hc_scale
+
+
+def checkpoint_layout(config: DeepseekV41Config) -> "OrderedDict[str, TensorSpec]":
+    """Every checkpoint tensor name -> (shape, dtype, kind), in writing order."""
+    c = config
+    h, inter = c.hidden_size, c.moe_intermediate_size
+    bn, bk = c.weight_block_size
+    out: OrderedDict[str, TensorSpec] = OrderedDict()
+    out["embed.weight"] = TensorSpec((c.vocab_size, h), torch.bfloat16, "embed")
+    fp8_shapes = c.fp8_linear_shapes()
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}"
+        out[f"{p}.attn_norm.weight"] = TensorSpec((h,), torch.bfloat16, "norm")
+        out[f"{p}.ffn_norm.weight"] = TensorSpec((h,), torch.bfloat16, "norm")
+        for sub in ("attn", "ffn"):
+            out[f"{p}.hc_{sub}_fn"] = TensorSpec((c.hc_mix, c.hc_mult * h), torch.float32, "hc_fn")
+            out[f"{p}.hc_{sub}_base"] = TensorSpec((c.hc_mix,), torch.float32, "hc_base")
+            out[f"{p}.hc_{sub}_scale"] = TensorSpec((3,), torch.float32, "hc_scale")
+        for name in ("attn.wq_a", "attn.wkv", "attn.wq_b", "attn.wo_a", "attn.wo_b"):
+            n, k = fp8_shapes[name]
+            out[f"{p}.{name}.weight"] = TensorSpec((n, k), FP8_DTYPE, "fp8")
+            out[f"{p}.{name}.weight_scale_inv"] = TensorSpec((-(-n // bn), -(-k // bk)), torch.float32,
+                                                             "fp8_scale")
+        out[f"{p}.attn.q_norm.weight"] = TensorSpec((c.q_lora_rank,), torch.bfloat16, "norm")
+        out[f"{p}.attn.kv_norm.weight"] = TensorSpec((c.kv_dim,), torch.bfloat16, "norm")
+        out[f"{p}.attn.attn_sink"] = TensorSpec((c.num_attention_heads,), torch.float32, "sink")
+        out[f"{p}.ffn.gate.weight"] = TensorSpec((c.n_routed_experts, h), torch.bfloat16, "router")
+        out[f"{p}.ffn.gate.bias"] = TensorSpec((c.n_routed_experts,), torch.float32, "bias")
+        for name in ("ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3"):
+            n, k = fp8_shapes[name]
+            out[f"{p}.{name}.weight"] = TensorSpec((n, k), FP8_DTYPE, "fp8")
+            out[f"{p}.{name}.weight_scale_inv"] = TensorSpec((-(-n // bn), -(-k // bk)), torch.float32,
+                                                             "fp8_scale")
+        for e in range(c.n_routed_experts):
+            for w, (n, k) in (("w1", (inter, h)), ("w2", (h, inter)), ("w3", (inter, h))):
+                out[f"{p}.ffn.experts.{e}.{w}.weight"] = TensorSpec((n, k // 2), torch.uint8, "mxfp4")
+                out[f"{p}.ffn.experts.{e}.{w}.scale"] = TensorSpec((n, k // MXFP4_GROUP),
+                                                                   torch.float8_e8m0fnu, "mxfp4_scale")
+    out["norm.weight"] = TensorSpec((h,), torch.bfloat16, "norm")
+    out["head.weight"] = TensorSpec((c.vocab_size, h), torch.bfloat16, "head")
+    return out
+
+
+def quantize_fp8_blockwise(w: torch.Tensor, block: tuple[int, int] = (32, 32)) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``[N, K]`` -> (e4m3 ``[N, K]``, fp32 power-of-two scales ``[N/bn, K/bk]``), the
+    smallest power of two per block with ``amax / s <= 448``."""
+    n, k = w.shape
+    bn, bk = block
+    if n % bn or k % bk:
+        raise ValueError(f"[{n}, {k}] is not a multiple of the {bn}x{bk} blocks")
+    blocks = w.float().reshape(n // bn, bn, k // bk, bk)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-4)
+    exponent = ue8m0_exponent(amax)
+    scale = (exponent << 23).view(torch.float32)
+    inv = ((254 - exponent) << 23).view(torch.float32)
+    data = (blocks * inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).reshape(n, k).to(FP8_DTYPE)
+    return data, scale.contiguous()
+
+
+def random_checkpoint_tensors(config: DeepseekV41Config, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of a random DSv4.1 checkpoint, deterministic in ``seed``."""
+    gen = torch.Generator().manual_seed(int(seed))
+    c = config
+    layout = checkpoint_layout(c)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32)
+
+    pending_scale: dict[str, torch.Tensor] = {}
+    for name, spec in layout.items():
+        if spec.kind in ("fp8_scale", "mxfp4_scale"):
+            yield name, pending_scale.pop(name)
+            continue
+        shape = spec.shape
+        if spec.kind == "embed":
+            t = randn(*shape).to(torch.bfloat16)
+        elif spec.kind == "head":
+            t = (randn(*shape) * (2.0 / math.sqrt(shape[1]))).to(torch.bfloat16)
+        elif spec.kind == "norm":
+            t = (1.0 + 0.1 * randn(*shape)).to(torch.bfloat16)
+        elif spec.kind == "router":
+            t = (randn(*shape) / math.sqrt(shape[1])).to(torch.bfloat16)
+        elif spec.kind == "bias":
+            t = 0.05 * randn(*shape)
+        elif spec.kind == "sink":
+            t = 0.5 * randn(*shape)
+        elif spec.kind == "hc_fn":
+            t = randn(*shape) / math.sqrt(shape[1])
+        elif spec.kind == "hc_base":
+            t = 0.5 * randn(*shape)
+        elif spec.kind == "hc_scale":
+            t = 0.5 + 0.1 * randn(*shape)
+        elif spec.kind == "fp8":
+            n, k = shape
+            t, scale = quantize_fp8_blockwise(randn(n, k) / math.sqrt(k), c.weight_block_size)
+            pending_scale[name[: -len(".weight")] + ".weight_scale_inv"] = scale
+        elif spec.kind == "mxfp4":
+            n, k = shape[0], shape[1] * 2
+            t, scale = quantize_mxfp4(randn(n, k) / math.sqrt(k))
+            pending_scale[name[: -len(".weight")] + ".scale"] = scale.view(torch.float8_e8m0fnu)
+        else:  # pragma: no cover
+            raise ValueError(f"unknown tensor kind {spec.kind}")
+        if tuple(t.shape) != shape or t.dtype != spec.dtype:
+            raise AssertionError(f"{name}: generated {tuple(t.shape)} {t.dtype}, layout says {spec}")
+        yield name, t.contiguous()
+
+
+def _shard_of(name: str, num_layers: int, layers_per_shard: int) -> int:
+    if name.startswith("layers."):
+        return int(name.split(".")[1]) // layers_per_shard
+    if name == "embed.weight":
+        return 0
+    return (num_layers - 1) // layers_per_shard if num_layers else 0
+
+
+def write_random_checkpoint(path, config: DeepseekV41Config, seed: int = 0, *,
+                            layers_per_shard: int = 1) -> Path:
+    """Write a random DSv4.1 checkpoint into directory ``path``; returns the path."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config.validate()
+    num_shards = max(1, -(-config.num_hidden_layers // layers_per_shard))
+    shards: list[dict[str, torch.Tensor]] = [dict() for _ in range(num_shards)]
+    for name, tensor in random_checkpoint_tensors(config, seed):
+        shards[_shard_of(name, config.num_hidden_layers, layers_per_shard)][name] = tensor
+    weight_map, total = {}, 0
+    for s, tensors in enumerate(shards):
+        fname = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file(tensors, str(path / fname), metadata={"format": "pt"})
+        for name, t in tensors.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    with open(path / INDEX_FILE, "w") as f:
+        json.dump({"metadata": {"total_size": total, "seed": int(seed)}, "weight_map": weight_map},
+                  f, indent=1, sort_keys=True)
+    with open(path / "config.json", "w") as f:
+        json.dump(config.to_dict(), f, indent=1)
+    return path
+
+
+def load_checkpoint(path) -> tuple[DeepseekV41Config, Iterator[tuple[str, torch.Tensor]]]:
+    """``(config, iterator of (name, tensor))`` of a checkpoint directory, shard by shard."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    config = DeepseekV41Config.from_json(path / "config.json")
+    index_path = path / INDEX_FILE
+    if index_path.exists():
+        with open(index_path) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+
+    def tensors():
+        for fname in files:
+            with safe_open(str(path / fname), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    return config, tensors()
+
+
+def load_state_dict(path) -> tuple[DeepseekV41Config, dict[str, torch.Tensor]]:
+    """The whole checkpoint as a dict (small models: tests, the fp32 reference)."""
+    config, it = load_checkpoint(path)
+    return config, dict(it)

@@ -1,0 +1,774 @@
+"""DeepSeek-V4.1 decoder with the FP8 chain: config, MQA attention, MoE, decoder layer, model.
+
+Every FP8 dense linear (``wqkv_a``, ``wq_b``, ``wo_b``, the shared expert's ``gate_up`` and
+``down``) asks for a pre-quantized input, and the kernel in front of it is the producer that
+writes that input:
+
+=====================  =====================================  ===========================
+consumer               producer                               kernel
+=====================  =====================================  ===========================
+``attn.wqkv_a``        mHC boundary (post + combine + norm)   ``mhc.mhc_mega_boundary``
+                       (layer 0: RMSNorm of stream 0)         ``norm.rms_norm``
+``attn.wq_b``          q_norm                                 ``norm.rms_norm``
+``attn.wo_b``          wo_a grouped einsum                    ``einsum.wo_a_einsum``
+``shared.gate_up``     mHC boundary                           ``mhc.mhc_mega_boundary``
+``shared.down``        SiLU*mul (+swiglu clamp)               ``act.silu_mul``
+=====================  =====================================  ===========================
+
+``chain`` (``model.set_chain(bool)``) switches all producers' FP8 outputs at once: on, each
+producer writes bf16 plus the pair its consumer's ``input_format`` names and the linear runs
+without quantizing; off, producers write bf16 only and every FP8 linear quantizes its own input
+(the upstream Hopper path). Since a producer's pair equals a standalone quantize of its bf16
+output bit for bit, both arms compute the same logits, bit for bit.
+
+Out of scope here (see docs/model.md): DSv4.1's sparse attention (indexer, compressor, sliding
+window), hash-routed layers, multi-token prediction, tensor parallelism > 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8chain_kernel import einsum as einsum_kernels
+from fp8chain_kernel.formats import QuantizedActivation
+
+from ..layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from ..layers.mhc import HyperConnection, MHCStats, expand_streams, mhc_boundary
+from ..layers.moe import RoutedExpertsReference, SharedExpert, TopKRouter
+from ..layers.norm import RMSNorm, split_producer_result
+from ..layers.quantization.fp8 import Fp8Config
+
+__all__ = [
+    "DeepseekV41Config", "MQALayer", "DeepseekV41MoE", "DeepseekV41DecoderLayer",
+    "DeepseekV41ForCausalLM", "rope_cos_sin", "apply_rope", "attention_core",
+]
+
+DEFAULT_QUANT_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [32, 32],
+    "scale_fmt": "ue8m0",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DeepseekV41Config:
+    """DSv4.1 hyper-parameters under their HF ``config.json`` names (REFERENCE.md section 1).
+
+    ``head_dim`` is the width of the one latent KV head shared by all query heads (448 nope +
+    64 rope for Flash), so ``wqkv_a`` has ``q_lora_rank + head_dim`` rows.
+    """
+
+    vocab_size: int = 129280
+    hidden_size: int = 5120
+    num_hidden_layers: int = 43
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 1
+    head_dim: int = 512
+    qk_rope_head_dim: int = 64
+    q_lora_rank: int = 1280
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 6
+    moe_intermediate_size: int = 2304
+    routed_scaling_factor: float = 1.5
+    scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    swiglu_limit: float | None = 10.0
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 1048576
+    tie_word_embeddings: bool = False
+    expert_dtype: str = "fp4"
+    torch_dtype: str = "bfloat16"
+    quantization_config: dict = field(default_factory=lambda: dict(DEFAULT_QUANT_CONFIG))
+    #: config.json keys this implementation does not read (kept, written back by ``to_dict``).
+    extra: dict = field(default_factory=dict)
+
+    # ---- construction ------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DeepseekV41Config":
+        """From a HF ``config.json`` dict; unknown keys go to ``extra``."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        extra = {k: v for k, v in d.items() if k not in names}
+        extra.update(d.get("extra", {}) or {})
+        if "quantization_config" in kwargs and kwargs["quantization_config"] is not None:
+            kwargs["quantization_config"] = dict(kwargs["quantization_config"])
+        config = cls(**kwargs, extra=extra)
+        config.validate()
+        return config
+
+    @classmethod
+    def from_json(cls, path) -> "DeepseekV41Config":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    def to_dict(self) -> dict:
+        """The HF ``config.json`` dict (``architectures``/``model_type`` included)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        d["quantization_config"] = dict(self.quantization_config)
+        out = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}
+        out.update(self.extra)
+        out.update(d)
+        return out
+
+    @classmethod
+    def flash(cls, **overrides) -> "DeepseekV41Config":
+        """DeepSeek-V4.1-Flash (REFERENCE.md section 1)."""
+        config = cls(**overrides)
+        config.validate()
+        return config
+
+    @classmethod
+    def tiny(cls, **overrides) -> "DeepseekV41Config":
+        """A small model with Flash's structure: 4 streams, 2 o-groups, 1 latent KV head, MXFP4
+        routed experts, FP8 32x32 dense weights; every FP8 GEMM has K % 128 == 0 and
+        N % 32 == 0, so every activation format (incl. the packed one) is exercised."""
+        values = dict(
+            vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=2,
+            head_dim=128, qk_rope_head_dim=64, q_lora_rank=128, o_groups=2, o_lora_rank=128,
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+            max_position_embeddings=4096,
+        )
+        values.update(overrides)
+        config = cls(**values)
+        config.validate()
+        return config
+
+    # ---- derived -----------------------------------------------------------------------
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the one latent KV head (= ``head_dim``)."""
+        return self.head_dim
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        return self.head_dim - self.qk_rope_head_dim
+
+    @property
+    def hc_mix(self) -> int:
+        """mHC mix values per sublayer: pre hc + post hc + comb hc*hc."""
+        return (2 + self.hc_mult) * self.hc_mult
+
+    @property
+    def o_group_dim(self) -> int:
+        """Input width of one wo_a group: ``heads / o_groups * head_dim``."""
+        return self.num_attention_heads // self.o_groups * self.head_dim
+
+    @property
+    def weight_block_size(self) -> tuple[int, int]:
+        block = self.quantization_config.get("weight_block_size", [32, 32])
+        return int(block[0]), int(block[1])
+
+    def fp8_linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """``[N, K]`` of each FP8 dense linear (checkpoint names, one layer)."""
+        h, i = self.hidden_size, self.moe_intermediate_size
+        return {
+            "attn.wq_a": (self.q_lora_rank, h),
+            "attn.wkv": (self.kv_dim, h),
+            "attn.wq_b": (self.num_attention_heads * self.head_dim, self.q_lora_rank),
+            "attn.wo_a": (self.o_groups * self.o_lora_rank, self.o_group_dim),
+            "attn.wo_b": (h, self.o_groups * self.o_lora_rank),
+            "ffn.shared_experts.w1": (i, h),
+            "ffn.shared_experts.w3": (i, h),
+            "ffn.shared_experts.w2": (h, i),
+        }
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` for a structure this model (or an FP8 format) cannot run."""
+        errors = []
+        if self.num_attention_heads % self.o_groups:
+            errors.append(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                          f"o_groups={self.o_groups}")
+        if self.qk_rope_head_dim % 2 or not 0 < self.qk_rope_head_dim <= self.head_dim:
+            errors.append(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even and <= head_dim")
+        if self.num_key_value_heads != 1:
+            errors.append("DSv4.1 attention has one latent KV head (num_key_value_heads=1)")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            errors.append("num_experts_per_tok > n_routed_experts")
+        if self.n_shared_experts != 1:
+            errors.append("exactly one shared expert is supported")
+        if self.hc_mult != 4:
+            errors.append(f"hc_mult={self.hc_mult}: the mHC kernels run 4 streams")
+        if self.scoring_func != "sqrtsoftplus":
+            errors.append(f"scoring_func {self.scoring_func!r} is not supported (sqrtsoftplus)")
+        if self.expert_dtype != "fp4":
+            errors.append(f"expert_dtype {self.expert_dtype!r} is not supported (fp4)")
+        bn, bk = self.weight_block_size
+        for name, (n, k) in self.fp8_linear_shapes().items():
+            if k % 128:
+                errors.append(f"{name}: K={k} must be a multiple of 128 (FP8 activation groups)")
+            if n % bn or k % bk:
+                errors.append(f"{name}: [{n}, {k}] must be a multiple of the {bn}x{bk} weight blocks")
+        for name, k in (("hidden_size", self.hidden_size), ("moe_intermediate_size",
+                                                              self.moe_intermediate_size)):
+            if k % 32:
+                errors.append(f"{name}={k} must be a multiple of 32 (MXFP4 groups)")
+        if errors:
+            raise ValueError("invalid DeepseekV41Config: " + "; ".join(errors))
+
+
+# --------------------------------------------------------------------------------------------
+# RoPE and the attention core (shared by the model and the fp32 reference)
+# --------------------------------------------------------------------------------------------
+
+
+def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(cos, sin)`` ``[T, rope_dim/2]`` for integer ``positions [T]``."""
+    inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64, device=positions.device)
+                         / rope_dim)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cos(angles).float(), torch.sin(angles).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate interleaved pairs ``(x[2i], x[2i+1])`` of fp32 ``x [T, ..., R]`` by the angle of
+    each row's position (``inverse``: by minus it)."""
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c, s = cos.view(shape), sin.view(shape)
+    if inverse:
+        s = -s
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+
+
+def attention_core(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """MQA over one latent head with per-head attention sinks, fp32.
+
+    ``q [T, nh, D]``, ``keys [T, L, D]`` (keys = values), ``valid [T, L]`` bool, ``sink [nh]``
+    -> ``o [T, nh, D]``: ``softmax([q.k * scale, sink]) @ [keys, 0]``.
+    """
+    scores = torch.einsum("thd,tld->thl", q, keys) * scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    sink = sink.float().view(1, -1, 1)
+    peak = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+    probs = torch.exp(scores - peak)
+    denom = probs.sum(dim=-1, keepdim=True) + torch.exp(sink - peak)
+    return torch.einsum("thl,tld->thd", probs, keys) / denom
+
+
+def _chain_format(linear, chain: bool):
+    """The format a producer should write for ``linear``: its ``input_format`` when the chain
+    is on and the linear accepted a pre-quantized input, else ``None`` (bf16 only)."""
+    return getattr(linear, "input_format", None) if chain else None
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------
+
+
+class MQALayer(nn.Module):
+    """DSv4.1 attention with the chain: x -> wqkv_a -> q_norm -> wq_b -> MQA core over the KV
+    cache -> inverse RoPE -> wo_a einsum -> wo_b.
+
+    The core is plain causal multi-query attention: one ``head_dim``-wide latent head (the last
+    ``head_dim`` columns of ``wqkv_a``, RMS-normed by ``kv_norm``, RoPE on its last
+    ``qk_rope_head_dim`` dims) serves as key and value of every query head; queries are
+    RMS-normalized per head (no weight) and roped the same way; per-head attention sinks.
+    DSv4.1's sparse indexer and compressor are not modelled; the bf16 ``x`` and ``q_lora`` they
+    would read are still produced (``last_x``/``last_q_lora`` keep them when ``keep_indexer_inputs``).
+    """
+
+    def __init__(self, config: DeepseekV41Config, layer_idx: int = 0, quant_config=None,
+                 prefix: str = "attn", tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        if tp_size != 1:
+            raise NotImplementedError("MQALayer runs at TP=1 (the reference model)")
+        c = config
+        self.layer_idx = layer_idx
+        self.num_heads = c.num_attention_heads
+        self.head_dim = c.head_dim
+        self.rope_dim = c.qk_rope_head_dim
+        self.q_lora_rank = c.q_lora_rank
+        self.o_groups = c.o_groups
+        self.o_lora_rank = c.o_lora_rank
+        self.rope_theta = c.rope_theta
+        self.eps = c.rms_norm_eps
+        self.softmax_scale = c.head_dim ** -0.5
+        self.chain = True
+        self.keep_indexer_inputs = False
+        self.wqkv_a = ReplicatedLinear(c.hidden_size, c.q_lora_rank + c.kv_dim, bias=False,
+                                       quant_config=quant_config, prefix=f"{prefix}.wqkv_a")
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.wq_b = ColumnParallelLinear(c.q_lora_rank, c.num_attention_heads * c.head_dim,
+                                         bias=False, quant_config=quant_config,
+                                         prefix=f"{prefix}.wq_b", tp_rank=tp_rank, tp_size=tp_size)
+        self.kv_norm = RMSNorm(c.kv_dim, c.rms_norm_eps)
+        self.wo_a = nn.Parameter(torch.zeros(c.o_groups, c.o_lora_rank, c.o_group_dim,
+                                             dtype=torch.bfloat16), requires_grad=False)
+        self.wo_b = RowParallelLinear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False,
+                                      quant_config=quant_config, prefix=f"{prefix}.wo_b",
+                                      tp_rank=tp_rank, tp_size=tp_size)
+        self.attn_sink = nn.Parameter(torch.zeros(c.num_attention_heads, dtype=torch.float32),
+                                      requires_grad=False)
+        # The producer -> consumer request (DESIGN.md, protocol step 1).
+        self.wqkv_a.deepgemm_mxfp8_input = True
+        self.wq_b.deepgemm_mxfp8_input = True
+        self.wo_b.deepgemm_mxfp8_input = True
+        self.last_x = self.last_q_lora = None
+
+    def forward(self, x: torch.Tensor, x_pair: QuantizedActivation | None, positions: torch.Tensor,
+                slots: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` bf16 (+ its pair when chained) -> ``y [T, H]`` bf16.
+
+        ``kv_cache [S, L, head_dim]`` bf16; token ``t`` writes its roped latent at
+        ``kv_cache[slots[t], positions[t]]`` and attends to positions ``<= positions[t]`` of
+        its slot.
+        """
+        t = x.shape[0]
+        nh, d, rd = self.num_heads, self.head_dim, self.rope_dim
+        qkv = self.wqkv_a(x_pair if (self.chain and x_pair is not None) else x)
+        q_lora, kv = qkv[:, :self.q_lora_rank], qkv[:, self.q_lora_rank:]
+        q_lora, q_pair = self.q_norm(q_lora, _chain_format(self.wq_b, self.chain))
+        if self.keep_indexer_inputs:  # what DSv4.1's indexer reads (not modelled here)
+            self.last_x, self.last_q_lora = x, q_lora
+        q = self.wq_b(q_pair if q_pair is not None else q_lora)
+        kv, _ = self.kv_norm(kv)
+
+        cos, sin = rope_cos_sin(positions, rd, self.rope_theta)
+        q = q.float().view(t, nh, d)
+        q = q * torch.rsqrt(q.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        q = torch.cat([q[..., :d - rd], apply_rope(q[..., d - rd:], cos, sin)], dim=-1)
+        kv = kv.float()
+        kv = torch.cat([kv[:, :d - rd], apply_rope(kv[:, d - rd:], cos, sin)], dim=-1)
+        kv_cache[slots, positions] = kv.to(kv_cache.dtype)
+        keys = kv_cache[slots].float()
+        valid = torch.arange(keys.shape[1], device=x.device)[None, :] <= positions[:, None]
+        o = attention_core(q, keys, valid, self.attn_sink, self.softmax_scale)
+        o = torch.cat([o[..., :d - rd], apply_rope(o[..., d - rd:], cos, sin, inverse=True)], dim=-1)
+        o = o.to(torch.bfloat16).view(t, self.o_groups, nh // self.o_groups * d)
+
+        fmt = _chain_format(self.wo_b, self.chain)
+        o_flat, o_pair = split_producer_result(
+            einsum_kernels.wo_a_einsum(o, self.wo_a, out_format=fmt), fmt)
+        return self.wo_b(o_pair if o_pair is not None else o_flat)
+
+
+# --------------------------------------------------------------------------------------------
+# MoE
+# --------------------------------------------------------------------------------------------
+
+
+class DeepseekV41MoE(nn.Module):
+    """Router + FP8 shared expert (chained) + MXFP4 routed experts (torch reference).
+
+    ``y = bf16(sum_k w_k * expert_k(x) + shared(x))`` with ``w`` already scaled by
+    ``routed_scaling_factor``.
+    """
+
+    def __init__(self, config: DeepseekV41Config, quant_config=None, prefix: str = "ffn"):
+        super().__init__()
+        c = config
+        self.gate = TopKRouter(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok,
+                               c.routed_scaling_factor, renormalize=c.norm_topk_prob)
+        self.shared_experts = SharedExpert(c.hidden_size, c.moe_intermediate_size,
+                                           swiglu_limit=c.swiglu_limit, quant_config=quant_config,
+                                           prefix=f"{prefix}.shared_experts")
+        self.experts = RoutedExpertsReference(c.n_routed_experts, c.hidden_size,
+                                              c.moe_intermediate_size, c.swiglu_limit)
+
+    @property
+    def input_linear(self):
+        """The FP8 linear that reads this sublayer's input (its producer writes this format)."""
+        return self.shared_experts.gate_up
+
+    def forward(self, x: torch.Tensor, x_pair: QuantizedActivation | None = None) -> torch.Tensor:
+        topk_idx, topk_weights = self.gate(x)
+        shared = self.shared_experts(x, x_pair)
+        routed = self.experts(x, topk_idx, topk_weights)
+        return (routed + shared.float()).to(torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# Decoder layer and model
+# --------------------------------------------------------------------------------------------
+
+
+class DeepseekV41DecoderLayer(nn.Module):
+    """Attention and MoE sublayers joined by mHC boundaries (shifted ordering)."""
+
+    def __init__(self, config: DeepseekV41Config, layer_idx: int, quant_config=None):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.chain = True
+        hc = dict(hc_mult=c.hc_mult, rms_eps=c.rms_norm_eps, hc_eps=c.hc_eps,
+                  sinkhorn_iters=c.hc_sinkhorn_iters)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hc_attn = HyperConnection(c.hidden_size, **hc)
+        self.hc_ffn = HyperConnection(c.hidden_size, **hc)
+        self.attn = MQALayer(c, layer_idx, quant_config, prefix=f"layers.{layer_idx}.attn")
+        self.ffn = DeepseekV41MoE(c, quant_config, prefix=f"layers.{layer_idx}.ffn")
+
+    def forward(self, x, x_pair, residual, positions, slots, kv_cache, next_norm: RMSNorm,
+                next_linear):
+        """Runs both sublayers from ``(x, x_pair, residual)`` (the input of attention) and
+        returns the next sublayer's ``(x, x_pair, residual)``: the boundary after the MoE
+        normalizes with ``next_norm`` and writes the format ``next_linear`` reads."""
+        stats = self.hc_attn.stats(residual)
+        y = self.attn(x, x_pair, positions, slots, kv_cache)
+        residual, x, x_pair = mhc_boundary(y, residual, stats, self.ffn_norm,
+                                           _chain_format(self.ffn.input_linear, self.chain))
+        stats = self.hc_ffn.stats(residual)
+        y = self.ffn(x, x_pair)
+        residual, x, x_pair = mhc_boundary(y, residual, stats, next_norm,
+                                           _chain_format(next_linear, self.chain))
+        return x, x_pair, residual
+
+
+class LMHead(nn.Module):
+    """bf16 ``[V, H]`` output projection; logits in fp32."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(vocab_size, hidden_size, dtype=torch.bfloat16),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() @ self.weight.float().t()
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(vocab_size, hidden_size, dtype=torch.bfloat16),
+                                   requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids]
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    """The whole decoder: embedding -> 4-stream residual -> layers -> final combine + norm ->
+    head. ``chain`` switches every producer's FP8 output (``set_chain``)."""
+
+    def __init__(self, config: DeepseekV41Config, *, chain: bool = True, device=None):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.quant_config = Fp8Config.from_config(config.quantization_config)
+        with torch.device(device if device is not None else "cpu"):
+            self.embed = Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(
+                DeepseekV41DecoderLayer(config, i, self.quant_config)
+                for i in range(config.num_hidden_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.head = LMHead(config.vocab_size, config.hidden_size)
+        self.chain = chain
+        self.set_chain(chain)
+        self.quantize_counter = QuantizeCounter(self)
+
+    # ---- chain switch ----------------------------------------------------------------
+
+    def set_chain(self, on: bool) -> None:
+        """Producers write FP8 pairs (``True``) or bf16 only (``False``), model-wide."""
+        on = bool(on)
+        for module in self.modules():
+            if hasattr(module, "chain"):
+                module.chain = on
+
+    def fp8_linears(self) -> dict[str, nn.Module]:
+        """Every FP8 dense linear by module name."""
+        kinds = (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)
+        return {name: m for name, m in self.named_modules() if isinstance(m, kinds)}
+
+    # ---- KV cache --------------------------------------------------------------------
+
+    def make_kv_cache(self, num_slots: int, max_len: int, device=None) -> list[torch.Tensor]:
+        """One bf16 ``[num_slots, max_len, head_dim]`` latent cache per layer."""
+        device = device if device is not None else self.embed.weight.device
+        return [torch.zeros(num_slots, max_len, self.config.kv_dim, dtype=torch.bfloat16,
+                            device=device) for _ in self.layers]
+
+    # ---- forward ---------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                kv_caches: list[torch.Tensor], logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat tokens of any number of sequences -> fp32 logits ``[len(logits_indices), V]``
+        (all tokens when ``logits_indices`` is None)."""
+        c = self.config
+        residual = expand_streams(self.embed(input_ids), c.hc_mult)
+        first = self.layers[0]
+        x, x_pair = first.attn_norm(residual[:, 0], _chain_format(first.attn.wqkv_a, self.chain))
+        for i, layer in enumerate(self.layers):
+            if i + 1 < len(self.layers):
+                nxt = self.layers[i + 1]
+                next_norm, next_linear = nxt.attn_norm, nxt.attn.wqkv_a
+            else:
+                next_norm, next_linear = self.norm, None
+            x, x_pair, residual = layer(x, x_pair, residual, positions, slots, kv_caches[i],
+                                        next_norm, next_linear)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        return self.head(x)
+
+    # ---- weights ---------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load DSv4.1 checkpoint tensors (names: docs/model.md); returns the names loaded.
+
+        Fused parameters are concatenated here (``wq_a`` + ``wkv`` -> ``wqkv_a``, shared
+        ``w1`` + ``w3`` -> ``gate_up``), ``wo_a`` is dequantized to bf16, MXFP4 experts are
+        stacked per layer; FP8 linears go through ``fp8chain.layers.loading.load_weights``,
+        which also runs their ``process_weights_after_loading``. Values are copied into the
+        existing parameters, so a reload is seen by captured CUDA graphs. Raises ``KeyError``
+        for an unknown name and ``ValueError`` for a missing one.
+        """
+        from ..layers import loading
+        from .checkpoint import checkpoint_layout
+
+        expected = set(checkpoint_layout(self.config))
+        loaded: set[str] = set()
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        linear_items: list[tuple[str, torch.Tensor]] = []
+        params = dict(self.named_parameters())
+        c = self.config
+        inter = c.moe_intermediate_size
+
+        def copy_into(target: str, tensor: torch.Tensor) -> None:
+            param = params[target]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"{target}: checkpoint shape {tuple(tensor.shape)} != "
+                                 f"parameter shape {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor.to(param.dtype) if tensor.dtype != param.dtype else tensor)
+
+        def stash(key: str, part: str, tensor: torch.Tensor, parts: tuple[str, ...]):
+            slot = pending.setdefault(key, {})
+            slot[part] = tensor
+            if all(p in slot for p in parts):
+                done = pending.pop(key)
+                return [done[p] for p in parts]
+            return None
+
+        for name, tensor in weights:
+            if name not in expected:
+                alias = re.sub(r"\.scale$", ".weight_scale_inv", name)
+                if alias in expected and not re.search(r"\.experts\.\d+\.", name):
+                    name = alias
+                else:
+                    raise KeyError(f"unexpected checkpoint tensor {name!r}")
+            loaded.add(name)
+            if name in ("embed.weight", "head.weight", "norm.weight"):
+                copy_into(name, tensor)
+                continue
+            m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+            i, rest = int(m.group(1)), m.group(2)
+            pfx = f"layers.{i}"
+            if rest in ("attn_norm.weight", "ffn_norm.weight", "attn.q_norm.weight",
+                        "attn.kv_norm.weight", "attn.attn_sink", "ffn.gate.weight", "ffn.gate.bias"):
+                copy_into(f"{pfx}.{rest}", tensor)
+            elif (h := re.fullmatch(r"hc_(attn|ffn)_(fn|base|scale)", rest)):
+                copy_into(f"{pfx}.hc_{h.group(1)}.{h.group(2)}", tensor)
+            elif (q := re.fullmatch(r"attn\.(wq_a|wkv)\.(weight|weight_scale_inv)", rest)):
+                parts = stash(f"{pfx}.attn.wqkv_a.{q.group(2)}", q.group(1), tensor, ("wq_a", "wkv"))
+                if parts is not None:
+                    linear_items.append((f"{pfx}.attn.wqkv_a.{q.group(2)}", torch.cat(parts, 0)))
+            elif (q := re.fullmatch(r"attn\.(wq_b|wo_b)\.(weight|weight_scale_inv)", rest)):
+                linear_items.append((f"{pfx}.{rest}", tensor))
+            elif (q := re.fullmatch(r"attn\.wo_a\.(weight|weight_scale_inv)", rest)):
+                parts = stash(f"{pfx}.attn.wo_a", q.group(1), tensor, ("weight", "weight_scale_inv"))
+                if parts is not None:
+                    self._load_wo_a(self.layers[i].attn, *parts)
+            elif (q := re.fullmatch(r"ffn\.shared_experts\.(w1|w3)\.(weight|weight_scale_inv)", rest)):
+                key = f"{pfx}.ffn.shared_experts.gate_up.{q.group(2)}"
+                parts = stash(key, q.group(1), tensor, ("w1", "w3"))
+                if parts is not None:
+                    linear_items.append((key, torch.cat(parts, 0)))
+            elif (q := re.fullmatch(r"ffn\.shared_experts\.w2\.(weight|weight_scale_inv)", rest)):
+                linear_items.append((f"{pfx}.ffn.shared_experts.down.{q.group(1)}", tensor))
+            elif (q := re.fullmatch(r"ffn\.experts\.(\d+)\.(w1|w2|w3)\.(weight|scale)", rest)):
+                e, w, kind = int(q.group(1)), q.group(2), q.group(3)
+                experts = self.layers[i].ffn.experts
+                value = tensor.view(torch.uint8) if tensor.dtype != torch.uint8 else tensor
+                target = {("w1", "weight"): experts.w13_weight[e, :inter],
+                          ("w3", "weight"): experts.w13_weight[e, inter:],
+                          ("w1", "scale"): experts.w13_scale[e, :inter],
+                          ("w3", "scale"): experts.w13_scale[e, inter:],
+                          ("w2", "weight"): experts.w2_weight[e],
+                          ("w2", "scale"): experts.w2_scale[e]}[(w, kind)]
+                if tuple(target.shape) != tuple(value.shape):
+                    raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(target.shape)}")
+                with torch.no_grad():
+                    target.copy_(value)
+            else:  # pragma: no cover - checkpoint_layout and this table are written together
+                raise KeyError(f"no rule for checkpoint tensor {name!r}")
+        missing = expected - loaded
+        if missing or pending:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. "
+                             f"{sorted(missing)[:5]} (incomplete fused groups: {sorted(pending)[:5]})")
+        loading.load_weights(self, linear_items)
+        for layer in self.layers:
+            layer.ffn.experts.process_weights_after_loading()
+        return loaded
+
+    def _load_wo_a(self, attn: MQALayer, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        """FP8 ``[G*R, D]`` + 32x32 scales -> bf16 ``[G, R, D]`` (dequantized once, in place)."""
+        from fp8chain_kernel.reference import dequantize_weight
+
+        w = dequantize_weight(weight.to(attn.wo_a.device), scale.to(attn.wo_a.device),
+                              self.config.weight_block_size)
+        with torch.no_grad():
+            attn.wo_a.copy_(w.view(attn.wo_a.shape).to(torch.bfloat16))
+
+
+class QuantizeCounter:
+    """Counts the standalone quantizes the FP8 linears run: a forward pre-hook on each FP8
+    linear that sees a bf16 input (not a pre-quantized pair) counts one (that linear then
+    quantizes it itself). Works on any device, graph capture excepted (hooks do not run on
+    replay): use the profiler there. ``counter.enabled`` gates counting."""
+
+    def __init__(self, model: DeepseekV41ForCausalLM):
+        self.count = 0
+        self.enabled = False
+        self.per_linear: dict[str, int] = {}
+        for name, linear in model.fp8_linears().items():
+            linear.register_forward_pre_hook(self._hook(name))
+
+    def _hook(self, name):
+        def hook(module, args):
+            if self.enabled and args and not isinstance(args[0], QuantizedActivation):
+                self.count += 1
+                self.per_linear[name] = self.per_linear.get(name, 0) + 1
+        return hook
+
+    def reset(self) -> None:
+        self.count = 0
+        self.per_linear.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# fp32 reference forward on dequantized weights (the accuracy spec of the chained model)
+# --------------------------------------------------------------------------------------------
+
+
+class DeepseekV41Reference:
+    """Pure fp32 forward of one sequence from checkpoint tensors (dequantized weights, no
+    activation quantization, no bf16 rounding): what the FP8 model approximates."""
+
+    def __init__(self, config: DeepseekV41Config, tensors: dict[str, torch.Tensor], device="cpu"):
+        from fp8chain_kernel.reference import dequantize_weight
+
+        from ..layers.moe import dequantize_mxfp4
+
+        self.config = config
+        self.device = torch.device(device)
+        c = config
+        w: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            if name.endswith(".weight_scale_inv") or re.search(r"experts\.\d+\..*\.scale$", name):
+                continue
+            base = name[: -len(".weight")] if name.endswith(".weight") else None
+            if base is not None and f"{base}.weight_scale_inv" in tensors:
+                t = dequantize_weight(t, tensors[f"{base}.weight_scale_inv"], c.weight_block_size)
+            elif base is not None and f"{base}.scale" in tensors:
+                t = dequantize_mxfp4(t, tensors[f"{base}.scale"])
+            w[name] = t.float().to(self.device)
+        self.w = w
+
+    def _norm(self, x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * weight
+
+    def _stats(self, residual, pfx):
+        c, hc = self.config, self.config.hc_mult
+        fn, scale, base = self.w[f"{pfx}_fn"], self.w[f"{pfx}_scale"], self.w[f"{pfx}_base"]
+        flat = residual.reshape(residual.shape[0], -1)
+        r = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
+        mix = (flat @ fn.t()) * r
+        pre = torch.sigmoid(mix[:, :hc] * scale[0] + base[:hc]) + c.hc_eps
+        post = 2 * torch.sigmoid(mix[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+        comb = (mix[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(-1, hc, hc)
+        comb = torch.softmax(comb, dim=-1) + c.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + c.hc_eps)
+        for _ in range(c.hc_sinkhorn_iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + c.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + c.hc_eps)
+        return pre, post, comb
+
+    def _attention(self, x, positions, pfx):
+        c, w = self.config, self.w
+        t, nh, d, rd = x.shape[0], c.num_attention_heads, c.head_dim, c.qk_rope_head_dim
+        q_lora = self._norm(x @ w[f"{pfx}.wq_a.weight"].t(), w[f"{pfx}.q_norm.weight"])
+        kv = self._norm(x @ w[f"{pfx}.wkv.weight"].t(), w[f"{pfx}.kv_norm.weight"])
+        q = (q_lora @ w[f"{pfx}.wq_b.weight"].t()).view(t, nh, d)
+        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
+        cos, sin = rope_cos_sin(positions, rd, c.rope_theta)
+        q = torch.cat([q[..., :d - rd], apply_rope(q[..., d - rd:], cos, sin)], -1)
+        kv = torch.cat([kv[:, :d - rd], apply_rope(kv[:, d - rd:], cos, sin)], -1)
+        keys = kv.unsqueeze(0).expand(t, t, d)
+        valid = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        o = attention_core(q, keys, valid, w[f"{pfx}.attn_sink"], d ** -0.5)
+        o = torch.cat([o[..., :d - rd], apply_rope(o[..., d - rd:], cos, sin, inverse=True)], -1)
+        o = o.reshape(t, c.o_groups, -1)
+        wo_a = w[f"{pfx}.wo_a.weight"].view(c.o_groups, c.o_lora_rank, -1)
+        o = torch.einsum("tgd,grd->tgr", o, wo_a).reshape(t, -1)
+        return o @ w[f"{pfx}.wo_b.weight"].t()
+
+    def _moe(self, x, pfx):
+        from ..layers.moe import route, swiglu_reference
+
+        c, w = self.config, self.w
+        idx, weights = route(x @ w[f"{pfx}.gate.weight"].t(), w[f"{pfx}.gate.bias"],
+                             c.num_experts_per_tok, c.routed_scaling_factor, c.norm_topk_prob)
+
+        def expert(xs, p):
+            gate_up = torch.cat([xs @ w[f"{p}.w1.weight"].t(), xs @ w[f"{p}.w3.weight"].t()], -1)
+            return swiglu_reference(gate_up, c.swiglu_limit) @ w[f"{p}.w2.weight"].t()
+
+        out = expert(x, f"{pfx}.shared_experts")
+        for e in range(c.n_routed_experts):
+            rows, k = (idx == e).nonzero(as_tuple=True)
+            if rows.numel():
+                out.index_add_(0, rows, weights[rows, k, None] * expert(x[rows], f"{pfx}.experts.{e}"))
+        return out
+
+    @torch.no_grad()
+    def forward(self, tokens) -> torch.Tensor:
+        """fp32 logits ``[T, V]`` of one sequence (causal)."""
+        c, w = self.config, self.w
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(ids.numel(), device=self.device)
+        residual = w["embed.weight"][ids].unsqueeze(1).expand(-1, c.hc_mult, -1)
+        x = self._norm(residual[:, 0], w["layers.0.attn_norm.weight"])
+        names = []
+        for i in range(c.num_hidden_layers):
+            names += [(f"layers.{i}.hc_attn", "attn", f"layers.{i}.ffn_norm.weight"),
+                      (f"layers.{i}.hc_ffn", "ffn", f"layers.{i + 1}.attn_norm.weight"
+                       if i + 1 < c.num_hidden_layers else "norm.weight")]
+        for n, (hc_pfx, kind, next_norm) in enumerate(names):
+            layer = f"layers.{n // 2}"
+            y = self._attention(x, positions, f"{layer}.attn") if kind == "attn" \
+                else self._moe(x, f"{layer}.ffn")
+            pre, post, comb = self._stats(residual, hc_pfx)
+            residual = post.unsqueeze(-1) * y.unsqueeze(1) + torch.einsum("tio,tih->toh", comb, residual)
+            v = (pre.unsqueeze(-1) * residual).sum(1)
+            x = self._norm(v, w[next_norm])
+        return x @ w["head.weight"].t()
+
+    __call__ = forward
