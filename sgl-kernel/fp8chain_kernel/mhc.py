@@ -1,0 +1,572 @@
+"""mHC (manifold-constrained hyper-connections) kernels, DSv4.1 shifted ordering (REFERENCE.md 5).
+
+* ``mhc_stats``: per-token mixes ``(pre, post, comb)`` from the residual entering a sublayer.
+  Two launches: a split-K GEMV (``flatten(R) @ fn^T`` and the sum of squares, the 4H reduction
+  spread over many programs even for one token) writing fp32 partials, then a finishing kernel
+  that sums them in a fixed order (deterministic), applies the sigmoids, the softmax and the
+  Sinkhorn normalisations.
+* ``mhc_post``: ``R'[o] = bf16(post[o]*y + sum_i comb[i][o]*R[i])``.
+* ``mhc_combine_norm``: ``x = bf16(RMSNorm(bf16(sum_k pre[k]*R[k])))`` (+ the FP8 pair of x).
+* ``mhc_mega_boundary``: post of the finished sublayer + combine with the carried ``pre`` +
+  RMSNorm of the next sublayer (+ the FP8 pair of x), one launch.
+
+All three boundary entry points run one kernel. A program owns ``BM`` rows and one slice of
+``SLICE`` columns (a multiple of 128, so FP8 groups never straddle programs). When the RMSNorm
+is needed, each program first recomputes the whole row's ``v`` and its sum of squares (the row
+is re-read from L2 by every program of that row; all of them run the same code on the same data,
+so they all get the same ``rsqrt`` bit for bit), then writes only its slice: ``R'``, ``x`` and the
+FP8 data and scales. A decode batch of a few tokens thus still spreads over ~2 programs per SM,
+in one launch, deterministically. Because every program reads whole rows of ``y`` and ``R``, the
+mega boundary cannot write ``R'`` or ``x`` in place over its inputs (checked).
+
+Numerics follow ``reference.mhc`` operation for operation: sums left to right in fp32, compiled
+without fused multiply-add (``enable_fp_fusion=False``), so ``R'`` and ``v`` equal the torch
+reference bit for bit, and the FP8 pair equals ``reference.quantize`` of the kernel's own bf16
+``x`` bit for bit (``fp8_tile.quantize_tile``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .formats import ActFormat, QuantizedActivation, cdiv
+from .fp8_tile import format_constexprs, interpreting, quantize_tile, store_scale_tile
+from .quant import prepare_out
+
+__all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary"]
+
+HC = 4                      # hyper-connection streams
+NMIX = HC * (2 + HC)        # 24 mix values per token: pre 4, post 4, comb 16
+HC_STREAMS: tl.constexpr = tl.constexpr(HC)
+
+
+# ----------------------------------------------------------------------------- stats kernels
+
+
+@triton.jit
+def _stats_partial_kernel(r_ptr, fn_ptr, part_ptr, sq_ptr, T, H, stride_rt, stride_rs, stride_fn,
+                          CHUNKS_PER_SPLIT: tl.constexpr, NMIX: tl.constexpr, NP: tl.constexpr,
+                          BT: tl.constexpr, BK: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """Partial ``flatten(R) @ fn^T`` and ``sum(X^2)`` over one range of 4H for BT tokens.
+
+    ``X`` is bf16, so with ``fn = hi + mid + lo`` split exactly into three bf16 parts the three
+    bf16 dots (fp32 accumulate) give the fp32 product on the tensor cores. ``UPCAST_DOT`` (the
+    CPU interpreter, whose dot does not read bf16) runs the same three dots on the parts upcast
+    to fp32: every product is exact either way."""
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_t = pid_t * BT + tl.arange(0, BT)
+    t_ok = offs_t < T
+    rows = offs_t.to(tl.int64)
+    offs_n = tl.arange(0, NP)
+    n_ok = offs_n < NMIX
+    h_chunks = tl.cdiv(H, BK)
+    c_begin = pid_s * CHUNKS_PER_SPLIT
+    num_chunks = HC_STREAMS * h_chunks
+    acc = tl.zeros((BT, NP), dtype=tl.float32)
+    sq = tl.zeros((BT, BK), dtype=tl.float32)
+    for i in range(0, CHUNKS_PER_SPLIT):  # constant trip counts (the interpreter needs them)
+        c = c_begin + i
+        stream = c // h_chunks
+        offs_h = (c - stream * h_chunks) * BK + tl.arange(0, BK)
+        h_ok = (offs_h < H) & (c < num_chunks)
+        x = tl.load(r_ptr + rows[:, None] * stride_rt + stream * stride_rs + offs_h[None, :],
+                    mask=t_ok[:, None] & h_ok[None, :], other=0.0)
+        xf = x.to(tl.float32)
+        sq += xf * xf
+        f = tl.load(fn_ptr + offs_n[None, :] * stride_fn + (stream * H + offs_h)[:, None],
+                    mask=h_ok[:, None] & n_ok[None, :], other=0.0)
+        f_hi = f.to(tl.bfloat16)
+        rest = f - f_hi.to(tl.float32)
+        f_mid = rest.to(tl.bfloat16)
+        f_lo = (rest - f_mid.to(tl.float32)).to(tl.bfloat16)
+        if UPCAST_DOT:
+            acc = tl.dot(xf, f_lo.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(xf, f_mid.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(xf, f_hi.to(tl.float32), acc, input_precision="ieee")
+        else:
+            xb = x.to(tl.bfloat16)
+            acc = tl.dot(xb, f_lo, acc)
+            acc = tl.dot(xb, f_mid, acc)
+            acc = tl.dot(xb, f_hi, acc)
+    out = part_ptr + (pid_s * T + rows)[:, None] * NP + offs_n[None, :]
+    tl.store(out, acc, mask=t_ok[:, None])
+    tl.store(sq_ptr + pid_s * T + rows, tl.sum(sq, axis=1), mask=t_ok)
+
+
+@triton.jit
+def _stats_finish_kernel(part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
+                         T, K, rms_eps, hc_eps, NSPLIT: tl.constexpr, SINKHORN_ITERS: tl.constexpr,
+                         NP: tl.constexpr, BT: tl.constexpr):
+    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    t_ok = offs_t < T
+    rows = offs_t.to(tl.int64)
+    a4 = tl.arange(0, 4)
+    offs_c = (2 * 4 + a4[:, None] * 4 + a4[None, :])[None, :, :]          # [1, 4, 4]
+    m_pre = tl.zeros((BT, 4), dtype=tl.float32)
+    m_post = tl.zeros((BT, 4), dtype=tl.float32)
+    m_comb = tl.zeros((BT, 4, 4), dtype=tl.float32)
+    sumsq = tl.zeros((BT,), dtype=tl.float32)
+    for s in range(NSPLIT):                                                # fixed order
+        base = part_ptr + (s * T + rows) * NP
+        m_pre += tl.load(base[:, None] + a4[None, :], mask=t_ok[:, None], other=0.0)
+        m_post += tl.load(base[:, None] + 4 + a4[None, :], mask=t_ok[:, None], other=0.0)
+        m_comb += tl.load(base[:, None, None] + offs_c, mask=t_ok[:, None, None], other=0.0)
+        sumsq += tl.load(sq_ptr + s * T + rows, mask=t_ok, other=0.0)
+    mean = tl.math.div_rn(sumsq, tl.full(sumsq.shape, K, tl.float32))
+    one = tl.full(sumsq.shape, 1.0, tl.float32)
+    r = tl.math.div_rn(one, tl.sqrt_rn(mean + rms_eps))
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    b_pre = tl.load(base_ptr + a4)[None, :]
+    b_post = tl.load(base_ptr + 4 + a4)[None, :]
+    b_comb = tl.load(base_ptr + offs_c)
+    z_pre = (m_pre * r[:, None]) * s0 + b_pre
+    z_post = (m_post * r[:, None]) * s1 + b_post
+    pre = tl.math.div_rn(tl.full(z_pre.shape, 1.0, tl.float32), 1.0 + tl.exp(-z_pre)) + hc_eps
+    post = 2.0 * tl.math.div_rn(tl.full(z_post.shape, 1.0, tl.float32), 1.0 + tl.exp(-z_post))
+    logits = (m_comb * r[:, None, None]) * s2 + b_comb
+    e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
+    c = tl.math.div_rn(e, tl.broadcast_to(tl.sum(e, axis=2)[:, :, None], e.shape)) + hc_eps
+    c = tl.math.div_rn(c, tl.broadcast_to(tl.sum(c, axis=1)[:, None, :] + hc_eps, c.shape))
+    for _ in range(SINKHORN_ITERS - 1):
+        c = tl.math.div_rn(c, tl.broadcast_to(tl.sum(c, axis=2)[:, :, None] + hc_eps, c.shape))
+        c = tl.math.div_rn(c, tl.broadcast_to(tl.sum(c, axis=1)[:, None, :] + hc_eps, c.shape))
+    tl.store(pre_ptr + rows[:, None] * 4 + a4[None, :], pre, mask=t_ok[:, None])
+    tl.store(post_ptr + rows[:, None] * 4 + a4[None, :], post, mask=t_ok[:, None])
+    tl.store(comb_ptr + rows[:, None, None] * 16 + (a4[:, None] * 4 + a4[None, :])[None, :, :], c,
+             mask=t_ok[:, None, None])
+
+
+# -------------------------------------------------------------------------- boundary kernel
+
+
+@triton.jit
+def _round_bf16(x, EXACT_CAST: tl.constexpr):
+    """fp32 -> the nearest bf16 value (ties to even, NaN kept), returned as fp32.
+
+    Under the CPU interpreter the native fp32 -> bf16 cast truncates, so the rounding is done
+    with integer bit operations there (the result then converts to bf16 exactly)."""
+    if EXACT_CAST:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        quiet_nan = (bits | 0x400000) & -65536
+        rounded = tl.where(x == x, rounded, quiet_nan)
+        return rounded.to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _load_col(ptr, rows, m_ok, stride_t, offset):
+    """One fp32 mix value per row, as a [BM, 1] column."""
+    return tl.load(ptr + rows * stride_t + offset, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+
+
+@triton.jit
+def _post_stream(o: tl.constexpr, y, r0, r1, r2, r3, post_ptr, comb_ptr, rows, m_ok,
+                 stride_pt, stride_pk, stride_ct, stride_ci, stride_cj, EXACT_CAST: tl.constexpr):
+    """bf16-rounded (kept in fp32) ``post[o]*y + c0o*R0 + c1o*R1 + c2o*R2 + c3o*R3``."""
+    acc = _load_col(post_ptr, rows, m_ok, stride_pt, o * stride_pk) * y
+    acc = acc + _load_col(comb_ptr, rows, m_ok, stride_ct, 0 * stride_ci + o * stride_cj) * r0
+    acc = acc + _load_col(comb_ptr, rows, m_ok, stride_ct, 1 * stride_ci + o * stride_cj) * r1
+    acc = acc + _load_col(comb_ptr, rows, m_ok, stride_ct, 2 * stride_ci + o * stride_cj) * r2
+    acc = acc + _load_col(comb_ptr, rows, m_ok, stride_ct, 3 * stride_ci + o * stride_cj) * r3
+    return _round_bf16(acc, EXACT_CAST)
+
+
+@triton.jit
+def _streams(offs_h, y_ptr, r_ptr, post_ptr, comb_ptr, rows, m_ok, H,
+             stride_yt, stride_rt, stride_rs, stride_pt, stride_pk, stride_ct, stride_ci,
+             stride_cj, DO_POST: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """The four (new) residual streams of a [BM, BLOCK] tile, fp32 holding bf16 values."""
+    mask = m_ok[:, None] & (offs_h[None, :] < H)
+    base = r_ptr + rows[:, None] * stride_rt + offs_h[None, :]
+    r0 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    r1 = tl.load(base + stride_rs, mask=mask, other=0.0).to(tl.float32)
+    r2 = tl.load(base + 2 * stride_rs, mask=mask, other=0.0).to(tl.float32)
+    r3 = tl.load(base + 3 * stride_rs, mask=mask, other=0.0).to(tl.float32)
+    if DO_POST:
+        y = tl.load(y_ptr + rows[:, None] * stride_yt + offs_h[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        n0 = _post_stream(0, y, r0, r1, r2, r3, post_ptr, comb_ptr, rows, m_ok,
+                          stride_pt, stride_pk, stride_ct, stride_ci, stride_cj, EXACT_CAST)
+        n1 = _post_stream(1, y, r0, r1, r2, r3, post_ptr, comb_ptr, rows, m_ok,
+                          stride_pt, stride_pk, stride_ct, stride_ci, stride_cj, EXACT_CAST)
+        n2 = _post_stream(2, y, r0, r1, r2, r3, post_ptr, comb_ptr, rows, m_ok,
+                          stride_pt, stride_pk, stride_ct, stride_ci, stride_cj, EXACT_CAST)
+        n3 = _post_stream(3, y, r0, r1, r2, r3, post_ptr, comb_ptr, rows, m_ok,
+                          stride_pt, stride_pk, stride_ct, stride_ci, stride_cj, EXACT_CAST)
+        return n0, n1, n2, n3
+    else:
+        return r0, r1, r2, r3
+
+
+@triton.jit
+def _combine(n0, n1, n2, n3, pre_ptr, rows, m_ok, stride_et, stride_ek, EXACT_CAST: tl.constexpr):
+    """``v = bf16(pre0*n0 + pre1*n1 + pre2*n2 + pre3*n3)`` left to right, kept in fp32."""
+    v = _load_col(pre_ptr, rows, m_ok, stride_et, 0) * n0
+    v = v + _load_col(pre_ptr, rows, m_ok, stride_et, stride_ek) * n1
+    v = v + _load_col(pre_ptr, rows, m_ok, stride_et, 2 * stride_ek) * n2
+    v = v + _load_col(pre_ptr, rows, m_ok, stride_et, 3 * stride_ek) * n3
+    return _round_bf16(v, EXACT_CAST)
+
+
+@triton.jit
+def _boundary_kernel(
+    y_ptr, r_ptr, pre_ptr, post_ptr, comb_ptr, w_ptr,
+    rout_ptr, x_ptr, q_ptr, s_ptr,
+    T, H, eps,
+    stride_yt, stride_rt, stride_rs, stride_et, stride_ek, stride_pt, stride_pk,
+    stride_ct, stride_ci, stride_cj, stride_ot, stride_os, stride_xt, stride_qt,
+    stride_sm, stride_sg,
+    DO_POST: tl.constexpr, DO_NORM: tl.constexpr, STORE_X: tl.constexpr, QUANT: tl.constexpr,
+    BM: tl.constexpr, SLICE: tl.constexpr, BLOCK: tl.constexpr, BLOCK1: tl.constexpr,
+    CHUNKS1: tl.constexpr,
+    GROUP: tl.constexpr, POW2: tl.constexpr, PACKED: tl.constexpr, EXACT_CAST: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    m_ok = offs_m < T
+    rows = offs_m.to(tl.int64)
+    h_begin = tl.program_id(1) * SLICE
+
+    if DO_NORM:
+        # Pass 1: the whole row's sum of squares of v (same code and order in every program).
+        sq = tl.zeros((BM, BLOCK1), dtype=tl.float32)
+        for i in range(0, CHUNKS1):
+            offs_h = i * BLOCK1 + tl.arange(0, BLOCK1)
+            n0, n1, n2, n3 = _streams(offs_h, y_ptr, r_ptr, post_ptr, comb_ptr, rows, m_ok, H,
+                                      stride_yt, stride_rt, stride_rs, stride_pt, stride_pk,
+                                      stride_ct, stride_ci, stride_cj, DO_POST, EXACT_CAST)
+            v = _combine(n0, n1, n2, n3, pre_ptr, rows, m_ok, stride_et, stride_ek, EXACT_CAST)
+            sq += v * v
+        mean = tl.math.div_rn(tl.sum(sq, axis=1), tl.full((BM,), H, tl.float32))
+        rs = tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), tl.sqrt_rn(mean + eps))[:, None]
+
+    # Pass 2: this program's slice.
+    for i in range(0, SLICE, BLOCK):  # columns past H are masked
+        h0 = h_begin + i
+        offs_h = h0 + tl.arange(0, BLOCK)
+        h_ok = offs_h < H
+        mask = m_ok[:, None] & h_ok[None, :]
+        n0, n1, n2, n3 = _streams(offs_h, y_ptr, r_ptr, post_ptr, comb_ptr, rows, m_ok, H,
+                                  stride_yt, stride_rt, stride_rs, stride_pt, stride_pk,
+                                  stride_ct, stride_ci, stride_cj, DO_POST, EXACT_CAST)
+        if DO_POST:
+            out = rout_ptr + rows[:, None] * stride_ot + offs_h[None, :]
+            tl.store(out, n0.to(tl.bfloat16), mask=mask)
+            tl.store(out + stride_os, n1.to(tl.bfloat16), mask=mask)
+            tl.store(out + 2 * stride_os, n2.to(tl.bfloat16), mask=mask)
+            tl.store(out + 3 * stride_os, n3.to(tl.bfloat16), mask=mask)
+        if DO_NORM:
+            v = _combine(n0, n1, n2, n3, pre_ptr, rows, m_ok, stride_et, stride_ek, EXACT_CAST)
+            w = tl.load(w_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)[None, :]
+            x = _round_bf16((v * rs) * w, EXACT_CAST)
+            if STORE_X:
+                tl.store(x_ptr + rows[:, None] * stride_xt + offs_h[None, :], x.to(tl.bfloat16),
+                         mask=mask)
+            if QUANT:
+                xf = tl.where(mask, x, 0.0)
+                data, scale = quantize_tile(xf, BM, BLOCK, GROUP, POW2, EXACT_CAST)
+                tl.store(q_ptr + rows[:, None] * stride_qt + offs_h[None, :], data, mask=mask)
+                store_scale_tile(s_ptr, scale, offs_m, h0 // GROUP, T, tl.cdiv(H, GROUP),
+                                 stride_sm, stride_sg, BLOCK // GROUP, PACKED)
+
+
+# ------------------------------------------------------------------------------ host side
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _target_programs(device: torch.device) -> int:
+    """About two programs per SM on a GPU; a small count on the CPU interpreter."""
+    if device.type == "cuda" and not interpreting():
+        return 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 16
+
+
+def _boundary_config(rows: int, cols: int, device: torch.device) -> dict:
+    """Rows per program, columns per program (a multiple of 128), chunk sizes, grid."""
+    target = _target_programs(device)
+    on_gpu = device.type == "cuda" and not interpreting()
+    bm = 1 if on_gpu else max(1, min(16, triton.next_power_of_2(rows) // 4))
+    row_blocks = cdiv(rows, bm)
+    n128 = cdiv(cols, 128)
+    splits = max(1, min(n128, cdiv(target, row_blocks)))
+    slice_ = cdiv(n128, splits) * 128
+    splits = cdiv(cols, slice_)
+    block = 128
+    while block < 1024 and slice_ % (2 * block) == 0:
+        block *= 2
+    block1 = max(128, min(1024, triton.next_power_of_2(cols)))
+    if bm * block1 > 4096:
+        block1 = max(128, 4096 // bm)
+    return dict(grid=(row_blocks, splits), BM=bm, SLICE=slice_, BLOCK=block, BLOCK1=block1)
+
+
+def _stats_config(rows: int, cols: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BT, BK, chunks per split, splits) for the split-K GEMV over ``cols = 4H``."""
+    bk = 128
+    bt = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    chunks = HC * cdiv(cols // HC, bk)
+    want = max(1, min(chunks, cdiv(_target_programs(device), cdiv(rows, bt))))
+    per_split = cdiv(chunks, want)
+    return bt, bk, per_split, cdiv(chunks, per_split)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return (t.data_ptr(), t.data_ptr())
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _check_tensor(t, name: str, dtypes, shape, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must be {names}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+def _check_residual(residual) -> tuple[int, int]:
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
+    if residual.dtype != torch.bfloat16:
+        raise TypeError(f"residual must be torch.bfloat16, got {residual.dtype}")
+    if residual.dim() != 3 or residual.shape[1] != HC:
+        raise ValueError(f"residual must be [T, {HC}, H], got shape {tuple(residual.shape)}")
+    if residual.numel() and residual.stride(2) != 1:
+        raise ValueError(f"residual must have unit stride along H, got strides {residual.stride()}")
+    return residual.shape[0], residual.shape[2]
+
+
+def _check_rowmajor(t: torch.Tensor, name: str) -> None:
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride along H, got strides {t.stride()}")
+
+
+def _check_mixes(rows: int, device, pre=None, post=None, comb=None) -> None:
+    if pre is not None:
+        _check_tensor(pre, "pre", (torch.float32,), (rows, HC), device)
+    if post is not None:
+        _check_tensor(post, "post", (torch.float32,), (rows, HC), device)
+    if comb is not None:
+        _check_tensor(comb, "comb", (torch.float32,), (rows, HC, HC), device)
+
+
+def _check_weight(norm_weight, cols: int, device) -> None:
+    _check_tensor(norm_weight, "norm_weight", (torch.bfloat16, torch.float32), (cols,), device)
+    if cols and norm_weight.stride(0) != 1:
+        raise ValueError(f"norm_weight must be contiguous, got stride {norm_weight.stride()}")
+
+
+def _prepare_residual_out(out, rows: int, cols: int, device, name: str) -> torch.Tensor:
+    if out is None:
+        return torch.empty((rows, HC, cols), dtype=torch.bfloat16, device=device)
+    _check_tensor(out, name, (torch.bfloat16,), (rows, HC, cols), device)
+    _check_rowmajor(out, name)
+    return out
+
+
+def _prepare_x_out(out_bf16, rows: int, cols: int, device) -> torch.Tensor:
+    if out_bf16 is None:
+        return torch.empty((rows, cols), dtype=torch.bfloat16, device=device)
+    _check_tensor(out_bf16, "out_bf16", (torch.bfloat16,), (rows, cols), device)
+    _check_rowmajor(out_bf16, "out_bf16")
+    return out_bf16
+
+
+def _resolve_format(out_format, out) -> ActFormat | None:
+    if out_format is None and out is not None:
+        if not isinstance(out, QuantizedActivation):
+            raise TypeError(f"out must be a QuantizedActivation, got {type(out).__name__}")
+        return out.fmt
+    return ActFormat(out_format) if out_format is not None else None
+
+
+def _no_overlap(outputs, inputs) -> None:
+    for oname, o in outputs:
+        for iname, i in inputs:
+            if o is not None and i is not None and _overlaps(o, i):
+                raise ValueError(f"{oname} overlaps {iname}: this kernel reads whole rows of its "
+                                 f"inputs while other programs write, so it cannot run in place")
+
+
+def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
+    return tuple(t.stride()) if t is not None else (0,) * n
+
+
+def _launch(y, residual, pre, post, comb, norm_weight, norm_eps, new_residual, x, pair, fmt,
+            *, do_post: bool, do_norm: bool, store_x: bool) -> None:
+    """One boundary launch; absent tensors are replaced by ``residual`` (never dereferenced)."""
+    rows, _, cols = residual.shape
+    cfg = _boundary_config(rows, cols, residual.device)
+    quant = pair is not None
+    q_data, q_scale = (pair.data, pair.scale) if quant else (None, None)
+
+    def ptr(t):
+        return t if t is not None else residual
+
+    consts = format_constexprs(fmt if fmt is not None else ActFormat.SM90_G32_FP32_MN)
+    _boundary_kernel[cfg["grid"]](
+        ptr(y), residual, ptr(pre), ptr(post), ptr(comb), ptr(norm_weight),
+        ptr(new_residual), ptr(x), ptr(q_data), ptr(q_scale),
+        rows, cols, float(norm_eps),
+        _strides(y, 2)[0], residual.stride(0), residual.stride(1), *_strides(pre, 2),
+        *_strides(post, 2), *_strides(comb, 3), *_strides(new_residual, 3)[:2],
+        _strides(x, 2)[0], _strides(q_data, 2)[0], *_strides(q_scale, 2),
+        DO_POST=do_post, DO_NORM=do_norm, STORE_X=store_x, QUANT=quant,
+        BM=cfg["BM"], SLICE=cfg["SLICE"], BLOCK=cfg["BLOCK"], BLOCK1=cfg["BLOCK1"],
+        CHUNKS1=cdiv(cols, cfg["BLOCK1"]),
+        num_warps=4, enable_fp_fusion=False, **consts,
+    )
+
+
+# --------------------------------------------------------------------------------- public
+
+
+def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+              *, rms_eps: float = 1e-6, hc_eps: float = 1e-6, sinkhorn_iters: int = 20):
+    """``residual [T, 4, H]`` bf16 -> fp32 ``(pre [T, 4], post [T, 4], comb [T, 4, 4])``.
+
+    ``fn [24, 4H]``, ``scale [3]``, ``base [24]`` fp32 (REFERENCE.md section 5). Two launches.
+    """
+    rows, cols = _check_residual(residual)
+    device = residual.device
+    _check_tensor(fn, "fn", (torch.float32,), (NMIX, HC * cols), device)
+    if fn.numel() and fn.stride(1) != 1:
+        raise ValueError(f"fn must have unit stride along 4H, got strides {fn.stride()}")
+    _check_tensor(scale, "scale", (torch.float32,), (3,), device)
+    _check_tensor(base, "base", (torch.float32,), (NMIX,), device)
+    if int(sinkhorn_iters) < 1:
+        raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+    pre = torch.empty((rows, HC), dtype=torch.float32, device=device)
+    post = torch.empty((rows, HC), dtype=torch.float32, device=device)
+    comb = torch.empty((rows, HC, HC), dtype=torch.float32, device=device)
+    if rows == 0:
+        return pre, post, comb
+    if cols == 0:
+        raise ValueError("residual has H = 0")
+    scale = scale.contiguous()
+    base = base.contiguous()
+    bt, bk, per_split, splits = _stats_config(rows, HC * cols, device)
+    np_ = triton.next_power_of_2(NMIX)
+    part = torch.empty((splits, rows, np_), dtype=torch.float32, device=device)
+    sq = torch.empty((splits, rows), dtype=torch.float32, device=device)
+    _stats_partial_kernel[(cdiv(rows, bt), splits)](
+        residual, fn, part, sq, rows, cols, residual.stride(0), residual.stride(1), fn.stride(0),
+        per_split, NMIX=NMIX, NP=np_, BT=bt, BK=bk, UPCAST_DOT=interpreting(), num_warps=4,
+    )
+    bt2 = 16
+    _stats_finish_kernel[(cdiv(rows, bt2),)](
+        part, sq, scale, base, pre, post, comb, rows, HC * cols, float(rms_eps), float(hc_eps),
+        NSPLIT=splits, SINKHORN_ITERS=int(sinkhorn_iters), NP=np_, BT=bt2, num_warps=4,
+    )
+    return pre, post, comb
+
+
+def mhc_post(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+             *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``R'[o] = bf16(post[o]*y + sum_i comb[i][o]*R[i])`` ``[T, 4, H]`` bf16.
+
+    ``out`` may be ``residual`` itself (every element is read and written by the same program).
+    """
+    rows, cols = _check_residual(residual)
+    device = residual.device
+    _check_tensor(y, "y", (torch.bfloat16,), (rows, cols), device)
+    _check_rowmajor(y, "y")
+    _check_mixes(rows, device, post=post, comb=comb)
+    same = (out is not None and isinstance(out, torch.Tensor) and out.data_ptr() == residual.data_ptr()
+            and out.stride() == residual.stride() and out.shape == residual.shape)
+    out = _prepare_residual_out(out, rows, cols, device, "out")
+    inputs = [("y", y)] if same else [("y", y), ("residual", residual)]
+    _no_overlap([("out", out)], inputs)
+    if rows == 0 or cols == 0:
+        return out
+    _launch(y, residual, None, post, comb, None, 0.0, out, None, None, None,
+            do_post=True, do_norm=False, store_x=False)
+    return out
+
+
+def mhc_combine_norm(residual: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor,
+                     norm_eps: float, *, out_format=None, out: QuantizedActivation | None = None,
+                     out_bf16: torch.Tensor | None = None, return_bf16: bool = True):
+    """``x = bf16(RMSNorm(bf16(sum_k pre[k]*R[k]), norm_weight))`` ``[T, H]``.
+
+    Returns ``x``; ``(x, pair)`` with ``out_format`` (or ``out``); only ``pair`` with
+    ``return_bf16=False`` (``x`` is then still written when ``out_bf16`` is given). Used for
+    layer 0 (with a given ``pre``) and for the model's final norm.
+    """
+    rows, cols = _check_residual(residual)
+    device = residual.device
+    _check_mixes(rows, device, pre=pre)
+    _check_weight(norm_weight, cols, device)
+    fmt = _resolve_format(out_format, out)
+    if not return_bf16 and fmt is None:
+        raise ValueError("return_bf16=False needs an out_format (or out pair)")
+    pair = prepare_out(out, rows, cols, fmt, device) if fmt is not None else None
+    store_x = return_bf16 or out_bf16 is not None
+    x = _prepare_x_out(out_bf16, rows, cols, device) if store_x else None
+    _no_overlap([("out_bf16", x)] + ([("out.data", pair.data), ("out.scale", pair.scale)] if pair else []),
+                [("residual", residual), ("pre", pre), ("norm_weight", norm_weight)])
+    if rows and cols:
+        _launch(None, residual, pre, None, None, norm_weight, norm_eps, None, x, pair, fmt,
+                do_post=False, do_norm=True, store_x=store_x)
+    if fmt is None:
+        return x
+    return (x, pair) if return_bf16 else pair
+
+
+def mhc_mega_boundary(y: torch.Tensor, residual: torch.Tensor, pre: torch.Tensor,
+                      post: torch.Tensor, comb: torch.Tensor, norm_weight: torch.Tensor,
+                      norm_eps: float, *, out_format=None, out_residual: torch.Tensor | None = None,
+                      out: QuantizedActivation | None = None, out_bf16: torch.Tensor | None = None,
+                      return_bf16: bool = True):
+    """One launch: ``R' = post(y, R, post, comb)`` of the finished sublayer, then the next
+    sublayer's ``x = bf16(RMSNorm(bf16(sum_k pre[k]*R'[k]), norm_weight))`` with the carried
+    ``pre``, and the FP8 pair of ``x`` in ``out_format``.
+
+    Returns ``(R', x, pair)``: ``x`` is None when ``return_bf16=False`` (still written into
+    ``out_bf16`` when given), ``pair`` None without ``out_format``/``out``. Writes into
+    ``out_residual`` / ``out_bf16`` / ``out`` when given (CUDA graphs); they must not overlap
+    the inputs.
+    """
+    rows, cols = _check_residual(residual)
+    device = residual.device
+    _check_tensor(y, "y", (torch.bfloat16,), (rows, cols), device)
+    _check_rowmajor(y, "y")
+    _check_mixes(rows, device, pre=pre, post=post, comb=comb)
+    _check_weight(norm_weight, cols, device)
+    fmt = _resolve_format(out_format, out)
+    pair = prepare_out(out, rows, cols, fmt, device) if fmt is not None else None
+    new_residual = _prepare_residual_out(out_residual, rows, cols, device, "out_residual")
+    store_x = return_bf16 or out_bf16 is not None
+    x = _prepare_x_out(out_bf16, rows, cols, device) if store_x else None
+    outputs = [("out_residual", new_residual), ("out_bf16", x)]
+    if pair is not None:
+        outputs += [("out.data", pair.data), ("out.scale", pair.scale)]
+    _no_overlap(outputs, [("y", y), ("residual", residual), ("pre", pre), ("post", post),
+                          ("comb", comb), ("norm_weight", norm_weight)])
+    _no_overlap([("out_residual", new_residual)], [("out_bf16", x)])
+    if rows and cols:
+        _launch(y, residual, pre, post, comb, norm_weight, norm_eps, new_residual, x, pair, fmt,
+                do_post=True, do_norm=True, store_x=store_x)
+    return new_residual, (x if return_bf16 else None), pair
