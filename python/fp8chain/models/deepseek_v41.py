@@ -112,7 +112,8 @@ class DeepseekV41Config:
         """From a HF ``config.json`` dict; unknown keys go to ``extra``."""
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in d.items() if k in names}
-        extra = {k: v for k, v in d.items() if k not in names}
+        identity = ("architectures", "model_type", "extra")  # to_dict writes these itself
+        extra = {k: v for k, v in d.items() if k not in names and k not in identity}
         extra.update(d.get("extra", {}) or {})
         if "quantization_config" in kwargs and kwargs["quantization_config"] is not None:
             kwargs["quantization_config"] = dict(kwargs["quantization_config"])

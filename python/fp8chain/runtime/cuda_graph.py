@@ -1,0 +1,94 @@
+"""CUDA-graph capture of the decode step for a set of batch buckets (GPU only).
+
+Static input buffers (token ids, positions, KV slots) are allocated once for the largest
+bucket; bucket ``b`` is captured on their first ``b`` rows, so every graph reads the same
+storage and a replay only needs the new step's values copied in. Rows past the live batch are
+padding: token 0 at position 0 in the engine's scratch slot, so their KV writes never touch a
+live sequence. Every bucket runs eagerly first (Triton compiles outside capture; the layers'
+registered warmups run too), then graphs are captured from the largest bucket down, sharing
+one memory pool. Outputs are the logits tensors the captured forward produced (static too):
+``run`` returns a view of them, valid until the next replay.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["DecodeGraphRunner"]
+
+
+class DecodeGraphRunner:
+    def __init__(self, model, kv_caches: list[torch.Tensor], batch_sizes: Sequence[int], *,
+                 scratch_slot: int):
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.batch_sizes = sorted({int(b) for b in batch_sizes})
+        if not self.batch_sizes or self.batch_sizes[0] < 1:
+            raise ValueError(f"batch buckets must be positive, got {list(batch_sizes)}")
+        self.scratch_slot = int(scratch_slot)
+        self.device = model.embed.weight.device
+        self.chain = bool(model.chain)
+        cap = self.batch_sizes[-1]
+        self.input_ids = torch.zeros(cap, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(cap, dtype=torch.long, device=self.device)
+        self.slots = torch.full((cap,), self.scratch_slot, dtype=torch.long, device=self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0
+
+    def _forward(self, b: int) -> torch.Tensor:
+        return self.model(self.input_ids[:b], self.positions[:b], self.slots[:b], self.kv_caches)
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        from ..layers.warmup import warmup
+
+        if bool(self.model.chain) != self.chain:
+            raise RuntimeError("model.chain changed between construction and capture")
+        warmup(self.model, self.batch_sizes)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for b in self.batch_sizes:  # compile every specialization outside capture
+                for _ in range(2):
+                    self._forward(b)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        pool = None
+        for b in reversed(self.batch_sizes):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._forward(b)
+            pool = graph.pool()
+            self.graphs[b] = graph
+            self.outputs[b] = out
+        torch.cuda.synchronize()
+
+    def bucket(self, rows: int) -> int:
+        for b in self.batch_sizes:
+            if b >= rows:
+                return b
+        raise ValueError(f"{rows} rows exceed the largest captured bucket {self.batch_sizes[-1]}")
+
+    @torch.no_grad()
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Replay the bucket for ``len(tokens)`` rows; fp32 logits ``[rows, V]`` (a view)."""
+        if bool(self.model.chain) != self.chain:
+            raise RuntimeError("these graphs were captured with chain="
+                               f"{self.chain}; the model now has chain={self.model.chain}")
+        rows = tokens.shape[0]
+        b = self.bucket(rows)
+        self.input_ids[:rows].copy_(tokens)
+        self.positions[:rows].copy_(positions)
+        self.slots[:rows].copy_(slots)
+        if b > rows:
+            self.input_ids[rows:b].zero_()
+            self.positions[rows:b].zero_()
+            self.slots[rows:b].fill_(self.scratch_slot)
+        self.graphs[b].replay()
+        self.replays += 1
+        return self.outputs[b][:rows]

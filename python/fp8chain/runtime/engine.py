@@ -1,0 +1,148 @@
+"""A small serving loop for the DSv4.1 model: batched prefill + greedy decode over a KV cache.
+
+The KV cache is one latent ``[slots, max_len, head_dim]`` bf16 tensor per layer; sequence ``i``
+of a batch owns slot ``i``, and one extra *scratch* slot takes the writes of padding rows
+(CUDA-graph buckets larger than the batch), so they never touch a live sequence. Prefill runs
+all prompts as one flat token block; each decode step runs one token per sequence, eagerly or
+by replaying the CUDA graph captured for the smallest batch bucket that fits
+(``runtime.cuda_graph``). The model's ``chain`` switch is read at every step; captured graphs
+are kept per chain state, since the captured kernels differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["Engine", "GenerationResult"]
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]        # generated tokens per prompt (prompt excluded)
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    graphs: bool                   # decode steps replayed CUDA graphs
+    chain: bool
+
+
+class Engine:
+    """Greedy generation for a batch of prompts with ``DeepseekV41ForCausalLM``.
+
+    Args:
+        model: the model (weights loaded), on the device it runs on.
+        max_batch: most sequences per ``generate`` call.
+        max_len: most positions per sequence (prompt + generated).
+        cuda_graphs: replay captured decode graphs (CUDA only); ``graph_batch_sizes`` are the
+            buckets captured (default 1, 2, 4, ... up to ``max_batch``).
+    """
+
+    def __init__(self, model, *, max_batch: int = 8, max_len: int = 256, cuda_graphs: bool = False,
+                 graph_batch_sizes: Sequence[int] | None = None):
+        self.model = model
+        self.device = model.embed.weight.device
+        self.max_batch = int(max_batch)
+        self.max_len = int(max_len)
+        self.scratch_slot = self.max_batch
+        self.kv_caches = model.make_kv_cache(self.max_batch + 1, self.max_len, self.device)
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        self.cuda_graphs = bool(cuda_graphs)
+        if graph_batch_sizes is None:
+            graph_batch_sizes, b = [], 1
+            while b < self.max_batch:
+                graph_batch_sizes.append(b)
+                b *= 2
+            graph_batch_sizes.append(self.max_batch)
+        self.graph_batch_sizes = sorted({int(b) for b in graph_batch_sizes if 0 < int(b) <= self.max_batch})
+        self._runners: dict[bool, object] = {}
+        #: called after every forward (prefill and each decode step) with ("prefill"|"decode", rows)
+        self.step_hook: Callable[[str, int], None] | None = None
+
+    @property
+    def chain(self) -> bool:
+        return bool(self.model.chain)
+
+    def graph_runner(self):
+        """The decode graph runner of the current chain state (captured on first use)."""
+        from .cuda_graph import DecodeGraphRunner
+
+        key = self.chain
+        runner = self._runners.get(key)
+        if runner is None:
+            runner = DecodeGraphRunner(self.model, self.kv_caches, self.graph_batch_sizes,
+                                       scratch_slot=self.scratch_slot)
+            runner.capture()
+            self._runners[key] = runner
+        return runner
+
+    def drop_graphs(self) -> None:
+        """Forget captured graphs (e.g. after a reload that rebound storage)."""
+        self._runners.clear()
+
+    # ---- steps -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Run every prompt (sequence ``i`` in slot ``i``); fp32 logits of each last token ``[B, V]``."""
+        dev = self.device
+        lens = [len(p) for p in prompts]
+        if any(n == 0 for n in lens):
+            raise ValueError("empty prompt")
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        slots = torch.cat([torch.full((n,), i, dtype=torch.long, device=dev) for i, n in enumerate(lens)])
+        last = torch.tensor(lens, device=dev).cumsum(0) - 1
+        logits = self.model(ids, positions, slots, self.kv_caches, logits_indices=last)
+        if self.step_hook is not None:
+            self.step_hook("prefill", int(ids.numel()))
+        return logits
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token per sequence (sequence ``i`` in slot ``i``) -> fp32 logits ``[B, V]``."""
+        b = tokens.shape[0]
+        slots = torch.arange(b, device=self.device)
+        if self.cuda_graphs and b <= max(self.graph_batch_sizes, default=0):
+            logits = self.graph_runner().run(tokens, positions, slots)
+        else:
+            logits = self.model(tokens, positions, slots, self.kv_caches)
+        if self.step_hook is not None:
+            self.step_hook("decode", b)
+        return logits
+
+    # ---- generation --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> GenerationResult:
+        """Greedy ``max_new_tokens`` tokens for each prompt."""
+        b = len(prompts)
+        if not 0 < b <= self.max_batch:
+            raise ValueError(f"batch of {b} prompts; this engine takes 1..{self.max_batch}")
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens > self.max_len:
+            raise ValueError(f"prompt {longest} + {max_new_tokens} new tokens > max_len {self.max_len}")
+        if max_new_tokens <= 0:
+            return GenerationResult([[] for _ in prompts], 0.0, 0.0, 0, self.cuda_graphs, self.chain)
+        if self.cuda_graphs:
+            self.graph_runner()  # capture before timing
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        next_tokens = self.prefill(prompts).argmax(dim=-1)
+        sync()
+        t1 = time.perf_counter()
+        generated = [next_tokens]
+        positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
+        for _ in range(max_new_tokens - 1):
+            next_tokens = self.decode(next_tokens, positions).argmax(dim=-1)
+            generated.append(next_tokens)
+            positions = positions + 1
+        sync()
+        t2 = time.perf_counter()
+        tokens = torch.stack(generated, dim=1).cpu().tolist()
+        return GenerationResult(tokens, t1 - t0, t2 - t1, max_new_tokens - 1, self.cuda_graphs, self.chain)

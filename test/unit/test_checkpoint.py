@@ -1,0 +1,170 @@
+"""DSv4.1 checkpoints: layout, random writer, reader, MXFP4/FP8 weight encodings, model loading."""
+
+import json
+
+import pytest
+import torch
+
+from fp8chain.layers.moe import E2M1_VALUES, dequantize_mxfp4, quantize_mxfp4
+from fp8chain.models.checkpoint import (
+    INDEX_FILE, checkpoint_layout, load_checkpoint, load_state_dict, quantize_fp8_blockwise,
+    random_checkpoint_tensors, write_random_checkpoint,
+)
+from fp8chain.models.deepseek_v41 import DeepseekV41Config
+from fp8chain_kernel.formats import FP8_DTYPE
+from fp8chain_kernel.reference import dequantize_weight
+
+pytestmark = pytest.mark.cpu
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return DeepseekV41Config.tiny()
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory, tiny):
+    path = tmp_path_factory.mktemp("ckpt")
+    write_random_checkpoint(path, tiny, seed=7)
+    return path
+
+
+def test_layout_names_dtypes_shapes(tiny):
+    layout = checkpoint_layout(tiny)
+    e, h, i = tiny.n_routed_experts, tiny.hidden_size, tiny.moe_intermediate_size
+    per_layer = 2 + 6 + 5 * 2 + 3 + 2 + 3 * 2 + e * 3 * 2
+    assert len(layout) == 3 + tiny.num_hidden_layers * per_layer
+    assert layout["embed.weight"] == ((tiny.vocab_size, h), torch.bfloat16, "embed")
+    assert layout["head.weight"].shape == (tiny.vocab_size, h)
+    assert layout["layers.1.attn.wq_a.weight"].shape == (tiny.q_lora_rank, h)
+    assert layout["layers.1.attn.wq_a.weight"].dtype == FP8_DTYPE
+    assert layout["layers.1.attn.wkv.weight_scale_inv"] == ((tiny.kv_dim // 32, h // 32), torch.float32,
+                                                            "fp8_scale")
+    assert layout["layers.0.attn.wo_a.weight"].shape == (tiny.o_groups * tiny.o_lora_rank, tiny.o_group_dim)
+    assert layout["layers.0.hc_attn_fn"] == ((24, 4 * h), torch.float32, "hc_fn")
+    assert layout["layers.0.hc_ffn_base"].shape == (24,) and layout["layers.0.hc_ffn_scale"].shape == (3,)
+    assert layout["layers.0.ffn.gate.weight"].dtype == torch.bfloat16
+    assert layout["layers.0.ffn.experts.7.w1.weight"] == ((i, h // 2), torch.uint8, "mxfp4")
+    assert layout["layers.0.ffn.experts.7.w2.scale"] == ((h, i // 32), torch.float8_e8m0fnu, "mxfp4_scale")
+    assert layout["layers.0.ffn.shared_experts.w2.weight"].shape == (h, i)
+
+
+def test_round_trip_names_dtypes_shapes(written, tiny):
+    config, it = load_checkpoint(written)
+    assert config == tiny
+    tensors = dict(it)
+    layout = checkpoint_layout(tiny)
+    assert set(tensors) == set(layout)
+    for name, spec in layout.items():
+        assert tuple(tensors[name].shape) == spec.shape, name
+        assert tensors[name].dtype == spec.dtype, name
+    index = json.loads((written / INDEX_FILE).read_text())
+    assert set(index["weight_map"]) == set(layout)
+    assert len(set(index["weight_map"].values())) == tiny.num_hidden_layers
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert json.loads((written / "config.json").read_text())["quantization_config"]["weight_block_size"] == [32, 32]
+
+
+def test_deterministic_from_seed(written, tiny, tmp_path):
+    _, first = load_state_dict(written)
+    again = dict(random_checkpoint_tensors(tiny, seed=7))
+    other = dict(random_checkpoint_tensors(tiny, seed=8))
+    for name, t in first.items():
+        assert torch.equal(t.view(torch.uint8), again[name].view(torch.uint8)), name
+    differs = [n for n, t in first.items() if not torch.equal(t.view(torch.uint8), other[n].view(torch.uint8))]
+    assert len(differs) > 0.9 * len(first)
+
+
+def test_weights_are_sane(written, tiny):
+    _, t = load_state_dict(written)
+    for name, x in t.items():
+        if name.endswith("weight_scale_inv"):  # power-of-two, positive, finite
+            assert torch.isfinite(x).all() and (x > 0).all(), name
+            assert ((x.view(torch.int32) & 0x7FFFFF) == 0).all(), name
+    w = dequantize_weight(t["layers.0.attn.wq_b.weight"], t["layers.0.attn.wq_b.weight_scale_inv"], 32)
+    std = w.std().item() * tiny.q_lora_rank ** 0.5
+    assert 0.8 < std < 1.2  # ~ 1/sqrt(fan_in)
+    e = dequantize_mxfp4(t["layers.1.ffn.experts.3.w1.weight"], t["layers.1.ffn.experts.3.w1.scale"])
+    assert 0.7 < e.std().item() * tiny.hidden_size ** 0.5 < 1.3
+    assert torch.isfinite(t["layers.0.hc_attn_fn"]).all()
+
+
+def test_mxfp4_encoding_roundtrip():
+    values = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES[1:]) + (0.0,) * 17)
+    w = torch.stack([values * 2.0 ** e for e in (-3, 0, 5)])  # exactly representable rows [3, 32]
+    packed, scale = quantize_mxfp4(w)
+    assert packed.shape == (3, 16) and packed.dtype == torch.uint8 and scale.shape == (3, 1)
+    assert torch.equal(dequantize_mxfp4(packed, scale), w)
+    assert torch.equal(dequantize_mxfp4(packed, scale.view(torch.float8_e8m0fnu)), w)
+    # nibble order: element 2j in the low nibble of byte j
+    one = torch.zeros(1, 32)
+    one[0, 0], one[0, 1] = 1.0, -6.0
+    p, s = quantize_mxfp4(one)
+    assert int(s[0, 0]) == 127 and int(p[0, 0]) == (0x2 | (0xF << 4))
+    # random: within half an e2m1 step of the block's scale
+    x = torch.randn(64, 128)
+    p, s = quantize_mxfp4(x)
+    err = (dequantize_mxfp4(p, s) - x).abs()
+    step = (s.to(torch.int32) - 127).float().exp2().repeat_interleave(32, dim=1)
+    assert (err <= step + 1e-6).all()  # largest e2m1 gap is 2 (between 4 and 6): half is 1 * scale
+
+
+def test_fp8_blockwise_encoding():
+    w = torch.randn(64, 96) * 0.05
+    data, scale = quantize_fp8_blockwise(w, (32, 32))
+    assert data.dtype == FP8_DTYPE and scale.shape == (2, 3)
+    deq = dequantize_weight(data, scale, 32)
+    assert ((deq - w).abs() <= w.abs() * 2 ** -3 + 1e-6).all()
+    blocks = deq.reshape(2, 32, 3, 32).abs().amax(dim=(1, 3))
+    assert (blocks <= 448 * scale).all() and (blocks > 224 * scale).all()
+
+
+def test_model_reads_the_checkpoint_back(written, tiny):
+    from fp8chain.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    config, it = load_checkpoint(written)
+    model = DeepseekV41ForCausalLM(config)
+    loaded = model.load_weights(it)
+    _, t = load_state_dict(written)
+    assert loaded == set(t)
+    attn = model.layers[1].attn
+    assert torch.equal(attn.wqkv_a.weight.view(torch.uint8), torch.cat(
+        [t["layers.1.attn.wq_a.weight"], t["layers.1.attn.wkv.weight"]]).view(torch.uint8))
+    assert torch.equal(attn.wqkv_a.weight_scale_inv, torch.cat(
+        [t["layers.1.attn.wq_a.weight_scale_inv"], t["layers.1.attn.wkv.weight_scale_inv"]]))
+    wo_a = dequantize_weight(t["layers.1.attn.wo_a.weight"], t["layers.1.attn.wo_a.weight_scale_inv"], 32)
+    assert torch.equal(attn.wo_a, wo_a.view(attn.wo_a.shape).bfloat16())
+    shared = model.layers[0].ffn.shared_experts
+    assert torch.equal(shared.gate_up.weight.view(torch.uint8), torch.cat(
+        [t["layers.0.ffn.shared_experts.w1.weight"], t["layers.0.ffn.shared_experts.w3.weight"]]).view(torch.uint8))
+    assert torch.equal(shared.down.weight_scale_inv, t["layers.0.ffn.shared_experts.w2.weight_scale_inv"])
+    experts = model.layers[0].ffn.experts
+    i = tiny.moe_intermediate_size
+    assert torch.equal(experts.w13_weight[5, i:], t["layers.0.ffn.experts.5.w3.weight"])
+    assert torch.equal(experts.w2_scale[2], t["layers.0.ffn.experts.2.w2.scale"].view(torch.uint8))
+    assert torch.equal(experts.w13_dequant[5, :i].float(), dequantize_mxfp4(
+        t["layers.0.ffn.experts.5.w1.weight"], t["layers.0.ffn.experts.5.w1.scale"]))
+    assert torch.equal(model.layers[1].hc_ffn.fn, t["layers.1.hc_ffn_fn"])
+    assert torch.equal(model.head.weight, t["head.weight"])
+    for name, linear in model.fp8_linears().items():
+        assert linear.input_format is not None, name  # every request honoured
+
+
+def test_reload_keeps_storage_and_rejects_bad_names(written, tiny):
+    from fp8chain.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    config, it = load_checkpoint(written)
+    model = DeepseekV41ForCausalLM(config)
+    model.load_weights(it)
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    ptrs.update({n: b.data_ptr() for n, b in model.named_buffers()})
+    other = dict(random_checkpoint_tensors(tiny, seed=99))
+    model.load_weights(other.items())
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == {n: ptrs[n] for n, _ in model.named_parameters()}
+    assert all(b.data_ptr() == ptrs[n] for n, b in model.named_buffers())
+    assert torch.equal(model.embed.weight, other["embed.weight"])
+    with pytest.raises(KeyError):
+        model.load_weights([("layers.0.attn.nonsense.weight", torch.zeros(1))])
+    partial = [(n, t) for n, t in other.items() if n != "layers.1.attn.wkv.weight"]
+    with pytest.raises(ValueError):
+        model.load_weights(partial)

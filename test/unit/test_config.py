@@ -1,0 +1,83 @@
+"""DeepseekV41Config: from a HF config.json dict, presets, validation (CPU, no kernels run)."""
+
+import json
+
+import pytest
+
+from fp8chain.models.deepseek_v41 import DeepseekV41Config
+
+pytestmark = pytest.mark.cpu
+
+
+def test_flash_preset_matches_reference_dimensions():
+    c = DeepseekV41Config.flash()
+    assert (c.hidden_size, c.hc_mult, c.num_attention_heads, c.head_dim) == (5120, 4, 64, 512)
+    assert (c.qk_rope_head_dim, c.qk_nope_head_dim, c.q_lora_rank) == (64, 448, 1280)
+    assert (c.o_groups, c.o_lora_rank, c.o_group_dim) == (8, 1024, 4096)
+    assert (c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (256, 6, 2304)
+    assert (c.num_hidden_layers, c.vocab_size, c.routed_scaling_factor) == (43, 129280, 1.5)
+    assert (c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, c.hc_mix) == (20, 1e-6, 1e-6, 24)
+    assert c.weight_block_size == (32, 32)
+    assert c.quantization_config["scale_fmt"] == "ue8m0"
+    shapes = c.fp8_linear_shapes()
+    assert shapes["attn.wq_a"][0] + shapes["attn.wkv"][0] == 1792  # fused wqkv_a [1792, 5120]
+    assert shapes["attn.wq_b"] == (64 * 512, 1280)
+    assert shapes["attn.wo_b"] == (5120, 8192)
+    assert shapes["ffn.shared_experts.w1"] == (2304, 5120)
+    assert shapes["ffn.shared_experts.w2"] == (5120, 2304)
+
+
+def test_tiny_preset_keeps_the_structure():
+    c = DeepseekV41Config.tiny()
+    assert c.hc_mult == 4 and c.o_groups == 2 and c.num_attention_heads == 2
+    assert c.head_dim == 128 and c.qk_rope_head_dim == 64 and c.kv_dim == 128
+    assert c.n_routed_experts == 8 and c.num_experts_per_tok == 2
+    for name, (n, k) in c.fp8_linear_shapes().items():
+        assert k % 128 == 0 and n % 32 == 0, name
+    assert DeepseekV41Config.tiny(num_hidden_layers=3).num_hidden_layers == 3
+
+
+def test_from_dict_roundtrip_and_unknown_keys(tmp_path):
+    d = DeepseekV41Config.tiny().to_dict()
+    assert d["model_type"] == "deepseek_v4" and d["architectures"] == ["DeepseekV4ForCausalLM"]
+    d["compress_ratios"] = [0, 4]
+    d["index_topk"] = 512
+    c = DeepseekV41Config.from_dict(d)
+    assert c == DeepseekV41Config.from_dict(c.to_dict())
+    assert c.extra["compress_ratios"] == [0, 4] and c.extra["index_topk"] == 512
+    assert c.to_dict()["compress_ratios"] == [0, 4]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(c.to_dict()))
+    assert DeepseekV41Config.from_json(path) == c
+
+
+def test_from_hf_style_dict_overrides_defaults():
+    hf = {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+        "vocab_size": 1024, "hidden_size": 512, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 128, "qk_rope_head_dim": 64, "q_lora_rank": 256,
+        "o_groups": 2, "o_lora_rank": 128, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "moe_intermediate_size": 256, "routed_scaling_factor": 2.5, "swiglu_limit": 7.0,
+        "hc_mult": 4, "hc_sinkhorn_iters": 10, "rope_theta": 50000.0,
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [32, 32],
+                                "scale_fmt": "ue8m0", "activation_scheme": "dynamic"},
+    }
+    c = DeepseekV41Config.from_dict(hf)
+    assert (c.hidden_size, c.num_hidden_layers, c.o_group_dim) == (512, 3, 256)
+    assert (c.routed_scaling_factor, c.swiglu_limit, c.hc_sinkhorn_iters) == (2.5, 7.0, 10)
+    assert c.rope_theta == 50000.0 and c.extra == {}
+
+
+@pytest.mark.parametrize("bad", [
+    dict(num_attention_heads=3),            # heads not a multiple of o_groups
+    dict(hidden_size=200),                  # K not a multiple of 128
+    dict(q_lora_rank=96),                   # wq_b K = 96
+    dict(moe_intermediate_size=80),
+    dict(hc_mult=2),                        # the mHC kernels run 4 streams
+    dict(num_experts_per_tok=9),
+    dict(qk_rope_head_dim=63),
+    dict(scoring_func="softmax"),
+])
+def test_validation_rejects_unsupported_structures(bad):
+    with pytest.raises(ValueError):
+        DeepseekV41Config.tiny(**bad)
