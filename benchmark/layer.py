@@ -1,0 +1,250 @@
+"""One DSv4.1 decoder layer's attention sublayer + shared expert, chain on vs off vs a compiled peer.
+
+Per decode step (M tokens, each with a ``--context``-token KV cache) the timed unit is:
+mHC stats -> attention (wqkv_a, q_norm, wq_b, MQA core, inverse RoPE, wo_a einsum, wo_b) ->
+mHC boundary -> mHC stats -> shared expert (gate_up, SiLU*mul, down) -> mHC boundary (which
+writes the next layer's wqkv_a input). Routed experts are not in the unit.
+
+Arms, timed in one process with CUDA-graph replay (median):
+- ``chained``: every producer writes the FP8 pair its consumer reads (no quantize launches);
+- ``unchained``: producers write bf16, every FP8 linear quantizes its own input (Hopper upstream);
+- ``compiled_peer``: the same unit in plain torch ops with cuBLAS blockwise FP8 GEMMs
+  (128x128 weight blocks, a torch-composed quantize before each), ``torch.compile``d;
+- ``floor``: weight bytes of the unit / copy bandwidth measured in the same run.
+Launches and quantize launches per step come from torch.profiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
+
+from fp8chain.bench import harness  # noqa: E402
+from fp8chain.layers.mhc import mhc_boundary  # noqa: E402
+from fp8chain.layers.quantization.fp8 import Fp8Config  # noqa: E402
+from fp8chain.models.deepseek_v41 import (  # noqa: E402
+    DeepseekV41Config, DeepseekV41DecoderLayer, _chain_format, apply_rope, attention_core, rope_cos_sin,
+)
+from fp8chain_kernel import quant, reference  # noqa: E402
+from fp8chain_kernel.formats import FP8_DTYPE, ActFormat  # noqa: E402
+
+ROWS = [1, 4, 16, 64, 256]
+PREFILL = 2048
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rows", nargs="+", type=int, default=ROWS, help="decode batch sizes M")
+    parser.add_argument("--prefill", type=int, default=PREFILL, help="prefill tokens (0: skip)")
+    parser.add_argument("--context", type=int, default=1024, help="KV-cache length per token")
+    parser.add_argument("--shapes", nargs="+", default=["tp1", "tp4"], choices=["tp1", "tp4"],
+                        help="TP1 dims, or one TP4 rank's attention shard (16 heads, 2 o-groups)")
+    parser.add_argument("--no-peer", action="store_true", help="skip the torch.compile peer")
+    parser.add_argument("--quick", action="store_true", help="M in {1, 16, 64}, no prefill, TP1 only")
+    parser.add_argument("--iters", type=int, default=20, help="steps per captured graph")
+
+
+def layer_config(shapes: str, tiny: bool = False) -> DeepseekV41Config:
+    overrides = dict(n_routed_experts=8, num_experts_per_tok=2)  # routed experts not timed
+    if shapes == "tp4":
+        overrides.update(num_attention_heads=16, o_groups=2)
+    return DeepseekV41Config.tiny(**overrides) if tiny else DeepseekV41Config.flash(**overrides)
+
+
+def _random_fp8(n: int, k: int, block: int, device, pow2: bool):
+    weight = (torch.randn(n, k, device=device) * 96).clamp(-448, 448).to(FP8_DTYPE)
+    blocks = (-(-n // block), -(-k // block))
+    if pow2:
+        scale = torch.exp2(torch.randint(-16, -12, blocks, device=device).float())
+    else:
+        scale = (torch.rand(blocks, device=device) + 0.5) * 2.0 ** -14
+    return weight, scale
+
+
+def build_layer(config: DeepseekV41Config, device) -> DeepseekV41DecoderLayer:
+    """The decoder layer with random weights in the checkpoint's format, processed for serving."""
+    quant_config = Fp8Config.from_config(config.quantization_config)
+    layer = DeepseekV41DecoderLayer(config, 0, quant_config).to(device)
+    block = config.weight_block_size[0]
+    with torch.no_grad():
+        for module in layer.modules():
+            if hasattr(module, "quant_method") and hasattr(module, "weight_scale_inv"):
+                w, s = _random_fp8(*module.weight.shape, block, device, pow2=True)
+                module.weight.copy_(w)
+                module.weight_scale_inv.copy_(s)
+                module.quant_method.process_weights_after_loading(module)
+        layer.attn.wo_a.copy_(torch.randn_like(layer.attn.wo_a, dtype=torch.float32).mul_(0.02))
+        for hc in (layer.hc_attn, layer.hc_ffn):
+            hc.fn.copy_(torch.randn_like(hc.fn) * 0.02)
+            hc.base.copy_(torch.randn_like(hc.base) * 0.1)
+        layer.attn.attn_sink.copy_(torch.randn_like(layer.attn.attn_sink))
+    return layer
+
+
+class LayerUnit:
+    """Static inputs and the fp8chain step of one decode/prefill shape."""
+
+    def __init__(self, layer: DeepseekV41DecoderLayer, config: DeepseekV41Config, rows: int,
+                 context: int, device):
+        self.layer, self.config = layer, config
+        h, hc = config.hidden_size, config.hc_mult
+        self.residual = torch.randn(rows, hc, h, device=device).bfloat16()
+        self.x = torch.randn(rows, h, device=device).bfloat16()
+        self.positions = torch.full((rows,), context - 1, dtype=torch.long, device=device)
+        self.slots = torch.arange(rows, device=device)
+        self.kv_cache = torch.randn(rows, context, config.head_dim, device=device).bfloat16()
+        self.set_chain(True)
+
+    def set_chain(self, on: bool) -> None:
+        """Switch every producer; the attention input pair is what the previous layer's
+        boundary would have written (made here, outside the timed step)."""
+        self.chain = on
+        for module in self.layer.modules():
+            if hasattr(module, "chain"):
+                module.chain = on
+        fmt = _chain_format(self.layer.attn.wqkv_a, on)
+        self.x_pair = quant.quantize(self.x, fmt) if fmt is not None else None
+
+    def step(self):
+        layer, chain = self.layer, self.chain
+        stats = layer.hc_attn.stats(self.residual)
+        y = layer.attn(self.x, self.x_pair, self.positions, self.slots, self.kv_cache)
+        residual, x, pair = mhc_boundary(y, self.residual, stats, layer.ffn_norm,
+                                         _chain_format(layer.ffn.input_linear, chain))
+        stats = layer.hc_ffn.stats(residual)
+        y = layer.ffn.shared_experts(x, pair)
+        return mhc_boundary(y, residual, stats, layer.attn_norm, _chain_format(layer.attn.wqkv_a, chain))
+
+
+def weight_bytes(layer: DeepseekV41DecoderLayer) -> int:
+    linears = [layer.attn.wqkv_a, layer.attn.wq_b, layer.attn.wo_b,
+               layer.ffn.shared_experts.gate_up, layer.ffn.shared_experts.down]
+    total = sum(m.weight.numel() + m.weight_scale_inv.numel() * 4 for m in linears)
+    total += layer.attn.wo_a.numel() * 2 + sum(hc.fn.numel() * 4 for hc in (layer.hc_attn, layer.hc_ffn))
+    return total
+
+
+class CompiledPeer:
+    """The same unit in plain torch + cuBLAS blockwise FP8 (g128 weights), torch.compile'd."""
+
+    def __init__(self, layer: DeepseekV41DecoderLayer, config: DeepseekV41Config, device):
+        from fp8chain_kernel.backends import get_backend
+
+        self.blockwise = get_backend("torch_blockwise")
+        self.layer, self.c = layer, config
+        self.weights = {}
+        for name, module in (("wqkv_a", layer.attn.wqkv_a), ("wq_b", layer.attn.wq_b),
+                             ("wo_b", layer.attn.wo_b), ("gate_up", layer.ffn.shared_experts.gate_up),
+                             ("down", layer.ffn.shared_experts.down)):
+            w, s = _random_fp8(*module.weight.shape, 128, device, pow2=False)
+            derived = self.blockwise.derive_weight_tensors(w, s, 128)
+            self.weights[name] = (w, s, derived)
+        self.step = torch.compile(self._step, dynamic=False)
+
+    def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        w, s, derived = self.weights[name]
+        return self.blockwise.gemm(reference.quantize(x, ActFormat.SM90_G128_FP32_MN), w, s, derived)
+
+    def _step(self, residual, x, positions, slots, kv_cache):
+        layer, c = self.layer, self.c
+        attn = layer.attn
+        t, nh, d, rd = x.shape[0], attn.num_heads, attn.head_dim, attn.rope_dim
+        stats = reference.mhc_stats(residual, layer.hc_attn.fn, layer.hc_attn.scale, layer.hc_attn.base,
+                                    rms_eps=c.rms_norm_eps, hc_eps=c.hc_eps, sinkhorn_iters=c.hc_sinkhorn_iters)
+        qkv = self._linear("wqkv_a", x)
+        q_lora, kv = qkv[:, :attn.q_lora_rank], qkv[:, attn.q_lora_rank:]
+        q = self._linear("wq_b", reference.rms_norm(q_lora, attn.q_norm.weight, c.rms_norm_eps))
+        kv = reference.rms_norm(kv.contiguous(), attn.kv_norm.weight, c.rms_norm_eps)
+        cos, sin = rope_cos_sin(positions, rd, attn.rope_theta)
+        q = q.float().view(t, nh, d)
+        q = q * torch.rsqrt(q.pow(2).mean(dim=-1, keepdim=True) + attn.eps)
+        q = torch.cat([q[..., :d - rd], apply_rope(q[..., d - rd:], cos, sin)], dim=-1)
+        kv = kv.float()
+        kv = torch.cat([kv[:, :d - rd], apply_rope(kv[:, d - rd:], cos, sin)], dim=-1)
+        kv_cache[slots, positions] = kv.to(kv_cache.dtype)
+        keys = kv_cache[slots].float()
+        valid = torch.arange(keys.shape[1], device=x.device)[None, :] <= positions[:, None]
+        o = attention_core(q, keys, valid, attn.attn_sink, attn.softmax_scale)
+        o = torch.cat([o[..., :d - rd], apply_rope(o[..., d - rd:], cos, sin, inverse=True)], dim=-1)
+        o = o.to(torch.bfloat16).view(t, attn.o_groups, -1)
+        o = torch.einsum("tgd,grd->tgr", o, attn.wo_a).reshape(t, -1)
+        y = self._linear("wo_b", o)
+        pre, post, comb = stats
+        residual, xf, _ = reference.mhc_mega_boundary(y, residual, pre, post, comb, layer.ffn_norm.weight,
+                                                      c.rms_norm_eps)
+        stats = reference.mhc_stats(residual, layer.hc_ffn.fn, layer.hc_ffn.scale, layer.hc_ffn.base,
+                                    rms_eps=c.rms_norm_eps, hc_eps=c.hc_eps, sinkhorn_iters=c.hc_sinkhorn_iters)
+        h = reference.silu_mul(self._linear("gate_up", xf), limit=c.swiglu_limit)
+        y = self._linear("down", h)
+        pre, post, comb = stats
+        return reference.mhc_mega_boundary(y, residual, pre, post, comb, layer.attn_norm.weight, c.rms_norm_eps)
+
+
+def run(args) -> tuple[dict, list[dict]]:
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark layer needs a CUDA GPU (run `fp8chain demo` / the tests on CPU)")
+    rows_list = [1, 16, 64] if args.quick else list(args.rows)
+    shapes_list = ["tp1"] if args.quick else list(args.shapes)
+    prefill = 0 if args.quick else args.prefill
+    meta = harness.bench_meta()
+    bandwidth = harness.copy_bandwidth()
+    meta.update(copy_bandwidth_TBps=bandwidth / 1e12, context=args.context)
+    records = []
+    torch.manual_seed(0)
+    cases = [(s, m) for s in shapes_list for m in rows_list + ([prefill] if prefill else [])]
+    layers, peers = {}, {}
+    for shapes, rows in harness.progress(cases, "layer"):
+        config = layer_config(shapes)
+        if shapes not in layers:
+            layers[shapes] = build_layer(config, "cuda")
+            peers[shapes] = None if args.no_peer else CompiledPeer(layers[shapes], config, "cuda")
+        layer, peer = layers[shapes], peers[shapes]
+        context = args.context if rows != prefill else 1  # prefill rows: no history beyond itself
+        unit = LayerUnit(layer, config, rows, max(context, 1), "cuda")
+        record = {"shapes": shapes, "M": rows, "phase": "prefill" if rows == prefill and prefill else "decode"}
+        with torch.no_grad():
+            for arm, on in (("chained", True), ("unchained", False)):
+                unit.set_chain(on)
+                record[f"{arm}_us"] = harness.graph_time_us(unit.step, iters=args.iters, repeats=5)
+                launches = harness.count_launches(unit.step)
+                record[f"{arm}_launches"] = sum(launches.values())
+                record[f"{arm}_quantize_launches"] = harness.quantize_launches(launches)
+            if peer is not None:
+                inputs = (unit.residual, unit.x, unit.positions, unit.slots, unit.kv_cache)
+                record["compiled_peer_us"] = harness.graph_time_us(lambda: peer.step(*inputs),
+                                                                   iters=args.iters, repeats=5)
+        record["floor_us"] = weight_bytes(layer) / bandwidth * 1e6
+        record["chained_over_unchained"] = record["chained_us"] / record["unchained_us"]
+        if record.get("compiled_peer_us"):
+            record["chained_over_peer"] = record["chained_us"] / record["compiled_peer_us"]
+        record["chained_over_floor"] = record["chained_us"] / record["floor_us"]
+        records.append(record)
+    return meta, records
+
+
+COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "compiled_peer_us", "floor_us",
+           "chained_over_unchained", "chained_over_peer", "chained_over_floor", "chained_launches",
+           "unchained_launches", "chained_quantize_launches", "unchained_quantize_launches"]
+
+
+def report(meta: dict, records: list[dict], results_dir=None) -> str:
+    path = harness.save_results("layer", meta, records, results_dir)
+    decode = [dict(r, panel=f"{r['shapes']} decode, context {meta['context']}") for r in records if r["phase"] == "decode"]
+    harness.plot_records("layer", decode, "M", ["chained_us", "unchained_us", "compiled_peer_us", "floor_us"],
+                         "us per decode step (attention + shared expert)", group="panel", results_dir=results_dir)
+    return f"{path}\n" + harness.markdown_table(records, COLUMNS)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.add_argument("--results-dir", default=None, help="where JSON/PNG go (default benchmark/results)")
+    cli_args = parser.parse_args()
+    meta_, records_ = run(cli_args)
+    print(f"device {meta_['device']}, copy {meta_['copy_bandwidth_TBps']:.2f} TB/s, commit {meta_['commit']}")
+    print(report(meta_, records_, cli_args.results_dir))
