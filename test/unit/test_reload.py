@@ -1,0 +1,162 @@
+"""Weight reload: storage kept, derived tensors recomputed in place, results equal fresh loads."""
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from fp8chain.layers.linear import ColumnParallelLinear, ReplicatedLinear
+from fp8chain.layers.loading import load_weights
+from fp8chain.layers.quantization.fp8 import Fp8Config
+from fp8chain_kernel import backends
+from fp8chain_kernel import reference as ref
+from fp8chain_kernel.formats import FP8_DTYPE, ActFormat
+from fp8chain_kernel.quant import quantize
+
+pytestmark = pytest.mark.cpu
+
+CFG32 = Fp8Config(weight_block_size=(32, 32), scale_fmt="ue8m0")
+N, K = 128, 256
+
+
+def checkpoint(n=N, k=K, block=32, bias=False):
+    ckpt = {"weight": (torch.randn(n, k) * 96).clamp(-448, 448).to(FP8_DTYPE),
+            "weight_scale_inv": torch.exp2(torch.randint(-10, -5, (-(-n // block), -(-k // block))).float())}
+    if bias:
+        ckpt["bias"] = torch.randn(n).to(torch.bfloat16)
+    return ckpt
+
+
+class DerivingBackend:
+    """Wraps the selected backend; derives a transposed copy of the weight scales and runs the
+    GEMM on that copy only, so a stale derived tensor shows in the output."""
+
+    name = "deriving"
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def rejection(self, fmt, weight_block, n, k):
+        return self.inner.rejection(fmt, weight_block, n, k)
+
+    def derive_weight_tensors(self, weight, weight_scale, weight_block):
+        return {"weight_scale_t": weight_scale.t().contiguous() * 1.0}
+
+    def gemm(self, pair, weight, weight_scale, derived, out=None):
+        return self.inner.gemm(pair, weight, derived["weight_scale_t"].t(), {}, out=out)
+
+
+@pytest.fixture(params=["selected", "deriving"])
+def backend_kind(request, monkeypatch):
+    if request.param == "deriving":
+        real = backends.select_backend
+        monkeypatch.setattr(backends, "select_backend",
+                            lambda fmt, block, n, k, prefer=None: DerivingBackend(real(fmt, block, n, k)))
+    return request.param
+
+
+def make_layer(request=True, bias=False):
+    layer = ReplicatedLinear(K, N, quant_config=CFG32, prefix="wo_b", bias=bias)
+    layer.deepgemm_mxfp8_input = request
+    return layer
+
+
+def storage(layer):
+    return {name: (p.data_ptr(), p.stride()) for name, p in layer.named_parameters()}
+
+
+def bits(t):
+    return t.view(torch.int16)
+
+
+def outputs(layer, x):
+    outs = [layer(x)]
+    if layer.input_format is not None:
+        outs.append(layer(quantize(x, layer.input_format)))
+    return outs
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_reload_a_b_a_keeps_storage_and_equals_fresh_loads(backend_kind, bias):
+    a, b = checkpoint(bias=bias), checkpoint(bias=bias)
+    x = torch.randn(5, K).to(torch.bfloat16)
+    fresh = {}
+    for tag, ckpt in (("A", a), ("B", b)):
+        layer = make_layer(bias=bias)
+        load_weights(layer, ckpt.items())
+        fresh[tag] = outputs(layer, x)
+    assert not torch.equal(bits(fresh["A"][0]), bits(fresh["B"][0]))
+
+    live = make_layer(bias=bias)
+    load_weights(live, a.items())
+    before = storage(live)
+    if backend_kind == "deriving":
+        assert "weight_scale_t" in before
+    for tag, ckpt in (("B", b), ("A", a), ("B", b), ("A", a)):
+        load_weights(live, ckpt.items())
+        assert storage(live) == before, tag
+        assert live.deepgemm_mxfp8_input is True and live.input_format is not None
+        for got, want in zip(outputs(live, x), fresh[tag], strict=True):
+            assert torch.equal(bits(got), bits(want)), tag
+
+
+def test_process_twice_equals_once(backend_kind):
+    layer = make_layer()
+    load_weights(layer, checkpoint().items())
+    x = torch.randn(3, K).to(torch.bfloat16)
+    snapshot = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    ptrs = storage(layer)
+    out = layer(x)
+    layer.quant_method.process_weights_after_loading(layer)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert storage(layer) == ptrs
+    for name, p in layer.named_parameters():
+        assert torch.equal(p.view(torch.uint8) if p.dtype == FP8_DTYPE else p,
+                           snapshot[name].view(torch.uint8) if p.dtype == FP8_DTYPE else snapshot[name]), name
+    assert layer.deepgemm_mxfp8_input is True
+    assert torch.equal(bits(layer(x)), bits(out))
+
+
+def test_deepgemm_packed_scales_follow_reloads(monkeypatch):
+    """Blackwell DeepGEMM's packed scales: same storage on every reload, always the packing of
+    the raw scales just loaded (never a re-packing of packed values)."""
+    monkeypatch.setattr(backends, "_CAPS", dataclasses.replace(
+        backends.probe(), arch=(10, 0), deep_gemm=True, deep_gemm_reason=""))
+    backend = backends.get_backend("deep_gemm")
+    a, b = checkpoint(), checkpoint()
+    layer = make_layer()
+    load_weights(layer, a.items())
+    assert layer.gemm_backend is backend
+    assert layer.input_format is ActFormat.SM100_G32_UE8M0_PACKED_MN
+    ptrs = storage(layer)
+    assert "weight_scale_inv_deepgemm" in ptrs
+    for ckpt in (b, a, a, b):
+        load_weights(layer, ckpt.items())
+        assert storage(layer) == ptrs
+        want = ref.pack_weight_scale_for_deepgemm(ckpt["weight_scale_inv"], N, K)
+        assert torch.equal(layer.weight_scale_inv_deepgemm, want)
+        assert torch.equal(layer.weight_scale_inv, ckpt["weight_scale_inv"])
+        layer.quant_method.process_weights_after_loading(layer)
+        assert torch.equal(layer.weight_scale_inv_deepgemm, want)
+
+
+def test_partial_reload_and_sharded_reload():
+    full_a, full_b = checkpoint(n=2 * N), checkpoint(n=2 * N)
+    layer = ColumnParallelLinear(K, 2 * N, quant_config=CFG32, tp_rank=1, tp_size=2)
+    load_weights(layer, full_a.items())
+    ptrs = storage(layer)
+    # reload only the weight (scales kept), from the full tensor
+    load_weights(layer, [("weight", full_b["weight"])])
+    assert storage(layer) == ptrs
+    assert torch.equal(layer.weight.view(torch.uint8), full_b["weight"][N:].view(torch.uint8))
+    assert torch.equal(layer.weight_scale_inv, full_a["weight_scale_inv"][N // 32:])
+
+
+def test_reload_with_another_shape_fails_and_keeps_storage(caplog):
+    layer = make_layer()
+    load_weights(layer, checkpoint().items())
+    ptrs = storage(layer)
+    with caplog.at_level(logging.WARNING), pytest.raises(ValueError, match="checkpoint shape"):
+        load_weights(layer, checkpoint(n=N + 32).items())
+    assert storage(layer) == ptrs
