@@ -1,0 +1,95 @@
+"""SiLU*mul (with the optional swiglu clamp) -> bf16, and in the same launch its FP8 pair.
+
+``silu_mul(gate_up, *, limit=None, out_format=None, out=None, out_bf16=None, return_bf16=True)``
+
+* ``gate_up``: bf16 ``[T, 2I]``, unit column stride (any row stride); ``gate = gate_up[:, :I]``,
+  ``up = gate_up[:, I:]``.
+* ``limit`` (``swiglu_limit``): ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``;
+  NaN stays NaN.
+* ``y = bf16(silu(gate) * up)`` in fp32, one rounding: bf16 ``[T, I]``.
+* ``out_format`` / ``out`` / ``out_bf16`` / ``return_bf16``: as ``norm.rms_norm`` (the pair equals
+  ``reference.quantize(y, out_format)`` bit for bit; ``return_bf16=False`` stores no bf16).
+
+Tiles: ``[BLOCK_M, BLOCK_N]`` of output columns, ``BLOCK_N`` a multiple of 128 (whole quantization
+groups and whole packed scale words per program), a grid over rows and columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .formats import ActFormat, QuantizedActivation
+from .fp8_tile import quantize_tile, store_scale_tile
+from .norm import check_tensor, launch_args, producer_result, resolve_outputs, round_bf16
+
+__all__ = ["silu_mul"]
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, y_ptr, data_ptr, scale_ptr, M, I, limit,
+                     stride_gm, stride_ym, stride_dm, stride_sm, stride_sg,
+                     HAS_LIMIT: tl.constexpr, STORE_BF16: tl.constexpr, QUANT: tl.constexpr,
+                     GROUP: tl.constexpr, POW2: tl.constexpr, PACKED: tl.constexpr,
+                     EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = offs_m.to(tl.int64)[:, None]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < I)
+    g_ptrs = gu_ptr + rows * stride_gm + offs_n[None, :]
+    gate = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(g_ptrs + I, mask=mask, other=0.0).to(tl.float32)
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.clamp(up, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
+    silu = gate / (1.0 + tl.exp(-gate))
+    yb = round_bf16(silu * up, EXACT_CAST)
+    if STORE_BF16:
+        tl.store(y_ptr + rows * stride_ym + offs_n[None, :], yb, mask=mask)
+    if QUANT:
+        y = tl.where(mask, yb.to(tl.float32), 0.0)
+        data, scale = quantize_tile(y, BLOCK_M, BLOCK_N, GROUP, POW2, EXACT_CAST)
+        tl.store(data_ptr + rows * stride_dm + offs_n[None, :], data, mask=mask)
+        store_scale_tile(scale_ptr, scale, offs_m, tl.program_id(0) * (BLOCK_N // GROUP), M,
+                         tl.cdiv(I, GROUP), stride_sm, stride_sg, BLOCK_N // GROUP, PACKED)
+
+
+def _launch_config(rows: int, cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): the widest power-of-two tile in 128..1024 that divides the
+    columns (I = 2304 -> 256, 9 column programs even for one row), ~4K outputs per program."""
+    block_n = next((b for b in (1024, 512, 256, 128) if cols % b == 0 and b <= cols), None)
+    if block_n is None:
+        block_n = max(128, min(1024, triton.next_power_of_2(cols)))
+    block_m = max(1, min(triton.next_power_of_2(rows), 4096 // block_n))
+    num_warps = 4 if block_m * block_n <= 2048 else 8
+    return block_m, block_n, num_warps
+
+
+def silu_mul(gate_up: torch.Tensor, *, limit: float | None = None, out_format: ActFormat | str | None = None,
+             out: QuantizedActivation | None = None, out_bf16: torch.Tensor | None = None,
+             return_bf16: bool = True):
+    """``silu(gate) * up`` of ``gate_up [T, 2I]`` bf16 -> ``[T, I]``; see the module docstring."""
+    check_tensor(gate_up, "gate_up", torch.bfloat16, 2)
+    rows, cols2 = gate_up.shape
+    if cols2 % 2:
+        raise ValueError(f"gate_up must have an even number of columns [T, 2I], got {tuple(gate_up.shape)}")
+    if gate_up.numel() and gate_up.stride(1) != 1:
+        raise ValueError(f"gate_up must have unit column stride, got strides {gate_up.stride()}")
+    if limit is not None:
+        if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0:
+            raise ValueError(f"limit must be a positive number or None, got {limit!r}")
+    cols = cols2 // 2
+    fmt, pair, y = resolve_outputs(rows, cols, gate_up.device, out_format, out, out_bf16, return_bf16)
+    if rows == 0 or cols == 0:
+        return producer_result(y, pair)
+    a = launch_args(fmt, pair, y, gate_up)
+    block_m, block_n, num_warps = _launch_config(rows, cols)
+    grid = (triton.cdiv(cols, block_n), triton.cdiv(rows, block_m))
+    _silu_mul_kernel[grid](
+        gate_up, a["y"], a["data"], a["scale"], rows, cols, float(limit) if limit is not None else 0.0,
+        gate_up.stride(0), a["y_stride"], *a["strides"],
+        HAS_LIMIT=limit is not None, STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"],
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **a["consts"],
+    )
+    return producer_result(y, pair)

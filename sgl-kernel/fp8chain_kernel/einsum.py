@@ -1,0 +1,190 @@
+"""wo_a grouped einsum -> bf16, and in the same launch (epilogue) its FP8 pair.
+
+``wo_a_einsum(o, wo_a, *, out_format=None, out=None, out_bf16=None, return_bf16=True)``
+
+* ``o``: bf16 ``[T, G, D]`` with unit stride along ``D`` (any other strides: a strided view of
+  the attention output works as it is); ``wo_a``: bf16 ``[G, R, D]``, unit stride along ``D``.
+* ``y[t, g*R + r] = bf16(sum_d o[t, g, d] * wo_a[g, r, d])``: ``tl.dot`` on bf16 tiles with fp32
+  accumulation, rounded to bf16 once in the epilogue. ``y`` is bf16 ``[T, G*R]`` (the flattened
+  ``[T, G, R]`` that ``wo_b`` reads).
+* ``out_format``: the epilogue quantizes the bf16-rounded accumulator tile (``quantize_tile`` on
+  the tile's columns of the flattened ``[T, G*R]`` matrix) and stores data + scales, so the pair
+  equals ``reference.quantize(y, out_format)`` bit for bit. Needs ``R % group_size == 0`` (a
+  quantization group never straddles two einsum groups).
+* ``out`` / ``out_bf16`` / ``return_bf16``: as ``norm.rms_norm``.
+
+Grid: one program per ``[BLOCK_M, BLOCK_N]`` output tile of one group, the whole ``D`` reduced
+in the program (no split-K: the FP8 epilogue needs the finished sum). Decode (small ``T``) is
+weight streaming, so tiles are short in M and narrow in N (down to one 32-column scale group) to
+give enough programs to read ``wo_a`` near HBM bandwidth; large ``T`` uses 128x128 tiles. For
+the packed UE8M0 format with tiles narrower than one 128-column scale word, the epilogue stores
+exponent bytes into the int32 words (bytes past the last group are written as zero).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .formats import ActFormat, QuantizedActivation
+from .fp8_tile import quantize_tile, store_scale_tile
+from .norm import check_tensor, launch_args, producer_result, resolve_outputs, round_bf16
+
+__all__ = ["wo_a_einsum"]
+
+
+@triton.jit
+def _store_ue8m0_bytes(scale_ptr, scale, offs_m, group0, M, num_groups, stride_sm, stride_sg,
+                       GROUPS: tl.constexpr):
+    """Packed UE8M0 scales of ``GROUPS`` groups starting at ``group0`` stored byte by byte into the
+    int32 words (byte ``j % 4`` of word ``j // 4``, little-endian); the program holding the last
+    group also zeroes the tail bytes of the last word."""
+    byte_ptr = scale_ptr.to(tl.pointer_type(tl.uint8))
+    row_ok = offs_m[:, None] < M
+    words_m = offs_m.to(tl.int64)[:, None] * stride_sm
+    offs_g = group0 + tl.arange(0, GROUPS)
+    exponent = (scale.to(tl.int32, bitcast=True) >> 23).to(tl.uint8)
+    addr = (words_m + (offs_g // 4)[None, :] * stride_sg) * 4 + (offs_g % 4)[None, :]
+    tl.store(byte_ptr + addr, exponent, mask=row_ok & (offs_g[None, :] < num_groups))
+    tail = num_groups + tl.arange(0, 4)
+    is_last = group0 + GROUPS >= num_groups
+    tail_ok = row_ok & (tail[None, :] < ((num_groups + 3) // 4) * 4) & is_last
+    tail_addr = (words_m + (tail // 4)[None, :] * stride_sg) * 4 + (tail % 4)[None, :]
+    tl.store(byte_ptr + tail_addr, tl.zeros((offs_m.shape[0], 4), tl.uint8), mask=tail_ok)
+
+
+@triton.jit
+def _wo_a_kernel(o_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, G, R, D,
+                 stride_om, stride_og, stride_od, stride_wg, stride_wr, stride_wd,
+                 stride_ym, stride_dm, stride_sm, stride_sg,
+                 STORE_BF16: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+                 POW2: tl.constexpr, PACKED: tl.constexpr, EXACT_CAST: tl.constexpr,
+                 BYTE_SCALES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                 K_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Axis 0 walks the tiles of one group (M fastest), axis 1 the groups: a group's o rows and
+    # weights stay in L2 while its tiles run.
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = tl.program_id(0) % num_m
+    pid_n = tl.program_id(0) // num_m
+    g = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < R
+    a_ptrs = (o_ptr + g.to(tl.int64) * stride_og + offs_m.to(tl.int64)[:, None] * stride_om
+              + offs_k[None, :] * stride_od)
+    b_ptrs = (w_ptr + g.to(tl.int64) * stride_wg + offs_n.to(tl.int64)[:, None] * stride_wr
+              + offs_k[None, :] * stride_wd)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # K_TILES = cdiv(D, BLOCK_K) is a compile-time constant (D is fixed per model): the loop
+    # bound must not be a runtime scalar on the Triton CPU interpreter under numpy 2.x.
+    for kt in range(K_TILES):
+        k0 = kt * BLOCK_K
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+            if EVEN_N:
+                b = tl.load(b_ptrs)
+            else:
+                b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = (k0 + offs_k) < D
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if EXACT_CAST:
+            # Triton CPU interpreter: its bf16 tl.dot is wrong (operands taken as raw 16-bit
+            # integers); the fp32 product of the upcast bf16 operands is the same math.
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+        a_ptrs += BLOCK_K * stride_od
+        b_ptrs += BLOCK_K * stride_wd
+    yb = round_bf16(acc, EXACT_CAST)
+    rows = offs_m.to(tl.int64)[:, None]
+    cols = g * R + offs_n
+    mask = m_ok[:, None] & n_ok[None, :]
+    if STORE_BF16:
+        tl.store(y_ptr + rows * stride_ym + cols[None, :], yb, mask=mask)
+    if QUANT:
+        y = tl.where(mask, yb.to(tl.float32), 0.0)
+        data, scale = quantize_tile(y, BLOCK_M, BLOCK_N, GROUP, POW2, EXACT_CAST)
+        tl.store(data_ptr + rows * stride_dm + cols[None, :], data, mask=mask)
+        group0 = (g * R + pid_n * BLOCK_N) // GROUP
+        num_groups = tl.cdiv(G * R, GROUP)
+        if BYTE_SCALES:
+            _store_ue8m0_bytes(scale_ptr, scale, offs_m, group0, M, num_groups, stride_sm, stride_sg,
+                               BLOCK_N // GROUP)
+        else:
+            store_scale_tile(scale_ptr, scale, offs_m, group0, M, num_groups, stride_sm, stride_sg,
+                             BLOCK_N // GROUP, PACKED)
+
+
+def _launch_config(rows: int, r: int, d: int, min_n: int) -> dict:
+    """Tile sizes for ``rows`` tokens. Decode (<= 64 rows) streams the weights: short M tiles and
+    narrow N tiles (``min_n`` = one scale group when quantizing, else 32) so that G=8 gives 256
+    programs, with deep cp.async pipelines. Larger batches use compute tiles (64x128, 128x128).
+    Pipeline depth is capped so the stages fit in ~192 KiB of shared memory."""
+    if rows <= 64:
+        block_m = max(16, triton.next_power_of_2(rows))
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=max(min_n, 32), BLOCK_K=256 if block_m <= 16 else 128,
+                   num_warps=4, num_stages=5)
+    elif rows <= 256:
+        cfg = dict(BLOCK_M=64, BLOCK_N=max(min_n, 128), BLOCK_K=64, num_warps=4, num_stages=4)
+    else:
+        cfg = dict(BLOCK_M=128, BLOCK_N=max(min_n, 128), BLOCK_K=64, num_warps=8, num_stages=4)
+    # A tile never straddles two einsum groups when quantizing: BLOCK_N divides R.
+    while cfg["BLOCK_N"] > min_n and r % cfg["BLOCK_N"]:
+        cfg["BLOCK_N"] //= 2
+    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(d)))
+    while True:
+        stage_bytes = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
+        if cfg["num_stages"] * stage_bytes <= 192 * 1024 or cfg["num_stages"] <= 2:
+            break
+        if cfg["BLOCK_K"] > 64:
+            cfg["BLOCK_K"] //= 2
+        else:
+            cfg["num_stages"] -= 1
+    return cfg
+
+
+def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, out_format: ActFormat | str | None = None,
+                out: QuantizedActivation | None = None, out_bf16: torch.Tensor | None = None,
+                return_bf16: bool = True):
+    """Grouped einsum ``o [T, G, D] x wo_a [G, R, D] -> [T, G*R]`` bf16 (+ FP8 pair); see the
+    module docstring."""
+    check_tensor(o, "o", torch.bfloat16, 3)
+    check_tensor(wo_a, "wo_a", torch.bfloat16, 3)
+    rows, groups, d = o.shape
+    if wo_a.shape[0] != groups or wo_a.shape[2] != d:
+        raise ValueError(f"wo_a must be [G={groups}, R, D={d}] for o {tuple(o.shape)}, got {tuple(wo_a.shape)}")
+    r = wo_a.shape[1]
+    if wo_a.device != o.device:
+        raise ValueError(f"wo_a is on {wo_a.device}, o on {o.device}")
+    if o.numel() and o.stride(2) != 1:
+        raise ValueError(f"o must have unit stride along D, got strides {o.stride()}")
+    if wo_a.numel() and wo_a.stride(2) != 1:
+        raise ValueError(f"wo_a must have unit stride along D, got strides {wo_a.stride()}")
+    cols = groups * r
+    fmt, pair, y = resolve_outputs(rows, cols, o.device, out_format, out, out_bf16, return_bf16)
+    if fmt is not None and r % fmt.group_size:
+        raise ValueError(f"{fmt.value} needs R % {fmt.group_size} == 0 (a scale group may not straddle "
+                         f"two einsum groups), got R={r}")
+    if rows == 0 or cols == 0:
+        return producer_result(y, pair)
+    if d == 0:
+        raise ValueError("o and wo_a have D = 0")
+    a = launch_args(fmt, pair, y, o)
+    min_n = fmt.group_size if fmt is not None else 16
+    cfg = _launch_config(rows, r, d, min_n)
+    block_n = cfg["BLOCK_N"]
+    byte_scales = fmt is not None and fmt.packed and block_n % 128 != 0
+    grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(r, block_n), groups)
+    _wo_a_kernel[grid](
+        o, wo_a, a["y"], a["data"], a["scale"], rows, groups, r, d,
+        o.stride(0), o.stride(1), o.stride(2), wo_a.stride(0), wo_a.stride(1), wo_a.stride(2),
+        a["y_stride"], *a["strides"],
+        STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"], BYTE_SCALES=byte_scales,
+        EVEN_K=d % cfg["BLOCK_K"] == 0, K_TILES=triton.cdiv(d, cfg["BLOCK_K"]), EVEN_N=r % block_n == 0, **cfg, **a["consts"],
+    )
+    return producer_result(y, pair)
