@@ -57,6 +57,13 @@ def _to_bf16(x, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_to_f32_exact(x):
+    """e4m3fn -> fp32 on the interpreter, whose native conversion reads the NaN code 0x7F as 480."""
+    code = x.to(tl.uint8, bitcast=True)
+    return tl.where((code & 0x7F) == 0x7F, float("nan"), x.to(tl.float32))
+
+
+@triton.jit
 def _block_scaled_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K,
@@ -107,11 +114,15 @@ def _block_scaled_gemm_kernel(
             w_s = tl.load(ws_rows + g * stride_wsk, mask=n_ok, other=0.0)
             if A_FP8:
                 a_s = tl.load(as_rows + g * stride_asg, mask=m_ok, other=0.0)
-                part = tl.dot(w, tl.trans(a))
+                if FP32_DOT:
+                    part = tl.dot(_e4m3_to_f32_exact(w), tl.trans(_e4m3_to_f32_exact(a)),
+                                  input_precision="ieee")
+                else:
+                    part = tl.dot(w, tl.trans(a))
                 acc += part * (w_s[:, None] * a_s[None, :])
             else:
                 if FP32_DOT:  # the interpreter's bf16 tl.dot is wrong; fp32 is exact there
-                    part = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+                    part = tl.dot(_e4m3_to_f32_exact(w), tl.trans(a.to(tl.float32)), input_precision="ieee")
                 else:
                     part = tl.dot(w.to(tl.bfloat16), tl.trans(a))
                 acc += part * w_s[:, None]

@@ -1,0 +1,43 @@
+"""The Triton backend: fp8chain's own block-scaled FP8 GEMM (``fp8chain_kernel.gemm``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import ActFormat, QuantizedActivation
+from .. import gemm as _gemm
+from . import GemmBackend
+
+
+class TritonBackend(GemmBackend):
+    """Reads ``sm90_g32_fp32_mn`` with 32x32 weight blocks or ``sm90_g128_fp32_mn`` with 128x128
+    blocks. Shape constraint: K a multiple of the block (32 / 128); any M and N (N is masked)."""
+
+    name = "triton"
+
+    def rejection(self, fmt: ActFormat, weight_block: int, n: int, k: int) -> str | None:
+        from . import probe
+
+        caps = probe()
+        if not caps.cuda and not caps.triton_interpreter:
+            return "no CUDA device and TRITON_INTERPRET is not set"
+        if caps.arch is not None and caps.arch < (8, 9):
+            return f"FP8 tl.dot needs sm89 or newer, this is sm{caps.arch[0]}{caps.arch[1]}"
+        try:
+            want = _gemm.input_format_for_block(weight_block)
+        except ValueError as exc:
+            return str(exc)
+        if ActFormat(fmt) is not want:
+            return f"with {weight_block}x{weight_block} weight blocks it reads {want.value}, not {ActFormat(fmt).value}"
+        if k % weight_block:
+            return f"K={k} is not a multiple of the {weight_block}-column group"
+        if n <= 0 or k <= 0:
+            return f"empty weight {n}x{k}"
+        return None
+
+    def derive_weight_tensors(self, weight, weight_scale, weight_block) -> dict[str, torch.Tensor]:
+        return {}
+
+    def gemm(self, pair: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
+             derived: dict, out: torch.Tensor | None = None) -> torch.Tensor:
+        return _gemm.fp8_gemm(pair, weight, weight_scale, weight_block=pair.fmt.group_size, out=out)

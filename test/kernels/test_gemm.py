@@ -1,0 +1,245 @@
+"""FP8 GEMM consumers against the fp64 reference on dequantized operands.
+
+CPU: the Triton interpreter at small shapes (its fp8 tl.dot is exact in fp32, and the kernel's
+bf16 rounding is done on the bits there). GPU: DSv4.1 shapes, both formats, many M.
+"""
+
+import pytest
+import torch
+
+from fp8chain_kernel import gemm, quant
+from fp8chain_kernel import reference as ref
+from fp8chain_kernel.formats import ActFormat, cdiv, empty_pair
+from helpers import rel_error
+
+G32, G128 = ActFormat.SM90_G32_FP32_MN, ActFormat.SM90_G128_FP32_MN
+FORMATS = [(G32, 32), (G128, 128)]
+TOL = 5e-3
+
+# DSv4.1 dense FP8 linears (N, K): wqkv_a, wq_b, wo_b (TP1, TP4), shared gate_up, shared down.
+DSV41_SHAPES = [(1792, 5120), (32768, 1280), (5120, 8192), (5120, 2048), (4608, 5120), (5120, 2304)]
+GPU_MS = [1, 2, 3, 4, 16, 64, 127, 256, 2048]
+
+
+def make_weight(n, k, block, device):
+    """Fresh e4m3 weights and block scales: power-of-two for 32x32 (DSv4.1 checkpoints),
+    arbitrary positive fp32 for 128x128 (V3/V4 checkpoints)."""
+    w = (torch.randn(n, k, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    shape = (cdiv(n, block), cdiv(k, block))
+    if block == 32:
+        scale = torch.exp2(torch.randint(-14, -6, shape, device=device).float())
+    else:
+        scale = torch.rand(shape, device=device) * 3e-3 + 1e-4
+    return w, scale
+
+
+def make_activation(m, k, device):
+    """Rows of very different magnitudes; one all-zero row when there are a few rows."""
+    x = torch.randn(m, k, device=device) * torch.exp2(torch.randint(-6, 6, (m, 1), device=device).float())
+    if m >= 3:
+        x[1] = 0
+    return x.bfloat16()
+
+
+def poisoned_out(m, n, device):
+    return torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+
+
+def check_against_reference(out, pair, w, scale, block):
+    want = ref.fp8_gemm(pair, w, scale, block)
+    err = rel_error(out, want)
+    assert err < TOL, f"relative error {err:.3g}"
+    if pair.data.shape[0] >= 3:  # the all-zero row gives exact zeros
+        assert torch.equal(out[1].float(), torch.zeros_like(out[1].float()))
+
+
+# ------------------------------------------------------------------------------------------
+# CPU (interpreter)
+# ------------------------------------------------------------------------------------------
+
+SPLIT_CFG = gemm.GemmConfig(block_n=64, block_m=16, block_k=128, split=2, stages=2, warps=4)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt,block", FORMATS, ids=["g32", "g128"])
+@pytest.mark.parametrize("m,n,k,config", [
+    (1, 128, 512, None),
+    (3, 192, 256, None),       # N not a multiple of the tile: masked
+    (17, 128, 512, SPLIT_CFG),  # split-K: partials + last-arrival reduction
+    (40, 256, 256, gemm.GemmConfig(64, 32, 128, 1, 2, 4, 2)),  # several M tiles, grouped order
+])
+def test_fp8_gemm_matches_reference_cpu(fmt, block, m, n, k, config, device):
+    w, scale = make_weight(n, k, block, device)
+    pair = ref.quantize(make_activation(m, k, device), fmt)
+    out = gemm.fp8_gemm(pair, w, scale, weight_block=block, out=poisoned_out(m, n, device), config=config)
+    check_against_reference(out, pair, w, scale, block)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt,block", FORMATS, ids=["g32", "g128"])
+def test_pair_path_equals_bf16_path_bitwise(fmt, block, device):
+    m, n, k = 5, 128, 256
+    w, scale = make_weight(n, k, block, device)
+    x = make_activation(m, k, device)
+    chained = gemm.fp8_gemm(quant.quantize(x, fmt), w, scale, weight_block=block)
+    unchained = gemm.fp8_gemm(x, w, scale, weight_block=block, fmt=fmt)
+    assert torch.equal(chained.view(torch.int16), unchained.view(torch.int16))
+
+
+@pytest.mark.cpu
+def test_split_k_is_deterministic_and_rearms(device):
+    m, n, k = 4, 128, 512
+    w, scale = make_weight(n, k, 32, device)
+    pairs = [ref.quantize(make_activation(m, k, device), G32) for _ in range(2)]
+    first = gemm.fp8_gemm(pairs[0], w, scale, weight_block=32, config=SPLIT_CFG)
+    other = gemm.fp8_gemm(pairs[1], w, scale, weight_block=32, config=SPLIT_CFG)  # counters re-armed
+    again = gemm.fp8_gemm(pairs[0], w, scale, weight_block=32, config=SPLIT_CFG)
+    assert torch.equal(first.view(torch.int16), again.view(torch.int16))
+    check_against_reference(other, pairs[1], w, scale, 32)
+    direct = gemm.fp8_gemm(pairs[0], w, scale, weight_block=32, config=SPLIT_CFG._replace(split=1))
+    assert rel_error(first, direct) < TOL
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("config", [None, SPLIT_CFG], ids=["direct", "splitk"])
+def test_nan_row_stays_in_its_row(config, device):
+    m, n, k = 6, 128, 256
+    w, scale = make_weight(n, k, 32, device)
+    x = make_activation(m, k, device)
+    x[4, 77] = float("nan")
+    out = gemm.fp8_gemm(x, w, scale, weight_block=32, fmt=G32, config=config)
+    assert not torch.isfinite(out[4]).any()
+    keep = [r for r in range(m) if r != 4]
+    assert torch.isfinite(out[keep]).all()
+
+
+@pytest.mark.cpu
+def test_mismatched_format_raises_type_error_naming_both(device):
+    w32, s32 = make_weight(128, 256, 32, device)
+    w128, s128 = make_weight(128, 256, 128, device)
+    x = make_activation(2, 256, device)
+    with pytest.raises(TypeError, match="sm90_g32_fp32_mn.*sm90_g128_fp32_mn"):
+        gemm.fp8_gemm(ref.quantize(x, G128), w32, s32, weight_block=32)
+    with pytest.raises(TypeError, match="sm90_g128_fp32_mn.*sm90_g32_fp32_mn"):
+        gemm.fp8_gemm(ref.quantize(x, G32), w128, s128, weight_block=128)
+    with pytest.raises(TypeError, match="sm90_g32_fp32_mn.*sm100_g32_ue8m0_packed_mn"):
+        gemm.fp8_gemm(ref.quantize(x, ActFormat.SM100_G32_UE8M0_PACKED_MN), w32, s32, weight_block=32)
+    with pytest.raises(TypeError, match="sm90_g32_fp32_mn.*sm90_g128_fp32_mn"):
+        gemm.fp8_gemm(x, w32, s32, weight_block=32, fmt=G128)
+    with pytest.raises(TypeError, match="fmt="):
+        gemm.fp8_gemm(x, w32, s32, weight_block=32)
+
+
+@pytest.mark.cpu
+def test_bad_weights_and_out_are_rejected(device):
+    w, s = make_weight(128, 256, 32, device)
+    pair = ref.quantize(make_activation(2, 256, device), G32)
+    with pytest.raises(ValueError, match="needs scales"):
+        gemm.fp8_gemm(pair, w, s[:, :-1], weight_block=32)
+    with pytest.raises(TypeError, match="weight must be"):
+        gemm.fp8_gemm(pair, w.float(), s, weight_block=32)
+    with pytest.raises(ValueError, match="out must be"):
+        gemm.fp8_gemm(pair, w, s, weight_block=32, out=torch.empty(2, 127, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError, match="K="):
+        gemm.fp8_gemm(ref.quantize(make_activation(2, 128, device), G32), w, s, weight_block=32)
+
+
+@pytest.mark.cpu
+def test_zero_rows_and_caller_buffers(device):
+    n, k = 128, 256
+    w, s = make_weight(n, k, 32, device)
+    empty = gemm.fp8_gemm(empty_pair(0, k, G32, device), w, s, weight_block=32)
+    assert empty.shape == (0, n)
+    # A pair that is a row slice of a buffer captured for more rows (scale column stride 12 > 8),
+    # written into a slice of a wider, poisoned output buffer.
+    big = ref.quantize(make_activation(11, k, device), G32)
+    pair = big.rows(7)
+    assert pair.scale.stride(1) == 12
+    wide = torch.full((7, n + 64), float("nan"), dtype=torch.bfloat16, device=device)
+    out = gemm.fp8_gemm(pair, w, s, weight_block=32, out=wide[:, :n])
+    assert out.data_ptr() == wide.data_ptr()
+    check_against_reference(out, pair, w, s, 32)
+    assert torch.isnan(wide[:, n:].float()).all()
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("block", [32, 128])
+def test_w8a16_matches_reference_cpu(block, device):
+    m, n, k = 3, 192, 256
+    w, s = make_weight(n, k, block, device)
+    x = make_activation(m, k, device)
+    out = gemm.w8a16_gemm(x, w, s, weight_block=block, out=poisoned_out(m, n, device))
+    err = rel_error(out, ref.w8a16_gemm(x, w, s, block))
+    assert err < TOL, err
+    with pytest.raises(TypeError, match="bfloat16"):
+        gemm.w8a16_gemm(x.float(), w, s, weight_block=block)
+
+
+# ------------------------------------------------------------------------------------------
+# GPU (DSv4.1 shapes)
+# ------------------------------------------------------------------------------------------
+
+_weights_cache = {}
+
+
+def _gpu_weight(n, k, block):
+    key = (n, k, block)
+    if key not in _weights_cache:
+        _weights_cache.clear()
+        w, s = make_weight(n, k, block, "cuda")
+        _weights_cache[key] = (w, s, ref.dequantize_weight(w, s, block).double())
+    return _weights_cache[key]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,block", FORMATS, ids=["g32", "g128"])
+@pytest.mark.parametrize("n,k", DSV41_SHAPES, ids=[f"{n}x{k}" for n, k in DSV41_SHAPES])
+def test_fp8_gemm_dsv41_shapes_gpu(fmt, block, n, k):
+    w, s, w_ref = _gpu_weight(n, k, block)
+    for m in GPU_MS:
+        x = make_activation(m, k, "cuda")
+        if m >= 4:
+            x[m - 1, k // 3] = float("nan")
+        pair = quant.quantize(x, fmt)
+        out = gemm.fp8_gemm(pair, w, s, weight_block=block, out=poisoned_out(m, n, "cuda"))
+        want = ref.dequantize(pair).double() @ w_ref.t()
+        finite = [r for r in range(m) if not (m >= 4 and r == m - 1)]
+        err = rel_error(out[finite], want[finite])
+        assert err < TOL, f"M={m}: relative error {err:.3g}"
+        if m >= 4:
+            assert not torch.isfinite(out[m - 1]).any(), f"M={m}: NaN row lost"
+        if m >= 3:
+            assert torch.equal(out[1].float(), torch.zeros_like(out[1].float()))
+        if m in (3, 64, 2048):
+            unchained = gemm.fp8_gemm(x, w, s, weight_block=block, fmt=fmt)
+            assert torch.equal(out.view(torch.int16), unchained.view(torch.int16)), f"M={m}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [32, 128])
+@pytest.mark.parametrize("n,k", [(1792, 5120), (5120, 2304)])
+def test_w8a16_dsv41_shapes_gpu(block, n, k):
+    w, s, w_ref = _gpu_weight(n, k, block)
+    for m in (1, 3, 64, 256):
+        x = make_activation(m, k, "cuda")
+        out = gemm.w8a16_gemm(x, w, s, weight_block=block, out=poisoned_out(m, n, "cuda"))
+        err = rel_error(out, x.double() @ w_ref.t())
+        assert err < TOL, f"M={m}: relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", DSV41_SHAPES, ids=[f"{n}x{k}" for n, k in DSV41_SHAPES])
+def test_torch_blockwise_dsv41_shapes_gpu(n, k):
+    from fp8chain_kernel import backends
+
+    caps = backends.probe()
+    if not caps.scaled_mm_blockwise:
+        pytest.skip(caps.scaled_mm_reason)
+    backend = backends.get_backend("torch_blockwise")
+    w, s, w_ref = _gpu_weight(n, k, 128)
+    derived = backend.derive_weight_tensors(w, s, 128)
+    for m in (1, 3, 64, 127, 2048):
+        pair = quant.quantize(make_activation(m, k, "cuda"), G128)
+        out = backend.gemm(pair, w, s, derived, out=poisoned_out(m, n, "cuda"))
+        err = rel_error(out, ref.dequantize(pair).double() @ w_ref.t())
+        assert err < TOL, f"M={m}: relative error {err:.3g}"
