@@ -80,11 +80,11 @@ class DeepGemmBackend(GemmBackend):
         data, scale = pair.data, pair.scale
         if data.stride(0) != k:
             data = data.contiguous()
-        if scale.shape[1] > 1 and scale.stride(1) != align4(m) or scale.stride(0) != 1:
+        if (scale.shape[1] > 1 and scale.stride(1) != align4(m)) or scale.stride(0) != 1:
             # A row slice of a buffer captured for more rows: DeepGEMM wants the column stride
             # align4(M) exactly, so the (few) scales are re-laid out; the FP8 data is untouched.
-            fresh = torch.zeros((scale.shape[1], align4(m)), dtype=scale.dtype, device=scale.device).t()
-            fresh[:m] = scale
+            fresh = torch.zeros((scale.shape[1], align4(m)), dtype=scale.dtype, device=scale.device).t()[:m]
+            fresh.copy_(scale)
             scale = fresh
         dense = out if out.is_contiguous() else torch.empty((m, n), dtype=torch.bfloat16, device=out.device)
         if pair.fmt is ActFormat.SM100_G32_UE8M0_PACKED_MN:

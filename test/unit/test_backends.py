@@ -1,0 +1,293 @@
+"""Backend selection and the DeepGEMM argument contract (against a fake ``deep_gemm`` module).
+
+DeepGEMM does not run on fp8chain's H200 (its wheels do not match torch 2.11's ABI), so the
+DeepGEMM backend is checked here, on CPU: a fake ``deep_gemm`` inserted in ``sys.modules`` checks
+every argument of ``fp8_gemm_nt`` (dtype, shape, strides, recipe, ue8m0 flag) against the
+documented contract and computes the result with the reference.
+"""
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+from fp8chain_kernel import backends
+from fp8chain_kernel import reference as ref
+from fp8chain_kernel.formats import ActFormat, align4, cdiv
+
+pytestmark = pytest.mark.cpu
+
+G32, G128, PACKED = ActFormat.SM90_G32_FP32_MN, ActFormat.SM90_G128_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN
+
+
+class ContractError(AssertionError):
+    pass
+
+
+def _expect(cond, what):
+    if not cond:
+        raise ContractError(what)
+
+
+def _mn_major(t, rows, cols, dtype, name):
+    _expect(t.dtype == dtype, f"{name} dtype {t.dtype}, want {dtype}")
+    _expect(tuple(t.shape) == (rows, cols), f"{name} shape {tuple(t.shape)}, want {(rows, cols)}")
+    _expect(t.stride(0) == 1 and (cols == 1 or t.stride(1) == align4(rows)),
+            f"{name} strides {t.stride()}, want MN-major (1, {align4(rows)})")
+
+
+def make_fake_deep_gemm(arch_major: int, calls: list):
+    """A ``deep_gemm`` stand-in enforcing fp8_gemm_nt's contract for SM90 or SM100."""
+
+    def fp8_gemm_nt(a, b, d, c=None, recipe=None, compiled_dims="nk", disable_ue8m0_cast=False):
+        (a_data, sfa), (b_data, sfb) = a, b
+        for name, t in (("a", a_data), ("b", b_data)):
+            _expect(t.dtype == torch.float8_e4m3fn, f"{name} dtype {t.dtype}")
+            _expect(t.dim() == 2 and t.is_contiguous(), f"{name} must be K-major contiguous, strides {t.stride()}")
+        m, k = a_data.shape
+        n, kb = b_data.shape
+        _expect(k == kb and k % 128 == 0, f"K mismatch or not a multiple of 128: {k} {kb}")
+        _expect(d.dtype == torch.bfloat16 and tuple(d.shape) == (m, n) and d.is_contiguous(),
+                f"d must be contiguous bf16 {(m, n)}, got {d.dtype} {tuple(d.shape)} {d.stride()}")
+        _expect(c is None, "c must be None (no accumulation)")
+        if arch_major == 9:
+            _expect(recipe in ((1, 32, 32), (1, 128, 128)), f"SM90 recipe {recipe}")
+            _, gn, gk = recipe
+            _mn_major(sfa, m, cdiv(k, gk), torch.float32, "sfa")
+            _expect(sfb.dtype == torch.float32 and tuple(sfb.shape) == (cdiv(n, gn), cdiv(k, gk))
+                    and sfb.is_contiguous(), f"sfb must be contiguous fp32 {(cdiv(n, gn), cdiv(k, gk))}, "
+                    f"got {sfb.dtype} {tuple(sfb.shape)} {sfb.stride()}")
+            a_val = a_data.float() * sfa.repeat_interleave(gk, 1)[:, :k]
+            b_val = ref.dequantize_weight(b_data, sfb, (gn, gk))
+        else:
+            _expect(recipe == (1, 1, 32), f"SM100 recipe {recipe}")
+            _expect(disable_ue8m0_cast is True, "packed UE8M0 scales need disable_ue8m0_cast=True")
+            _mn_major(sfa, m, cdiv(k, 128), torch.int32, "sfa")
+            _mn_major(sfb, n, cdiv(k, 128), torch.int32, "sfb")
+            to_scale = lambda packed: torch.exp2(ref.unpack_ue8m0(packed, cdiv(k, 32)).float() - 127)
+            a_val = a_data.float() * to_scale(sfa).repeat_interleave(32, 1)[:, :k]
+            b_val = b_data.float() * to_scale(sfb).repeat_interleave(32, 1)[:, :k]
+        calls.append(dict(m=m, n=n, k=k, recipe=recipe, disable_ue8m0_cast=disable_ue8m0_cast))
+        d.copy_((a_val.double() @ b_val.double().t()).to(torch.bfloat16))
+
+    module = types.ModuleType("deep_gemm")
+    module.fp8_gemm_nt = fp8_gemm_nt
+    return module
+
+
+@pytest.fixture
+def fake_deep_gemm(monkeypatch, request):
+    arch = request.param
+    calls = []
+    monkeypatch.setitem(sys.modules, "deep_gemm", make_fake_deep_gemm(arch[0], calls))
+    caps = backends.probe(refresh=True, arch=arch)
+    yield arch, calls, caps
+    monkeypatch.delitem(sys.modules, "deep_gemm")
+    backends.probe(refresh=True)
+
+
+def _weights(n, k, block):
+    w = (torch.randn(n, k) * 32).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.exp2(torch.randint(-12, -6, (cdiv(n, block), cdiv(k, block))).float())
+    return w, scale
+
+
+def _activation(m, k):
+    x = torch.randn(m, k) * torch.exp2(torch.randint(-4, 4, (m, 1)).float())
+    if m >= 3:
+        x[1] = 0
+    return x.bfloat16()
+
+
+# ------------------------------------------------------------------------------------------
+# DeepGEMM contract
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fake_deep_gemm", [(9, 0)], indirect=True)
+@pytest.mark.parametrize("fmt,block", [(G32, 32), (G128, 128)], ids=["recipe_1_32_32", "recipe_1_128_128"])
+@pytest.mark.parametrize("m", [1, 3, 8, 13])
+def test_deep_gemm_sm90_contract(fake_deep_gemm, fmt, block, m):
+    arch, calls, caps = fake_deep_gemm
+    assert caps.deep_gemm, caps.deep_gemm_reason  # the probe's tiny call ran on the fake
+    n, k = 96, 256
+    backend = backends.select_backend(fmt, block, n, k)
+    assert backend.name == "deep_gemm"
+    w, s = _weights(n, k, block)
+    derived = backend.derive_weight_tensors(w, s, block)
+    assert derived == {}
+    pair = ref.quantize(_activation(m, k), fmt)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    got = backend.gemm(pair, w, s, derived, out=out)
+    assert got is out and calls[-1]["recipe"] == (1, block, block)
+    want = ref.fp8_gemm(pair, w, s, block)
+    assert ((got.double() - want).norm() / want.norm()) < 5e-3
+
+
+@pytest.mark.parametrize("fake_deep_gemm", [(10, 0)], indirect=True)
+@pytest.mark.parametrize("m", [1, 5, 12])
+def test_deep_gemm_sm100_packed_contract(fake_deep_gemm, m):
+    arch, calls, caps = fake_deep_gemm
+    assert caps.deep_gemm, caps.deep_gemm_reason
+    assert backends.input_format_for(32, arch) is PACKED
+    n, k = 70, 384  # N not a multiple of 4: the packed weight scales' column stride is align4(N)
+    backend = backends.select_backend(PACKED, 32, n, k)
+    assert backend.name == "deep_gemm"
+    w, s = _weights(n, k, 32)
+    derived = backend.derive_weight_tensors(w, s, 32)
+    packed = derived["weight_scale_inv_deepgemm"]
+    assert torch.equal(packed, ref.pack_weight_scale_for_deepgemm(s, n, k))
+    assert packed.stride() == (1, align4(n))
+    pair = ref.quantize(_activation(m, k), PACKED)
+    got = backend.gemm(pair, w, s, derived)
+    assert calls[-1]["recipe"] == (1, 1, 32) and calls[-1]["disable_ue8m0_cast"] is True
+    want = ref.fp8_gemm(pair, w, s, 32)
+    assert ((got.double() - want).norm() / want.norm()) < 5e-3
+
+
+@pytest.mark.parametrize("fake_deep_gemm", [(9, 0)], indirect=True)
+def test_deep_gemm_relays_out_scales_of_a_captured_buffer(fake_deep_gemm):
+    """A row slice of a pair captured for more rows has scale column stride > align4(M); the
+    backend hands DeepGEMM the exact layout (scales copied, FP8 data untouched)."""
+    _, calls, _ = fake_deep_gemm
+    n, k = 64, 256
+    w, s = _weights(n, k, 32)
+    pair = ref.quantize(_activation(9, k), G32).rows(5)
+    assert pair.scale.stride(1) == 12
+    got = backends.get_backend("deep_gemm").gemm(pair, w, s, {})
+    want = ref.fp8_gemm(pair, w, s, 32)
+    assert ((got.double() - want).norm() / want.norm()) < 5e-3
+
+
+@pytest.mark.parametrize("fake_deep_gemm", [(9, 0)], indirect=True)
+def test_fake_catches_k_major_scales(fake_deep_gemm):
+    """The fake is not a rubber stamp: K-major activation scales (the common mistake) fail."""
+    n, k, m = 64, 256, 8
+    w, s = _weights(n, k, 32)
+    pair = ref.quantize(_activation(m, k), G32)
+    k_major = pair.scale.contiguous()  # [M, K/32] row-major: strides (K/32, 1)
+    d = torch.empty(m, n, dtype=torch.bfloat16)
+    import deep_gemm
+
+    with pytest.raises(ContractError, match="sfa strides"):
+        deep_gemm.fp8_gemm_nt((pair.data, k_major), (w, s), d, recipe=(1, 32, 32))
+    with pytest.raises(ContractError, match="recipe"):
+        deep_gemm.fp8_gemm_nt((pair.data, pair.scale), (w, s), d, recipe=(1, 64, 64))
+    with pytest.raises(ContractError, match="sfa shape"):  # g32 scales under the 128 recipe
+        deep_gemm.fp8_gemm_nt((pair.data, pair.scale), (w, s), d, recipe=(1, 128, 128))
+    with pytest.raises(ContractError, match="d must be"):
+        deep_gemm.fp8_gemm_nt((pair.data, pair.scale), (w, s), d.float(), recipe=(1, 32, 32))
+    deep_gemm.fp8_gemm_nt((pair.data, pair.scale), (w, s), d, recipe=(1, 32, 32))  # the right call passes
+
+
+@pytest.mark.parametrize("fake_deep_gemm", [(10, 0)], indirect=True)
+def test_fake_catches_missing_ue8m0_flag_and_raw_weight_scales(fake_deep_gemm):
+    n, k, m = 64, 256, 4
+    w, s = _weights(n, k, 32)
+    pair = ref.quantize(_activation(m, k), PACKED)
+    packed_w = ref.pack_weight_scale_for_deepgemm(s, n, k)
+    d = torch.empty(m, n, dtype=torch.bfloat16)
+    import deep_gemm
+
+    with pytest.raises(ContractError, match="disable_ue8m0_cast"):
+        deep_gemm.fp8_gemm_nt((pair.data, pair.scale), (w, packed_w), d, recipe=(1, 1, 32))
+    with pytest.raises(ContractError, match="sfb"):
+        deep_gemm.fp8_gemm_nt((pair.data, pair.scale), (w, s), d, recipe=(1, 1, 32), disable_ue8m0_cast=True)
+    with pytest.raises(ValueError, match="weight_scale_inv_deepgemm"):
+        backends.get_backend("deep_gemm").gemm(pair, w, s, {})
+
+
+@pytest.mark.parametrize("fake_deep_gemm", [(9, 0)], indirect=True)
+def test_probe_rejects_a_deep_gemm_that_computes_wrong(fake_deep_gemm, monkeypatch):
+    def wrong(a, b, d, **kwargs):
+        d.zero_()
+
+    monkeypatch.setattr(sys.modules["deep_gemm"], "fp8_gemm_nt", wrong)
+    caps = backends.probe(refresh=True, arch=(9, 0))
+    assert not caps.deep_gemm and "wrong" in caps.deep_gemm_reason
+
+
+def test_probe_reports_broken_import(monkeypatch):
+    class Broken(types.ModuleType):
+        def __getattr__(self, name):
+            raise OSError("undefined symbol: _ZN3c10 (ABI mismatch)")
+
+    monkeypatch.setitem(sys.modules, "deep_gemm", Broken("deep_gemm"))
+    try:
+        caps = backends.probe(refresh=True, arch=(9, 0))
+        assert not caps.deep_gemm and "ABI mismatch" in caps.deep_gemm_reason
+    finally:
+        monkeypatch.delitem(sys.modules, "deep_gemm")
+        backends.probe(refresh=True)
+
+
+# ------------------------------------------------------------------------------------------
+# Selection
+# ------------------------------------------------------------------------------------------
+
+def test_select_without_deep_gemm_picks_triton_and_logs_reasons(caplog, monkeypatch):
+    monkeypatch.delitem(sys.modules, "deep_gemm", raising=False)
+    backends.probe(refresh=True)
+    with caplog.at_level(logging.INFO, logger="fp8chain.backends"):
+        chosen = backends.select_backend(G32, 32, 1792, 5120)
+    assert chosen.name == "triton" and chosen is backends.get_backend("triton")
+    text = caplog.text
+    assert "triton" in text and "deep_gemm rejected" in text
+
+
+@pytest.mark.parametrize("fake_deep_gemm", [(9, 0)], indirect=True)
+def test_select_prefers_deep_gemm_then_triton(fake_deep_gemm, caplog):
+    assert backends.select_backend(G32, 32, 1792, 5120).name == "deep_gemm"
+    assert backends.select_backend(G32, 32, 1792, 5120, prefer="triton").name == "triton"
+    # K not a multiple of 128: DeepGEMM rejects, Triton (K % 32) serves, and the log says why.
+    with caplog.at_level(logging.INFO, logger="fp8chain.backends"):
+        assert backends.select_backend(G32, 32, 256, 160).name == "triton"
+    assert "K=160 is not a multiple of 128" in caplog.text
+
+
+def test_select_rejections_and_errors():
+    triton_backend = backends.get_backend("triton")
+    assert triton_backend.rejection(G32, 32, 1792, 5120) is None
+    assert triton_backend.rejection(G128, 128, 32768, 1280) is None
+    assert "reads sm90_g32_fp32_mn" in triton_backend.rejection(G128, 32, 1792, 5120)
+    assert "reads sm90_g32_fp32_mn" in triton_backend.rejection(PACKED, 32, 1792, 5120)
+    assert "multiple of the 128-column group" in triton_backend.rejection(G128, 128, 256, 320)
+    blockwise = backends.get_backend("torch_blockwise")
+    assert blockwise.rejection(G128, 128, 1792, 5120)  # no CUDA here, or not this format
+    with pytest.raises(ValueError, match="torch_blockwise"):
+        backends.select_backend(G128, 128, 1792, 5120, prefer="torch_blockwise") if not torch.cuda.is_available() \
+            else backends.select_backend(G32, 32, 1792, 5120, prefer="torch_blockwise")
+    with pytest.raises(ValueError, match="no GEMM backend can serve"):
+        backends.select_backend(PACKED, 32, 1792, 5120)
+    with pytest.raises(ValueError, match="unknown GEMM backend"):
+        backends.get_backend("cutlass")
+    assert backends.backend_names() == ["deep_gemm", "triton", "torch_blockwise"]
+
+
+def test_input_format_for():
+    assert backends.input_format_for(32, (9, 0)) is G32
+    assert backends.input_format_for(32, (10, 0)) is PACKED
+    assert backends.input_format_for(128, (9, 0)) is G128
+    assert backends.input_format_for(128, (10, 0)) is G128
+    with pytest.raises(ValueError):
+        backends.input_format_for(64, (9, 0))
+
+
+def test_triton_backend_gemm_matches_reference():
+    n, k, m = 128, 256, 3
+    w, s = _weights(n, k, 32)
+    pair = ref.quantize(_activation(m, k), G32)
+    backend = backends.get_backend("triton")
+    got = backend.gemm(pair, w, s, backend.derive_weight_tensors(w, s, 32))
+    want = ref.fp8_gemm(pair, w, s, 32)
+    assert ((got.double() - want).norm() / want.norm()) < 5e-3
+
+
+def test_torch_blockwise_derived_scale_layout():
+    """The padded 128x128 weight-scale buffer cuBLAS reads: [N/128, round_up(K/128, 4)], zero tail."""
+    n, k = 256, 1280  # K/128 = 10 -> padded to 12
+    w, s = _weights(n, k, 128)
+    padded = backends.get_backend("torch_blockwise").derive_weight_tensors(w, s, 128)["weight_scale_blockwise"]
+    assert padded.shape == (2, 12) and padded.is_contiguous()
+    assert torch.equal(padded[:, :10], s) and not padded[:, 10:].any()
