@@ -1,0 +1,225 @@
+"""RMSNorm producer (``norm.rms_norm``) against ``reference.rms_norm``: CPU interpreter at small
+H, GPU at DSv4.1 shapes (H = 5120 hidden, 1280 q_norm).
+
+Bounds and identities checked:
+* the FP8 pair == ``reference.quantize(kernel's own bf16 output)`` bit for bit, for every ActFormat,
+  and ``return_bf16=False`` writes the same bytes;
+* the bf16 output is within 1 bf16 ulp (``|ref| * 2^-7``) elementwise of the fp32 reference
+  ``h * rsqrt(mean(h^2) + eps) * weight`` (the rounding alone is <= 0.5 ulp; the rest is fp32
+  reduction order and rsqrt);
+* with ``residual``: the residual is updated in place to ``bf16(x + residual)`` bit for bit.
+"""
+
+import pytest
+import torch
+
+from fp8chain_kernel import norm
+from fp8chain_kernel import reference as ref
+from fp8chain_kernel.formats import ActFormat, empty_pair
+from fp8chain_kernel.reference.norm import add_residual, rms_norm_fp32
+from helpers import assert_close_bf16, assert_pairs_equal, poisoned_pair
+
+ALL_FORMATS = list(ActFormat)
+EPS = 1e-6
+CPU_T = [1, 2, 3, 4, 16, 64, 127]
+GPU_T = [1, 2, 3, 4, 16, 64, 127, 256, 2048]
+
+
+def _inputs(rows, cols, device, residual):
+    """Random rows of different magnitudes; x as a row-strided view (row stride > cols)."""
+    scale = torch.exp2(torch.randint(-6, 6, (rows, 1), device=device).float())
+    x = (torch.randn(rows, cols + 16, device=device) * scale).bfloat16()[:, :cols]
+    w = (1.0 + 0.5 * torch.randn(cols, device=device)).bfloat16()
+    r = (torch.randn(rows, cols, device=device) * scale).bfloat16() if residual else None
+    return x, w, r
+
+
+def _nan_bf16(rows, cols, device):
+    return torch.full((rows, cols), float("nan"), dtype=torch.bfloat16, device=device)
+
+
+def check_rms_norm(rows, cols, fmt, device, residual):
+    x, w, r = _inputs(rows, cols, device, residual)
+    r_kernel = r.clone() if residual else None
+    out = poisoned_pair(rows, cols, fmt, device)
+    y, pair = norm.rms_norm(x, w, EPS, residual=r_kernel, out_format=fmt, out=out,
+                            out_bf16=_nan_bf16(rows, cols, device))
+    assert pair is out
+    h = add_residual(x, r) if residual else x
+    if residual:
+        assert torch.equal(r_kernel, h), "residual not updated to bf16(x + residual)"
+    assert_close_bf16(y, rms_norm_fp32(h, w, EPS), ulps=1.0)
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+    # FP8 only: same bytes, no bf16 written; the residual update still happens.
+    r_only = r.clone() if residual else None
+    only = norm.rms_norm(x, w, EPS, residual=r_only, out_format=fmt, out=poisoned_pair(rows, cols, fmt, device),
+                         return_bf16=False)
+    assert_pairs_equal(only, pair)
+    if residual:
+        assert torch.equal(r_only, h)
+    # bf16 only
+    y_plain = norm.rms_norm(h, w, EPS)
+    assert torch.equal(y_plain, y)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("rows", CPU_T)
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_rms_norm_cpu(rows, fmt, device):
+    check_rms_norm(rows, 256, fmt, device, residual=rows % 2 == 1)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("cols", [96, 320])
+def test_rms_norm_cpu_ragged_width(cols, device):
+    """H not a multiple of 128 (partial packed word) nor of 64: masked tail groups."""
+    for fmt in (ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN):
+        check_rms_norm(5, cols, fmt, device, residual=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", GPU_T)
+@pytest.mark.parametrize("cols", [5120, 1280])
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_rms_norm_gpu(rows, cols, fmt):
+    check_rms_norm(rows, cols, fmt, torch.device("cuda"), residual=cols == 5120)
+
+
+def check_special_rows(rows, cols, fmt, device):
+    """All-zero rows: zero output, zero data, finite positive scales. A NaN row stays NaN in bf16
+    and in the FP8 data (0x7F/0xFF); the other rows equal a run without it."""
+    x, w, _ = _inputs(rows, cols, device, False)
+    x = x.contiguous()
+    x[1] = 0
+    clean_y, clean_pair = norm.rms_norm(x, w, EPS, out_format=fmt)
+    assert torch.equal(clean_y[1], torch.zeros_like(clean_y[1]))
+    assert (clean_pair.data[1].float() == 0).all()  # +-0 (a negative weight gives -0)
+    s = ref.scales_as_float(clean_pair)[1]
+    assert torch.isfinite(s).all() and (s > 0).all()
+    x[2, cols // 3] = float("nan")
+    y, pair = norm.rms_norm(x, w, EPS, out_format=fmt, out=poisoned_pair(rows, cols, fmt, device))
+    assert torch.isnan(y[2]).all()
+    assert ((pair.data[2].view(torch.uint8) & 0x7F) == 0x7F).all()
+    keep = [i for i in range(rows) if i != 2]
+    assert torch.equal(y[keep], clean_y[keep])
+    assert torch.equal(pair.data[keep].view(torch.uint8), clean_pair.data[keep].view(torch.uint8))
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_rms_norm_zero_and_nan_rows_cpu(fmt, device):
+    check_special_rows(5, 256, fmt, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_rms_norm_zero_and_nan_rows_gpu(fmt):
+    check_special_rows(7, 5120, fmt, torch.device("cuda"))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_rms_norm_empty(fmt, device):
+    x = torch.empty(0, 256, dtype=torch.bfloat16, device=device)
+    w = torch.ones(256, dtype=torch.bfloat16, device=device)
+    assert norm.rms_norm(x, w, EPS).shape == (0, 256)
+    y, pair = norm.rms_norm(x, w, EPS, out_format=fmt, residual=torch.empty_like(x))
+    assert y.shape == (0, 256) and pair.data.shape == (0, 256) and pair.fmt is fmt
+    assert norm.rms_norm(x, w, EPS, out_format=fmt, return_bf16=False).data.shape == (0, 256)
+
+
+def check_captured_buffers(cols, fmt, device):
+    """A pair sliced from a buffer captured for 64 rows (scale column stride 64) and a bf16 out
+    that is a row-strided view: both honoured, the rows past 3 untouched."""
+    big = poisoned_pair(64, cols, fmt, device)
+    out = big.rows(3)
+    assert out.scale.stride(1) == 64
+    big_y = _nan_bf16(8, cols + 64, device)
+    out_y = big_y[:3, :cols]
+    x, w, r = _inputs(3, cols, device, True)
+    r_kernel = r.clone()
+    y, pair = norm.rms_norm(x, w, EPS, residual=r_kernel, out_format=fmt, out=out, out_bf16=out_y)
+    assert y.data_ptr() == out_y.data_ptr() and pair.data.data_ptr() == big.data.data_ptr()
+    h = add_residual(x, r)
+    assert_close_bf16(y, rms_norm_fp32(h, w, EPS))
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+    assert (big.data[3:].view(torch.uint8) == 0x7F).all()
+    assert (big.scale.as_strided((big.scale.shape[1], 64), (64, 1))[:, 3:] == -1).all()
+    assert torch.isnan(big_y[3:]).all() and torch.isnan(big_y[:3, cols:]).all()
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_rms_norm_captured_buffers_cpu(fmt, device):
+    check_captured_buffers(256, fmt, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_rms_norm_captured_buffers_gpu(fmt):
+    check_captured_buffers(5120, fmt, torch.device("cuda"))
+
+
+@pytest.mark.cpu
+def test_rms_norm_out_implies_format(device):
+    x, w, _ = _inputs(3, 256, device, False)
+    out = poisoned_pair(3, 256, ActFormat.SM100_G32_UE8M0_PACKED_MN, device)
+    y, pair = norm.rms_norm(x, w, EPS, out=out)
+    assert pair is out
+    assert_pairs_equal(pair, ref.quantize(y, out.fmt))
+
+
+@pytest.mark.cpu
+def test_rms_norm_reference_structure(device):
+    x, w, r = _inputs(3, 256, device, True)
+    r_ref = r.clone()
+    y, pair = ref.rms_norm(x, w, EPS, residual=r_ref, out_format=ActFormat.SM90_G32_FP32_MN)
+    assert torch.equal(r_ref, add_residual(x, r))
+    assert torch.equal(y, rms_norm_fp32(r_ref, w, EPS).bfloat16())
+    assert_pairs_equal(pair, ref.quantize(y, pair.fmt))
+    only = ref.rms_norm(x, w, EPS, out_format=ActFormat.SM90_G32_FP32_MN, return_bf16=False)
+    assert only.fmt is ActFormat.SM90_G32_FP32_MN
+    with pytest.raises(ValueError):
+        ref.rms_norm(x, w, EPS, return_bf16=False)
+
+
+@pytest.mark.cpu
+def test_rms_norm_bad_inputs(device):
+    x, w, r = _inputs(3, 256, device, True)
+    fmt = ActFormat.SM90_G32_FP32_MN
+    with pytest.raises(TypeError):
+        norm.rms_norm(x.float(), w, EPS)
+    with pytest.raises(TypeError):
+        norm.rms_norm(x, w.float(), EPS)
+    with pytest.raises(TypeError):
+        norm.rms_norm(x.numpy() if device.type == "cpu" else x.cpu(), w, EPS)
+    with pytest.raises(ValueError):
+        norm.rms_norm(x[0], w, EPS)
+    with pytest.raises(ValueError):
+        norm.rms_norm(x, w[:128], EPS)
+    with pytest.raises(ValueError):
+        norm.rms_norm(x.t().contiguous().t(), w, EPS)  # column-major
+    with pytest.raises(ValueError):
+        norm.rms_norm(x, w, EPS, residual=r[:2])
+    with pytest.raises(TypeError):
+        norm.rms_norm(x, w, EPS, residual=r.float())
+    with pytest.raises(TypeError):  # out pair of another format
+        norm.rms_norm(x, w, EPS, out_format=fmt, out=empty_pair(3, 256, ActFormat.SM90_G128_FP32_MN, device))
+    with pytest.raises(ValueError):  # out pair of another shape
+        norm.rms_norm(x, w, EPS, out_format=fmt, out=empty_pair(4, 256, fmt, device))
+    with pytest.raises(TypeError):
+        norm.rms_norm(x, w, EPS, out_format=fmt, out=(torch.empty(3, 256), torch.empty(3, 8)))
+    with pytest.raises(TypeError):
+        norm.rms_norm(x, w, EPS, out_bf16=torch.empty(3, 256, device=device))
+    with pytest.raises(ValueError):
+        norm.rms_norm(x, w, EPS, out_bf16=torch.empty(3, 128, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError):
+        norm.rms_norm(x, w, EPS, return_bf16=False)
+    with pytest.raises(ValueError):
+        norm.rms_norm(x, w, EPS, out_format=fmt, return_bf16=False,
+                      out_bf16=torch.empty(3, 256, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError):
+        norm.rms_norm(x, w, EPS, out_format="sm90_g64_nonsense")
+    with pytest.raises(ValueError):
+        norm.rms_norm(x, w, -1.0)
