@@ -1,0 +1,178 @@
+"""SiLU*mul producer (``act.silu_mul``) against ``reference.silu_mul``: CPU interpreter at small
+I, GPU at the DSv4.1 shared-expert width I = 2304.
+
+Bounds and identities checked:
+* the FP8 pair == ``reference.quantize(kernel's own bf16 output)`` bit for bit, for every ActFormat,
+  and ``return_bf16=False`` writes the same bytes;
+* the bf16 output is within 1 bf16 ulp (``|ref| * 2^-7``) elementwise of the fp32 reference
+  ``silu(gate) * up`` (the rounding alone is <= 0.5 ulp; the rest is the fp32 exp/division);
+* the swiglu clamp (``limit``) keeps NaN.
+"""
+
+import pytest
+import torch
+
+from fp8chain_kernel import act
+from fp8chain_kernel import reference as ref
+from fp8chain_kernel.formats import ActFormat, empty_pair
+from fp8chain_kernel.reference.act import silu_mul_fp32
+from helpers import assert_close_bf16, assert_pairs_equal, poisoned_pair
+
+ALL_FORMATS = list(ActFormat)
+CPU_T = [1, 2, 3, 4, 16, 64, 127]
+GPU_T = [1, 2, 3, 4, 16, 64, 127, 256, 2048]
+LIMIT = 7.0
+
+
+def _gate_up(rows, inter, device):
+    """Random rows (magnitudes up to ~16, so the clamp at 7 bites), gate_up as a row-strided view."""
+    scale = torch.exp2(torch.randint(-3, 3, (rows, 1), device=device).float())
+    return (torch.randn(rows, 2 * inter + 32, device=device) * 4 * scale).bfloat16()[:, :2 * inter]
+
+
+def _nan_bf16(rows, cols, device):
+    return torch.full((rows, cols), float("nan"), dtype=torch.bfloat16, device=device)
+
+
+def check_silu_mul(rows, inter, fmt, device, limit):
+    gu = _gate_up(rows, inter, device)
+    out = poisoned_pair(rows, inter, fmt, device)
+    y, pair = act.silu_mul(gu, limit=limit, out_format=fmt, out=out, out_bf16=_nan_bf16(rows, inter, device))
+    assert pair is out
+    assert_close_bf16(y, silu_mul_fp32(gu, limit), ulps=1.0)
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+    only = act.silu_mul(gu, limit=limit, out_format=fmt, out=poisoned_pair(rows, inter, fmt, device),
+                        return_bf16=False)
+    assert_pairs_equal(only, pair)
+    assert torch.equal(act.silu_mul(gu, limit=limit), y)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("rows", CPU_T)
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_silu_mul_cpu(rows, fmt, device):
+    check_silu_mul(rows, 384, fmt, device, LIMIT if rows % 2 else None)
+
+
+@pytest.mark.cpu
+def test_silu_mul_cpu_ragged_width(device):
+    """I not a multiple of 128: masked tail columns, a partial packed word."""
+    for fmt in (ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN):
+        check_silu_mul(3, 160, fmt, device, LIMIT)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", GPU_T)
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+@pytest.mark.parametrize("limit", [LIMIT, None])
+def test_silu_mul_gpu(rows, fmt, limit):
+    check_silu_mul(rows, 2304, fmt, torch.device("cuda"), limit)
+
+
+def check_special_rows(rows, inter, fmt, device):
+    """All-zero rows -> zero data, finite positive scales. NaN in gate (and in up) stays NaN in
+    bf16 and FP8 (0x7F/0xFF), through the clamp; the other rows equal a run without it."""
+    gu = _gate_up(rows, inter, device).contiguous()
+    gu[1] = 0
+    clean_y, clean_pair = act.silu_mul(gu, limit=LIMIT, out_format=fmt)
+    assert (clean_y[1] == 0).all() and (clean_pair.data[1].float() == 0).all()
+    s = ref.scales_as_float(clean_pair)[1]
+    assert torch.isfinite(s).all() and (s > 0).all()
+    gu[2, 5] = float("nan")               # gate
+    gu[2, inter + 40] = float("nan")      # up
+    y, pair = act.silu_mul(gu, limit=LIMIT, out_format=fmt, out=poisoned_pair(rows, inter, fmt, device))
+    assert torch.isnan(y[2, 5]) and torch.isnan(y[2, 40])
+    assert (pair.data[2, [5, 40]].view(torch.uint8) & 0x7F == 0x7F).all()
+    keep = [i for i in range(rows) if i != 2]
+    assert torch.equal(y[keep], clean_y[keep])
+    assert torch.equal(pair.data[keep].view(torch.uint8), clean_pair.data[keep].view(torch.uint8))
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_silu_mul_zero_and_nan_rows_cpu(fmt, device):
+    check_special_rows(5, 256, fmt, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_silu_mul_zero_and_nan_rows_gpu(fmt):
+    check_special_rows(7, 2304, fmt, torch.device("cuda"))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_silu_mul_empty(fmt, device):
+    gu = torch.empty(0, 512, dtype=torch.bfloat16, device=device)
+    assert act.silu_mul(gu).shape == (0, 256)
+    y, pair = act.silu_mul(gu, limit=LIMIT, out_format=fmt)
+    assert y.shape == (0, 256) and pair.data.shape == (0, 256) and pair.fmt is fmt
+    assert act.silu_mul(gu, out_format=fmt, return_bf16=False).data.shape == (0, 256)
+
+
+def check_captured_buffers(inter, fmt, device):
+    big = poisoned_pair(64, inter, fmt, device)
+    out = big.rows(3)
+    assert out.scale.stride(1) == 64
+    big_y = _nan_bf16(8, inter + 64, device)
+    out_y = big_y[:3, :inter]
+    gu = _gate_up(3, inter, device)
+    y, pair = act.silu_mul(gu, limit=LIMIT, out_format=fmt, out=out, out_bf16=out_y)
+    assert y.data_ptr() == out_y.data_ptr() and pair.data.data_ptr() == big.data.data_ptr()
+    assert_close_bf16(y, silu_mul_fp32(gu, LIMIT))
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+    assert (big.data[3:].view(torch.uint8) == 0x7F).all()
+    assert (big.scale.as_strided((big.scale.shape[1], 64), (64, 1))[:, 3:] == -1).all()
+    assert torch.isnan(big_y[3:]).all() and torch.isnan(big_y[:3, inter:]).all()
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_silu_mul_captured_buffers_cpu(fmt, device):
+    check_captured_buffers(384, fmt, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_silu_mul_captured_buffers_gpu(fmt):
+    check_captured_buffers(2304, fmt, torch.device("cuda"))
+
+
+@pytest.mark.cpu
+def test_silu_mul_reference_clamp(device):
+    gu = torch.tensor([[10.0, -10.0, float("nan"), 1.0, 20.0, -20.0, 3.0, float("nan")]],
+                      dtype=torch.bfloat16, device=device)
+    want = silu_mul_fp32(gu, LIMIT)
+    gate = torch.tensor([7.0, -10.0, float("nan"), 1.0])
+    up = torch.tensor([7.0, -7.0, 3.0, float("nan")])
+    expect = (torch.nn.functional.silu(gate) * up)[None]
+    assert torch.equal(want.isnan().cpu(), expect.isnan())
+    assert torch.allclose(want.cpu().nan_to_num(), expect.nan_to_num())
+    y = act.silu_mul(gu, limit=LIMIT)
+    assert torch.equal(y.isnan(), want.isnan())
+    assert_close_bf16(y[~y.isnan()], want[~want.isnan()])
+
+
+@pytest.mark.cpu
+def test_silu_mul_bad_inputs(device):
+    gu = _gate_up(3, 256, device)
+    fmt = ActFormat.SM90_G32_FP32_MN
+    with pytest.raises(TypeError):
+        act.silu_mul(gu.float())
+    with pytest.raises(ValueError):
+        act.silu_mul(gu[:, :511])  # odd width
+    with pytest.raises(ValueError):
+        act.silu_mul(gu[0])
+    with pytest.raises(ValueError):
+        act.silu_mul(gu.t().contiguous().t())
+    with pytest.raises(ValueError):
+        act.silu_mul(gu, limit=-1.0)
+    with pytest.raises(TypeError):
+        act.silu_mul(gu, out_format=fmt, out=empty_pair(3, 256, ActFormat.SM100_G32_UE8M0_PACKED_MN, device))
+    with pytest.raises(ValueError):
+        act.silu_mul(gu, out_format=fmt, out=empty_pair(3, 512, fmt, device))
+    with pytest.raises(TypeError):
+        act.silu_mul(gu, out_bf16=torch.empty(3, 256, dtype=torch.float16, device=device))
+    with pytest.raises(ValueError):
+        act.silu_mul(gu, return_bf16=False)
