@@ -1,0 +1,515 @@
+"""mHC kernels (fp8chain_kernel.mhc) against the torch references (fp8chain_kernel.reference.mhc).
+
+Bounds checked here:
+
+* stats: ``pre``, ``post``, ``comb`` within 1e-5 (absolute; all three live in [0, 2]) of the
+  reference, whose GEMV and mean square are exact (fp64); the kernel's fp32 split-K GEMV is off
+  by ~1e-7 relative, which the mixes see as ~1e-6 at most. Columns of ``comb`` sum to one within
+  1e-5 (the last Sinkhorn step normalises columns: they sum to ``S/(S+hc_eps)``); rows sum to
+  one only as far as the iteration has converged, so rows are checked against the reference's
+  row sums (1e-5) and, for well-conditioned logits, against one.
+* post / mega boundary: ``R'`` within one bf16 ulp of the unrounded fp32 reference; ``x`` within
+  one bf16 ulp of the fp32 RMSNorm of ``bf16(sum_k pre[k] R'[k])`` computed from the kernel's own
+  ``R'`` (so a rounding tie of ``R'`` cannot be counted twice); the FP8 pair equals
+  ``reference.quantize`` of the kernel's own ``x`` bit for bit, for every ActFormat. The
+  kernels sum in the reference's order without fused multiply-add, so ``R'`` is also checked
+  bit for bit against the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8chain_kernel import mhc, reference
+from fp8chain_kernel.formats import ActFormat, QuantizedActivation, empty_pair
+from fp8chain_kernel.reference import mhc as ref_mhc
+
+from helpers import assert_close_bf16, assert_pairs_equal, poisoned_pair, rel_error
+
+CPU_H = 256
+GPU_H = 5120
+CPU_TS = [1, 2, 3, 4, 16, 64, 127]
+GPU_TS = [1, 2, 3, 4, 16, 64, 127, 256, 2048]
+FORMATS = list(ActFormat)
+EPS = 1e-6
+STATS_TOL = 1e-5
+
+cpu = pytest.mark.cpu
+gpu = pytest.mark.gpu
+
+
+def _dev(kind: str) -> torch.device:
+    return torch.device("cuda" if kind == "gpu" else "cpu")
+
+
+def _suite(ts_cpu, ts_gpu):
+    """(suite, T) parameters: CPU interpreter at small H, GPU at DSv4.1 H."""
+    return ([pytest.param("cpu", t, marks=cpu, id=f"cpu-T{t}") for t in ts_cpu]
+            + [pytest.param("gpu", t, marks=gpu, id=f"gpu-T{t}") for t in ts_gpu])
+
+
+def _hidden(kind: str) -> int:
+    return GPU_H if kind == "gpu" else CPU_H
+
+
+def make_stats_params(h: int, device, comb_scale: float = 1.0):
+    fn = torch.randn(ref_mhc.HC * (2 + ref_mhc.HC), ref_mhc.HC * h, device=device) / (4 * h) ** 0.5
+    scale = (torch.rand(3, device=device) + 0.5)
+    scale[2] *= comb_scale
+    base = torch.randn(24, device=device) * 0.5
+    return fn, scale, base
+
+
+def make_mixes(t: int, device):
+    pre = torch.sigmoid(torch.randn(t, 4, device=device)) + EPS
+    post = 2 * torch.sigmoid(torch.randn(t, 4, device=device))
+    comb = torch.softmax(torch.randn(t, 4, 4, device=device), dim=2)
+    comb = comb / comb.sum(dim=1, keepdim=True)
+    return pre, post, comb
+
+
+def make_inputs(t: int, h: int, device):
+    residual = torch.randn(t, 4, h, device=device).bfloat16()
+    y = torch.randn(t, h, device=device).bfloat16()
+    weight = (1 + 0.3 * torch.randn(h, device=device)).bfloat16()
+    return (residual, y, weight) + make_mixes(t, device)
+
+
+def nan_poison(shape, device, dtype=torch.bfloat16):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def assert_bitwise(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    a, b = got.contiguous().view(torch.int16).cpu(), want.contiguous().view(torch.int16).cpu()
+    bad = (a != b).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} elements differ, first at {bad[:5].tolist()}"
+
+
+def check_boundary_outputs(y, residual, pre, post, comb, weight, new_residual, x, pair, fmt):
+    """R' within 1 ulp of fp32, x within 1 ulp of the norm of the kernel's own R', pair exact."""
+    if y is not None:
+        assert_close_bf16(new_residual, ref_mhc.mhc_post_fp32(y, residual, post, comb), ulps=1.0)
+        assert_bitwise(new_residual, ref_mhc.mhc_post(y, residual, post, comb))
+        source = new_residual
+    else:
+        source = residual
+    if x is not None:
+        want = ref_mhc.mhc_norm_fp32(ref_mhc.mhc_combine(source, pre), weight, EPS)
+        assert_close_bf16(x, want, ulps=1.0)
+    if fmt is not None:
+        assert pair is not None and pair.fmt is ActFormat(fmt)
+        assert_pairs_equal(pair, reference.quantize(x, fmt))
+
+
+# ---------------------------------------------------------------------------------- stats
+
+
+def check_stats(got, want, residual, hc_eps=EPS, col_tol=1e-5):
+    pre, post, comb = got
+    rpre, rpost, rcomb = want
+    t = residual.shape[0]
+    assert pre.shape == (t, 4) and post.shape == (t, 4) and comb.shape == (t, 4, 4)
+    assert pre.dtype == post.dtype == comb.dtype == torch.float32
+    for name, a, b in (("pre", pre, rpre), ("post", post, rpost), ("comb", comb, rcomb)):
+        assert torch.isfinite(a).all(), f"{name} not finite"
+        err = (a - b).abs().max().item() if a.numel() else 0.0
+        assert err <= STATS_TOL, f"{name} max abs error {err:.3g} > {STATS_TOL}"
+    if t:
+        assert (pre >= hc_eps).all() and (pre <= 1 + 2 * hc_eps).all()
+        assert (post >= 0).all() and (post <= 2).all()
+        assert (comb >= 0).all() and (comb <= 1).all()
+        # columns after the final column normalisation sum to S / (S + hc_eps), S ~ 1
+        col = comb.sum(dim=1)
+        assert (col <= 1 + 1e-6).all()
+        assert (col - 1).abs().max().item() <= col_tol, "comb columns do not sum to one"
+        assert (comb.sum(dim=2) - rcomb.sum(dim=2)).abs().max().item() <= STATS_TOL
+
+
+@pytest.mark.parametrize("kind,t", _suite([1, 3, 16, 127], GPU_TS))
+def test_stats_matches_reference(kind, t):
+    device = _dev(kind)
+    h = _hidden(kind)
+    residual = torch.randn(t, 4, h, device=device).bfloat16()
+    if t >= 3:
+        residual[1] = 0  # an all-zero token: r = rsqrt(eps), m = 0, finite mixes
+    params = make_stats_params(h, device)
+    got = mhc.mhc_stats(residual, *params)
+    want = reference.mhc_stats(residual, *params)
+    check_stats(got, want, residual)
+    # deterministic: a second launch is bit-identical
+    again = mhc.mhc_stats(residual, *params)
+    for a, b in zip(got, again):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("kind", [pytest.param("cpu", marks=cpu), pytest.param("gpu", marks=gpu)])
+def test_stats_well_conditioned_rows_converge(kind):
+    """With small comb logits 19 Sinkhorn rounds converge: rows sum to one as well."""
+    device = _dev(kind)
+    h = _hidden(kind)
+    residual = torch.randn(5, 4, h, device=device).bfloat16()
+    fn, scale, base = make_stats_params(h, device, comb_scale=0.1)
+    base[8:] *= 0.1
+    pre, post, comb = mhc.mhc_stats(residual, fn, scale, base)
+    check_stats((pre, post, comb), reference.mhc_stats(residual, fn, scale, base), residual)
+    assert (comb.sum(dim=2) - 1).abs().max().item() <= 1e-5
+    assert (comb.sum(dim=1) - 1).abs().max().item() <= 1e-5
+
+
+@cpu
+@pytest.mark.parametrize("iters", [1, 2, 7])
+def test_stats_options(iters):
+    """sinkhorn_iters, hc_eps, rms_eps are honoured; strided residual; H not a multiple of 128."""
+    h = 160
+    big = torch.randn(6, 4, h + 32).bfloat16()
+    residual = big[:, :, :h]
+    params = make_stats_params(h, "cpu")
+    kw = dict(rms_eps=1e-3, hc_eps=1e-4, sinkhorn_iters=iters)
+    check_stats(mhc.mhc_stats(residual, *params, **kw),
+                reference.mhc_stats(residual, *params, **kw), residual, hc_eps=1e-4,
+                col_tol=1e-3)  # 1 - S/(S + 1e-4) for column sums S down to ~0.1
+
+
+@cpu
+def test_stats_nan_token_isolated():
+    residual = torch.randn(4, 4, CPU_H).bfloat16()
+    params = make_stats_params(CPU_H, "cpu")
+    clean = mhc.mhc_stats(residual, *params)
+    residual[2, 1, 7] = float("nan")
+    dirty = mhc.mhc_stats(residual, *params)
+    for a, b in zip(clean, dirty):
+        assert torch.isnan(b[2]).all()
+        keep = [0, 1, 3]
+        assert torch.equal(a[keep], b[keep])
+
+
+# ------------------------------------------------------------------------------ post
+
+
+@pytest.mark.parametrize("kind,t", _suite(CPU_TS, GPU_TS))
+def test_post(kind, t):
+    device = _dev(kind)
+    h = _hidden(kind)
+    residual, y, _, _, post, comb = make_inputs(t, h, device)
+    out = nan_poison((t, 4, h), device)
+    got = mhc.mhc_post(y, residual, post, comb, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    check_boundary_outputs(y, residual, None, post, comb, None, got, None, None, None)
+    fresh = mhc.mhc_post(y, residual, post, comb)
+    assert_bitwise(fresh, got)
+    # in place over the residual is allowed for post
+    inplace = residual.clone()
+    mhc.mhc_post(y, inplace, post, comb, out=inplace)
+    assert_bitwise(inplace, got)
+
+
+# ---------------------------------------------------------------------- combine + norm
+
+
+@pytest.mark.parametrize("kind,t", _suite([1, 3, 16, 127], [1, 3, 64, 2048]))
+def test_combine_norm(kind, t):
+    device = _dev(kind)
+    h = _hidden(kind)
+    residual, _, weight, pre, _, _ = make_inputs(t, h, device)
+    x = mhc.mhc_combine_norm(residual, pre, weight, EPS)
+    check_boundary_outputs(None, residual, pre, None, None, weight, None, x, None, None)
+    for fmt in FORMATS:
+        out = poisoned_pair(t, h, fmt, device)
+        out_bf16 = nan_poison((t, h), device)
+        got_x, pair = mhc.mhc_combine_norm(residual, pre, weight, EPS, out_format=fmt, out=out,
+                                           out_bf16=out_bf16)
+        assert got_x.data_ptr() == out_bf16.data_ptr() and pair.data.data_ptr() == out.data.data_ptr()
+        assert_bitwise(got_x, x)
+        assert_pairs_equal(pair, reference.quantize(x, fmt))
+    only = mhc.mhc_combine_norm(residual, pre, weight, EPS, out_format=FORMATS[0], return_bf16=False)
+    assert isinstance(only, QuantizedActivation)
+    assert_pairs_equal(only, reference.quantize(x, FORMATS[0]))
+    want = reference.mhc_combine_norm(residual, pre, weight, EPS, out_format=FORMATS[0])
+    assert_close_bf16(x, want[0].float(), ulps=1.0)
+
+
+@pytest.mark.parametrize("kind", [pytest.param("cpu", marks=cpu), pytest.param("gpu", marks=gpu)])
+def test_combine_norm_layer0_and_fp32_weight(kind):
+    """pre = (1, 0, 0, 0) gives RMSNorm(R[:, 0]) (layer 0's attention input); fp32 weight."""
+    device = _dev(kind)
+    h = _hidden(kind)
+    t = 5
+    residual = torch.randn(t, 4, h, device=device).bfloat16()
+    pre = torch.zeros(t, 4, device=device)
+    pre[:, 0] = 1
+    weight = 1 + 0.3 * torch.randn(h, device=device)
+    x = mhc.mhc_combine_norm(residual, pre, weight, EPS)
+    assert_close_bf16(x, ref_mhc.mhc_norm_fp32(residual[:, 0], weight, EPS), ulps=1.0)
+
+
+# ------------------------------------------------------------------------ mega boundary
+
+
+@pytest.mark.parametrize("kind,t", _suite(CPU_TS, GPU_TS))
+def test_mega_boundary(kind, t):
+    device = _dev(kind)
+    h = _hidden(kind)
+    residual, y, weight, pre, post, comb = make_inputs(t, h, device)
+    # no pair
+    new_r, x, pair = mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, EPS)
+    assert pair is None
+    check_boundary_outputs(y, residual, pre, post, comb, weight, new_r, x, None, None)
+    for fmt in FORMATS:
+        out_r = nan_poison((t, 4, h), device)
+        out_x = nan_poison((t, h), device)
+        out = poisoned_pair(t, h, fmt, device)
+        got_r, got_x, got_pair = mhc.mhc_mega_boundary(
+            y, residual, pre, post, comb, weight, EPS, out_format=fmt, out_residual=out_r,
+            out=out, out_bf16=out_x)
+        assert got_r.data_ptr() == out_r.data_ptr() and got_x.data_ptr() == out_x.data_ptr()
+        assert got_pair.data.data_ptr() == out.data.data_ptr()
+        check_boundary_outputs(y, residual, pre, post, comb, weight, got_r, got_x, got_pair, fmt)
+        assert_bitwise(got_r, new_r)
+        assert_bitwise(got_x, x)
+    # pair only
+    got_r, none_x, only = mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, EPS,
+                                                out_format=FORMATS[0], return_bf16=False)
+    assert none_x is None
+    assert_bitwise(got_r, new_r)
+    assert_pairs_equal(only, reference.quantize(x, FORMATS[0]))
+
+
+@pytest.mark.parametrize("kind", [pytest.param("cpu", marks=cpu), pytest.param("gpu", marks=gpu)])
+def test_mega_boundary_matches_reference_composition(kind):
+    """The reference mega boundary is post then combine+norm; kernel agrees to 1 ulp; strided
+    residual input; bf16 and fp32 norm weights."""
+    device = _dev(kind)
+    h = _hidden(kind)
+    t = 7
+    residual, y, weight, pre, post, comb = make_inputs(t, h, device)
+    strided = torch.empty(t, 4, h + 128, dtype=torch.bfloat16, device=device)[:, :, :h]
+    strided.copy_(residual)
+    for w in (weight, weight.float()):
+        got_r, got_x, got_pair = mhc.mhc_mega_boundary(y, strided, pre, post, comb, w, EPS,
+                                                       out_format="sm90_g32_fp32_mn")
+        want_r, want_x, want_pair = reference.mhc_mega_boundary(
+            y, residual, pre, post, comb, w, EPS, out_format="sm90_g32_fp32_mn")
+        assert_bitwise(got_r, want_r)
+        assert_close_bf16(got_x, want_x.float(), ulps=1.0)
+        check_boundary_outputs(y, residual, pre, post, comb, w, got_r, got_x, got_pair,
+                               "sm90_g32_fp32_mn")
+
+
+@pytest.mark.parametrize("kind", [pytest.param("cpu", marks=cpu), pytest.param("gpu", marks=gpu)])
+def test_zero_rows(kind):
+    device = _dev(kind)
+    h = _hidden(kind)
+    t = 5
+    residual, y, weight, pre, post, comb = make_inputs(t, h, device)
+    zero = [0, 3]
+    residual[zero] = 0
+    y[zero] = 0
+    for fmt in FORMATS:
+        new_r, x, pair = mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, EPS,
+                                               out_format=fmt, out=poisoned_pair(t, h, fmt, device))
+        check_boundary_outputs(y, residual, pre, post, comb, weight, new_r, x, pair, fmt)
+        assert (new_r[zero].float() == 0).all() and (x[zero].float() == 0).all()
+        assert (pair.data[zero].view(torch.uint8) & 0x7F == 0).all()
+        scales = reference.scales_as_float(pair)
+        assert torch.isfinite(scales).all() and (scales > 0).all()
+    # empty batch everywhere
+    e_r, e_y, e_w, e_pre, e_post, e_comb = make_inputs(0, h, device)
+    r0, x0, p0 = mhc.mhc_mega_boundary(e_y, e_r, e_pre, e_post, e_comb, e_w, EPS,
+                                       out_format=FORMATS[0])
+    assert r0.shape == (0, 4, h) and x0.shape == (0, h) and p0.data.shape == (0, h)
+    assert mhc.mhc_post(e_y, e_r, e_post, e_comb).shape == (0, 4, h)
+    assert mhc.mhc_combine_norm(e_r, e_pre, e_w, EPS).shape == (0, h)
+    s = mhc.mhc_stats(e_r, *make_stats_params(h, device))
+    assert [tuple(a.shape) for a in s] == [(0, 4), (0, 4), (0, 4, 4)]
+
+
+@pytest.mark.parametrize("kind", [pytest.param("cpu", marks=cpu), pytest.param("gpu", marks=gpu)])
+def test_nan_token_stays_visible(kind):
+    device = _dev(kind)
+    h = _hidden(kind)
+    t, bad, col = 6, 2, 37
+    residual, y, weight, pre, post, comb = make_inputs(t, h, device)
+    fmt = ActFormat.SM90_G32_FP32_MN
+    clean = mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, EPS, out_format=fmt)
+    y[bad, col] = float("nan")
+    for f in FORMATS:
+        new_r, x, pair = mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, EPS,
+                                               out_format=f)
+        assert torch.isnan(new_r[bad, :, col].float()).all()
+        assert torch.isfinite(new_r[bad, :, :col].float()).all()
+        assert torch.isnan(x[bad].float()).all()  # the row's norm is NaN
+        data = pair.data[bad].float()
+        assert torch.isnan(data).all()
+        assert_pairs_equal(pair, reference.quantize(x, f))
+        others = [i for i in range(t) if i != bad]
+        assert_bitwise(new_r[others], clean[0][others])
+        assert_bitwise(x[others], clean[1][others])
+        if f is fmt:
+            assert torch.equal(pair.data[others].view(torch.uint8),
+                               clean[2].data[others].view(torch.uint8))
+
+
+@pytest.mark.parametrize("kind", [pytest.param("cpu", marks=cpu), pytest.param("gpu", marks=gpu)])
+def test_captured_buffers(kind):
+    """Outputs into slices of buffers allocated for more rows (as a captured CUDA graph has)."""
+    device = _dev(kind)
+    h = _hidden(kind)
+    t, cap = 3, 64
+    residual, y, weight, pre, post, comb = make_inputs(t, h, device)
+    for fmt in FORMATS:
+        big_pair = poisoned_pair(cap, h, fmt, device)
+        big_r = nan_poison((cap, 4, h), device)
+        big_x = nan_poison((cap, h), device)
+        new_r, x, pair = mhc.mhc_mega_boundary(
+            y, residual, pre, post, comb, weight, EPS, out_format=fmt,
+            out_residual=big_r[:t], out=big_pair.rows(t), out_bf16=big_x[:t])
+        check_boundary_outputs(y, residual, pre, post, comb, weight, new_r, x, pair, fmt)
+        assert torch.isnan(big_r[t:].float()).all() and torch.isnan(big_x[t:].float()).all()
+        assert (big_pair.data[t:].view(torch.uint8) == 0x7F).all()
+        assert pair.scale.stride() == big_pair.scale.stride()
+        # the same through combine_norm with a sliced pair
+        big_pair2 = poisoned_pair(cap, h, fmt, device)
+        x2, pair2 = mhc.mhc_combine_norm(new_r, pre, weight, EPS, out=big_pair2.rows(t))
+        assert_bitwise(x2, x)
+        assert_pairs_equal(pair2, reference.quantize(x, fmt))
+
+
+@gpu
+def test_mega_boundary_cuda_graph():
+    device = torch.device("cuda")
+    h, t = GPU_H, 16
+    fmt = ActFormat.SM90_G32_FP32_MN
+    residual, y, weight, pre, post, comb = make_inputs(t, h, device)
+    out_r = torch.empty(t, 4, h, dtype=torch.bfloat16, device=device)
+    out_x = torch.empty(t, h, dtype=torch.bfloat16, device=device)
+    out = empty_pair(t, h, fmt, device)
+
+    def step():
+        mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, EPS, out_format=fmt,
+                              out_residual=out_r, out=out, out_bf16=out_x)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    new = make_inputs(t, h, device)
+    for dst, src in zip((residual, y, weight, pre, post, comb), new):
+        dst.copy_(src)
+    out_r.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check_boundary_outputs(y, residual, pre, post, comb, weight, out_r, out_x, out, fmt)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@cpu
+def test_validation_errors():
+    t, h = 3, 128
+    residual, y, weight, pre, post, comb = make_inputs(t, h, "cpu")
+    fn, scale, base = make_stats_params(h, "cpu")
+    mega = mhc.mhc_mega_boundary
+    with pytest.raises(TypeError, match="residual"):
+        mega(y, residual.float(), pre, post, comb, weight, EPS)
+    with pytest.raises(TypeError, match="y"):
+        mega(y.float(), residual, pre, post, comb, weight, EPS)
+    with pytest.raises(TypeError, match="pre"):
+        mega(y, residual, pre.bfloat16(), post, comb, weight, EPS)
+    with pytest.raises(ValueError, match="comb"):
+        mega(y, residual, pre, post, comb[:, :3], weight, EPS)
+    with pytest.raises(ValueError, match="residual"):
+        mega(y, residual[:, :3], pre, post, comb, weight, EPS)
+    with pytest.raises(ValueError, match="y"):
+        mega(y[:2], residual, pre, post, comb, weight, EPS)
+    with pytest.raises(ValueError, match="norm_weight"):
+        mega(y, residual, pre, post, comb, weight[:-1], EPS)
+    with pytest.raises(TypeError, match="sm90_g128"):
+        mega(y, residual, pre, post, comb, weight, EPS, out_format="sm90_g32_fp32_mn",
+             out=empty_pair(t, h, "sm90_g128_fp32_mn"))
+    with pytest.raises(ValueError, match="shape"):
+        mega(y, residual, pre, post, comb, weight, EPS, out=empty_pair(t + 1, h, "sm90_g32_fp32_mn"))
+    with pytest.raises(ValueError, match="overlaps"):
+        mega(y, residual, pre, post, comb, weight, EPS, out_residual=residual)
+    with pytest.raises(ValueError, match="out_residual"):
+        mega(y, residual, pre, post, comb, weight, EPS,
+             out_residual=torch.empty(t, 4, h + 1, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="out_bf16"):
+        mega(y, residual, pre, post, comb, weight, EPS, out_bf16=torch.empty(t, h))
+    with pytest.raises(ValueError, match="return_bf16"):
+        mhc.mhc_combine_norm(residual, pre, weight, EPS, return_bf16=False)
+    with pytest.raises(TypeError, match="post"):
+        mhc.mhc_post(y, residual, post.double(), comb)
+    buf = torch.zeros(t * 4 * h + 8, dtype=torch.bfloat16)
+    shifted_residual = buf[4:4 + t * 4 * h].view(t, 4, h)
+    with pytest.raises(ValueError, match="overlaps"):
+        mhc.mhc_post(y, shifted_residual, post, comb, out=buf[:t * 4 * h].view(t, 4, h))
+    with pytest.raises(ValueError, match="fn"):
+        mhc.mhc_stats(residual, fn[:, :-1], scale, base)
+    with pytest.raises(TypeError, match="fn"):
+        mhc.mhc_stats(residual, fn.bfloat16(), scale, base)
+    with pytest.raises(ValueError, match="base"):
+        mhc.mhc_stats(residual, fn, scale, base[:-1])
+    with pytest.raises(ValueError, match="sinkhorn_iters"):
+        mhc.mhc_stats(residual, fn, scale, base, sinkhorn_iters=0)
+    with pytest.raises(TypeError, match="residual"):
+        mhc.mhc_stats(residual.float(), fn, scale, base)
+
+
+# ------------------------------------------------------------- shifted ordering, 2 sublayers
+
+
+def _sublayer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.float() @ w).bfloat16()
+
+
+def _two_sublayers(embed, params, mats, weights, fmt, kernels: bool, shifted: bool = True):
+    """Layer-0 attention input, two sublayers, the final norm (REFERENCE.md section 5).
+
+    Shifted (DSv4.1): the boundary after sublayer s carries ``pre_s`` (from the residual that
+    entered s) into the next combine. ``shifted=False`` is the ordering this must not be
+    confused with: each combine uses the pre computed from the residual it reads.
+    """
+    k = mhc if kernels else reference
+    t, h = embed.shape
+    residual = embed[:, None, :].expand(t, 4, h).contiguous()
+    first = torch.zeros(t, 4, device=embed.device)
+    first[:, 0] = 1
+    x = k.mhc_combine_norm(residual, first, weights[0], EPS)
+    pairs = []
+    for s in range(2):
+        y = _sublayer(x, mats[s])
+        pre, post, comb = k.mhc_stats(residual, *params[s])
+        if shifted:
+            new_r, x, pair = k.mhc_mega_boundary(y, residual, pre, post, comb, weights[s + 1],
+                                                 EPS, out_format=fmt)
+        else:
+            new_r = k.mhc_post(y, residual, post, comb)
+            own_pre = k.mhc_stats(new_r, *params[1 - s])[0]
+            x, pair = k.mhc_combine_norm(new_r, own_pre, weights[s + 1], EPS, out_format=fmt)
+        pairs.append(pair)
+        residual = new_r
+    return residual, x, pairs
+
+
+@pytest.mark.parametrize("kind", [pytest.param("cpu", marks=cpu), pytest.param("gpu", marks=gpu)])
+def test_shifted_ordering_two_sublayers(kind):
+    device = _dev(kind)
+    h = _hidden(kind)
+    t = 5
+    fmt = ActFormat.SM90_G32_FP32_MN
+    embed = torch.randn(t, h, device=device).bfloat16()
+    params = [make_stats_params(h, device) for _ in range(2)]
+    mats = [torch.randn(h, h, device=device) / h ** 0.5 for _ in range(2)]
+    weights = [(1 + 0.3 * torch.randn(h, device=device)).bfloat16() for _ in range(3)]
+    k_r, k_x, k_pairs = _two_sublayers(embed, params, mats, weights, fmt, kernels=True)
+    r_r, r_x, _ = _two_sublayers(embed, params, mats, weights, fmt, kernels=False)
+    err_r, err_x = rel_error(k_r, r_r), rel_error(k_x, r_x)
+    assert err_r < 1e-2 and err_x < 1e-2, (err_r, err_x)
+    assert_pairs_equal(k_pairs[-1], reference.quantize(k_x, fmt))
+    # the test can tell the orderings apart: carrying the next sublayer's own pre is far off
+    w_r, w_x, _ = _two_sublayers(embed, params, mats, weights, fmt, kernels=True, shifted=False)
+    assert rel_error(w_x, r_x) > 10 * max(err_x, 1e-3)
