@@ -220,6 +220,22 @@ def test_deepgemm_sm100_refused_when_k_not_multiple_of_128(monkeypatch, caplog):
     assert rel_error(layer(x), want) < 5e-3
 
 
+def test_refused_when_backend_cannot_derive(monkeypatch, caplog):
+    """Blackwell DeepGEMM needs power-of-two weight scales to pack; a 32x32 checkpoint without
+    ``scale_fmt: ue8m0`` and with other scales is refused (and still computes)."""
+    _deepgemm_sm100(monkeypatch)
+    cfg = Fp8Config(weight_block_size=(32, 32))
+    ckpt = checkpoint(128, 256, 32, pow2=False)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        layer, _ = make_layer(128, 256, cfg=cfg, request=True, ckpt=ckpt)
+    assert layer.deepgemm_mxfp8_input is False and layer.input_format is None
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(lines) == 1 and "deep_gemm: " in lines[0] and "power-of-two" in lines[0], lines
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    want = gemm_reference(ref.quantize(x, ActFormat.SM100_G32_UE8M0_PACKED_MN), ckpt, 32)
+    assert rel_error(layer(x), want) < 5e-3
+
+
 def test_get_quantization_config():
     hf = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32],
                                   "scale_fmt": "ue8m0"}}

@@ -22,7 +22,9 @@ import logging
 import torch
 from torch import nn
 
+from fp8chain_kernel import backends as gemm_backends
 from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv
+from fp8chain_kernel.quant import quantize
 
 from ..linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from ..parameter import copy_or_rebind_param, set_param_attrs
@@ -33,11 +35,6 @@ __all__ = ["Fp8Config", "Fp8LinearMethod"]
 
 _BLOCK_SIZES = (32, 128)
 _SCALE_FMTS = (None, "ue8m0")
-
-
-def _backends():
-    from fp8chain_kernel import backends
-    return backends
 
 
 @dataclasses.dataclass
@@ -179,14 +176,16 @@ class Fp8LinearMethod(LinearMethodBase):
         requested = bool(layer.deepgemm_mxfp8_input)
         n, k = layer.weight.shape
         block = self.quant_config.block
-        bk = _backends()
         backend, fmt, derived, reason = None, None, {}, None
         try:
-            fmt = bk.input_format_for(block)
-            backend = bk.select_backend(fmt, block, n, k, prefer=self.quant_config.backend)
+            fmt = gemm_backends.input_format_for(block)
+            backend = gemm_backends.select_backend(fmt, block, n, k, prefer=self.quant_config.backend)
             derived = backend.derive_weight_tensors(layer.weight, layer.weight_scale_inv, block)
         except ValueError as exc:
-            backend, derived, reason = None, {}, str(exc).strip() or type(exc).__name__
+            reason = str(exc).strip() or type(exc).__name__
+            if backend is not None:  # selected, but could not derive its weight tensors
+                reason = f"{backend.name}: {reason}"
+            backend, derived = None, {}
         if fmt is None:  # no format for this block on this arch: the fallback still needs one
             fmt = ActFormat.SM90_G32_FP32_MN if block == 32 else ActFormat.SM90_G128_FP32_MN
         names = []
@@ -238,7 +237,6 @@ class Fp8LinearMethod(LinearMethodBase):
             if x2.shape[0] == 0:
                 pair = None
             else:
-                from fp8chain_kernel.quant import quantize
                 pair = quantize(x2, fmt)
         rows = int(torch.Size(lead).numel())
         if rows == 0:
@@ -248,7 +246,7 @@ class Fp8LinearMethod(LinearMethodBase):
             out = self._gemm(layer, pair)
         bias = layer.forward_bias
         if bias is not None:
-            out = out + bias
+            out.add_(bias)  # ``out`` is the GEMM's fresh result
         return out.reshape(*lead, n)
 
     def _gemm(self, layer, pair: QuantizedActivation) -> torch.Tensor:
