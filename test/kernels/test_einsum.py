@@ -1,0 +1,185 @@
+"""wo_a grouped einsum producer (``einsum.wo_a_einsum``) against ``reference.wo_a_einsum``: CPU
+interpreter at small G/R/D, GPU at DSv4.1 shapes (G = 8 at TP1 and G = 2 at TP4, R = 1024,
+D = 4096).
+
+Bounds and identities checked:
+* the FP8 pair == ``reference.quantize(kernel's own bf16 output)`` bit for bit, for every ActFormat,
+  and ``return_bf16=False`` writes the same bytes;
+* the bf16 output against the fp64 einsum: ``||y - y64|| / ||y64|| < 2.5e-3`` (the bf16 rounding
+  alone is at most 2^-9 = 1.95e-3 relative per element; fp32 accumulation adds ~1e-6);
+* ``o`` given as a strided view (row-padded, or the transpose of a ``[G, T, D]`` buffer).
+"""
+
+import pytest
+import torch
+
+from fp8chain_kernel import einsum
+from fp8chain_kernel import reference as ref
+from fp8chain_kernel.formats import ActFormat, empty_pair
+from fp8chain_kernel.reference.einsum import wo_a_einsum_fp
+from helpers import assert_pairs_equal, poisoned_pair, rel_error
+
+ALL_FORMATS = list(ActFormat)
+CPU_T = [1, 2, 3, 4, 16, 64, 127]
+GPU_T = [1, 2, 3, 4, 16, 64, 127, 256, 2048]
+REL_BOUND = 2.5e-3
+
+
+def _inputs(rows, groups, r, d, device, layout="padded"):
+    """o as a strided view ([T, G, D+16] sliced, or [G, T, D] transposed), wo_a ~ 1/sqrt(D)."""
+    scale = torch.exp2(torch.randint(-4, 4, (rows, 1, 1), device=device).float())
+    if layout == "padded":
+        o = (torch.randn(rows, groups, d + 16, device=device) * scale).bfloat16()[:, :, :d]
+    else:
+        o = (torch.randn(groups, rows, d, device=device) * scale.view(1, rows, 1)).bfloat16().transpose(0, 1)
+    w = (torch.randn(groups, r, d, device=device) / d ** 0.5).bfloat16()
+    return o, w
+
+
+def _nan_bf16(rows, cols, device):
+    return torch.full((rows, cols), float("nan"), dtype=torch.bfloat16, device=device)
+
+
+def check_wo_a(rows, groups, r, d, fmt, device, layout="padded"):
+    o, w = _inputs(rows, groups, r, d, device, layout)
+    cols = groups * r
+    out = poisoned_pair(rows, cols, fmt, device)
+    y, pair = einsum.wo_a_einsum(o, w, out_format=fmt, out=out, out_bf16=_nan_bf16(rows, cols, device))
+    assert pair is out
+    err = rel_error(y, wo_a_einsum_fp(o, w, torch.float64))
+    assert err < REL_BOUND, f"relative error {err:.3g} vs fp64 >= {REL_BOUND}"
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+    only = einsum.wo_a_einsum(o, w, out_format=fmt, out=poisoned_pair(rows, cols, fmt, device), return_bf16=False)
+    assert_pairs_equal(only, pair)
+    y_plain = einsum.wo_a_einsum(o, w)
+    assert rel_error(y_plain, wo_a_einsum_fp(o, w, torch.float64)) < REL_BOUND
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("rows", CPU_T)
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_wo_a_cpu(rows, fmt, device):
+    check_wo_a(rows, 2, 128, 64, fmt, device, layout="padded" if rows % 2 else "transposed")
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", [ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN])
+@pytest.mark.parametrize("rows", [3, 70])
+def test_wo_a_cpu_ragged(rows, fmt, device):
+    """G*R/32 = 15 groups (a partial packed word, tail bytes zero), D not a multiple of the K tile,
+    R not a multiple of the N tile."""
+    check_wo_a(rows, 3, 160, 80, fmt, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", GPU_T)
+@pytest.mark.parametrize("groups", [8, 2])
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_wo_a_gpu(rows, groups, fmt):
+    check_wo_a(rows, groups, 1024, 4096, fmt, torch.device("cuda"),
+               layout="padded" if rows % 2 else "transposed")
+
+
+def check_special_rows(rows, groups, r, d, fmt, device):
+    """An all-zero row -> zero data, finite positive scales. NaN in o[2, 1] turns that group's
+    columns of row 2 into NaN (bf16 and FP8 0x7F/0xFF) and nothing else."""
+    o, w = _inputs(rows, groups, r, d, device)
+    o = o.contiguous()
+    o[1] = 0
+    clean_y, clean_pair = einsum.wo_a_einsum(o, w, out_format=fmt)
+    assert (clean_y[1] == 0).all() and (clean_pair.data[1].float() == 0).all()
+    s = ref.scales_as_float(clean_pair)[1]
+    assert torch.isfinite(s).all() and (s > 0).all()
+    o[2, 1, d // 2] = float("nan")
+    y, pair = einsum.wo_a_einsum(o, w, out_format=fmt, out=poisoned_pair(rows, groups * r, fmt, device))
+    assert torch.isnan(y[2, r:2 * r]).all()
+    assert ((pair.data[2, r:2 * r].view(torch.uint8) & 0x7F) == 0x7F).all()
+    nan_mask = torch.zeros_like(y, dtype=torch.bool)
+    nan_mask[2, r:2 * r] = True
+    assert torch.equal(y[~nan_mask], clean_y[~nan_mask])
+    keep = [i for i in range(rows) if i != 2]
+    assert torch.equal(pair.data[keep].view(torch.uint8), clean_pair.data[keep].view(torch.uint8))
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_wo_a_zero_and_nan_rows_cpu(fmt, device):
+    check_special_rows(5, 2, 128, 64, fmt, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_wo_a_zero_and_nan_rows_gpu(fmt):
+    check_special_rows(7, 8, 1024, 4096, fmt, torch.device("cuda"))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_wo_a_empty(fmt, device):
+    o = torch.empty(0, 2, 64, dtype=torch.bfloat16, device=device)
+    w = torch.randn(2, 128, 64, device=device).bfloat16()
+    assert einsum.wo_a_einsum(o, w).shape == (0, 256)
+    y, pair = einsum.wo_a_einsum(o, w, out_format=fmt)
+    assert y.shape == (0, 256) and pair.data.shape == (0, 256) and pair.fmt is fmt
+    assert einsum.wo_a_einsum(o, w, out_format=fmt, return_bf16=False).data.shape == (0, 256)
+
+
+def check_captured_buffers(groups, r, d, fmt, device):
+    cols = groups * r
+    big = poisoned_pair(64, cols, fmt, device)
+    out = big.rows(3)
+    assert out.scale.stride(1) == 64
+    big_y = _nan_bf16(8, cols + 64, device)
+    out_y = big_y[:3, :cols]
+    o, w = _inputs(3, groups, r, d, device)
+    y, pair = einsum.wo_a_einsum(o, w, out_format=fmt, out=out, out_bf16=out_y)
+    assert y.data_ptr() == out_y.data_ptr() and pair.data.data_ptr() == big.data.data_ptr()
+    assert rel_error(y, wo_a_einsum_fp(o, w, torch.float64)) < REL_BOUND
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+    assert (big.data[3:].view(torch.uint8) == 0x7F).all()
+    assert (big.scale.as_strided((big.scale.shape[1], 64), (64, 1))[:, 3:] == -1).all()
+    assert torch.isnan(big_y[3:]).all() and torch.isnan(big_y[:3, cols:]).all()
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_wo_a_captured_buffers_cpu(fmt, device):
+    check_captured_buffers(2, 128, 64, fmt, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_wo_a_captured_buffers_gpu(fmt):
+    check_captured_buffers(2, 1024, 4096, fmt, torch.device("cuda"))
+
+
+@pytest.mark.cpu
+def test_wo_a_bad_inputs(device):
+    o, w = _inputs(3, 2, 128, 64, device)
+    fmt = ActFormat.SM90_G32_FP32_MN
+    with pytest.raises(TypeError):
+        einsum.wo_a_einsum(o.float(), w)
+    with pytest.raises(TypeError):
+        einsum.wo_a_einsum(o, w.half())
+    with pytest.raises(ValueError):
+        einsum.wo_a_einsum(o[:, 0], w)
+    with pytest.raises(ValueError):
+        einsum.wo_a_einsum(o, w[:1])
+    with pytest.raises(ValueError):
+        einsum.wo_a_einsum(o, w[:, :, :32])
+    with pytest.raises(ValueError):
+        einsum.wo_a_einsum(o.transpose(1, 2).contiguous().transpose(1, 2), w)  # D not unit stride
+    with pytest.raises(ValueError):
+        einsum.wo_a_einsum(o, w.transpose(1, 2).contiguous().transpose(1, 2))
+    with pytest.raises(TypeError):
+        einsum.wo_a_einsum(o, w, out_format=fmt, out=empty_pair(3, 256, ActFormat.SM90_G128_FP32_MN, device))
+    with pytest.raises(ValueError):
+        einsum.wo_a_einsum(o, w, out_format=fmt, out=empty_pair(3, 128, fmt, device))
+    with pytest.raises(ValueError):
+        einsum.wo_a_einsum(o, w, out_bf16=torch.empty(3, 2, 128, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError):
+        einsum.wo_a_einsum(o, w, return_bf16=False)
+    o2, w2 = _inputs(3, 2, 96, 64, device)
+    with pytest.raises(ValueError):  # a 128-column scale group would straddle two einsum groups
+        einsum.wo_a_einsum(o2, w2, out_format=ActFormat.SM90_G128_FP32_MN)
