@@ -1,0 +1,357 @@
+"""FP8 GEMM consumers at DSv4.1 shapes: the chained pair GEMM against its baselines.
+
+Columns per (shape, M), all timed in one process with CUDA-graph replay (median):
+
+* ``pair_us``: Triton GEMM on a ``sm90_g32_fp32_mn`` pair as a producer wrote it (DSv4.1 32x32
+  power-of-two weight blocks);
+* ``bf16_quant_us``: bf16 activations -> standalone quantize -> the same GEMM (unchained);
+* ``w8a16_us``: bf16 activations x FP8 weights widened in the kernel (Triton W8A16);
+* ``cublas_g128_us``: cuBLAS blockwise (``torch._scaled_mm``, 1x128 x 128x128) on the g128 problem;
+* ``triton_g128_us``: the Triton GEMM on the same g128 problem;
+* ``floor_us``: weight bytes / device copy bandwidth measured in this run; ``bw_frac``: floor /
+  pair_us (the fraction of copy bandwidth the pair GEMM reaches on weight bytes).
+
+Weights rotate through enough copies to exceed L2 (every call streams its weights from HBM).
+``--sweep`` times candidate launch configs per (shape, M bucket) and prints the best (the source
+of ``gemm.CONFIG_TABLE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+_ROOT = Path(__file__).resolve().parents[1]
+for _p in (_ROOT / "python", _ROOT / "sgl-kernel"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from fp8chain_kernel import gemm, quant  # noqa: E402
+from fp8chain_kernel.formats import ActFormat, cdiv  # noqa: E402
+
+SHAPES = {
+    "wqkv_a": (1792, 5120),
+    "wq_b": (32768, 1280),
+    "wo_b": (5120, 8192),
+    "wo_b_tp4": (5120, 2048),
+    "gate_up": (4608, 5120),
+    "down": (5120, 2304),
+}
+MS = [1, 4, 16, 64, 256, 2048]
+QUICK_MS = [1, 16, 64, 2048]
+G32, G128 = ActFormat.SM90_G32_FP32_MN, ActFormat.SM90_G128_FP32_MN
+L2_DEFEAT_BYTES = 160 << 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help=f"M in {QUICK_MS}, fewer replays")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shape names")
+    parser.add_argument("--ms", default=None, help="comma-separated M values")
+    parser.add_argument("--iters", type=int, default=None, help="calls per captured graph")
+    parser.add_argument("--sweep", action="store_true", help="time candidate configs, print the best")
+    parser.add_argument("--sweep-budget-s", type=float, default=150.0, help="stop the sweep's timing after this")
+    parser.add_argument("--precompile", type=int, default=0,
+                        help="compile the planned kernels in this many worker processes first")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "i/n": compile share i
+    parser.add_argument("--check-blockwise", action="store_true",
+                        help="print which scale_b layouts torch._scaled_mm accepts and their error")
+    parser.add_argument("--no-save", action="store_true", help="do not write JSON/PNG")
+    parser.add_argument("--json-out", default=None, help="also write records to this JSON path")
+
+
+# --------------------------------------------------------------------------------------------
+
+def _weights(n, k, block, device, copies):
+    out = []
+    for _ in range(copies):
+        w = (torch.randn(n, k, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        shape = (cdiv(n, block), cdiv(k, block))
+        if block == 32:
+            s = torch.exp2(torch.randint(-14, -6, shape, device=device).float())
+        else:
+            s = torch.rand(shape, device=device) * 3e-3 + 1e-4
+        out.append((w, s))
+    return out
+
+
+def _copies(n, k):
+    return max(1, min(8, cdiv(L2_DEFEAT_BYTES, n * k)))
+
+
+def _rotating(fn, items):
+    state = {"i": 0}
+
+    def call():
+        item = items[state["i"] % len(items)]
+        state["i"] += 1
+        return fn(*item)
+
+    return call
+
+
+def sweep_candidates(m: int, n: int, k: int, group: int) -> list[gemm.GemmConfig]:
+    cands = []
+    if m <= 64:
+        bm = max(16, 1 << (m - 1).bit_length())
+        for bn in (64, 128):
+            for bk in (128, 256):
+                if k % bk:
+                    continue
+                iters = k // bk
+                for split in (1, 2, 4, 8):
+                    if iters % split or iters // split < 2:
+                        continue
+                    cands.append(gemm.GemmConfig(bn, bm, bk, split, 4, 4, 8))
+    elif m <= 256:
+        for cfg in [(128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4), (128, 128, 128, 1, 3, 8),
+                    (128, 64, 128, 2, 4, 4), (64, 64, 128, 2, 4, 4), (128, 32, 128, 1, 4, 4)]:
+            if k % cfg[2] == 0 and (k // cfg[2]) % cfg[3] == 0:
+                cands.append(gemm.GemmConfig(*cfg, 8))
+    else:
+        for cfg in [(128, 128, 128, 1, 3, 8), (128, 128, 128, 1, 4, 8), (256, 128, 128, 1, 3, 8),
+                    (128, 256, 128, 1, 3, 8), (128, 64, 128, 1, 4, 4), (64, 128, 128, 1, 4, 4)]:
+            if k % cfg[2] == 0:
+                cands.append(gemm.GemmConfig(*cfg, 8))
+    return cands
+
+
+def _sweep_points(shapes, quick):
+    ms = [16, 64, 256, 2048] if not quick else [16, 64, 2048]
+    for name in shapes:
+        n, k = SHAPES[name]
+        for group in (32, 128):
+            for m in ms:
+                yield name, n, k, group, m
+
+
+def _plan(args):
+    """Every (kind, shape name, M, config) this invocation will launch (for precompiling)."""
+    shapes = [s for s in args.shapes.split(",") if s]
+    plan = []
+    if args.sweep:
+        for name, n, k, group, m in _sweep_points(shapes, args.quick):
+            for cfg in sweep_candidates(m, n, k, group):
+                plan.append(("fp8", name, group, m, cfg))
+    else:
+        for name in shapes:
+            n, k = SHAPES[name]
+            for m in _ms(args):
+                for group in (32, 128):
+                    plan.append(("fp8", name, group, m, None))
+                plan.append(("w8a16", name, 32, m, None))
+    return plan
+
+
+def _ms(args):
+    if args.ms:
+        return [int(v) for v in args.ms.split(",")]
+    return QUICK_MS if args.quick else MS
+
+
+def _precompile_share(args, device):
+    """Run each planned kernel once (compiles it into Triton's on-disk cache)."""
+    index, count = (int(v) for v in args.worker.split("/"))
+    plan = _plan(args)[index::count]
+    weights = {}
+    for kind, name, group, m, cfg in plan:
+        n, k = SHAPES[name]
+        if (n, k, group) not in weights:
+            weights = {(n, k, group): _weights(n, k, group, device, 1)[0]}
+        w, s = weights[(n, k, group)]
+        x = torch.randn(m, k, device=device).bfloat16()
+        try:
+            if kind == "fp8":
+                gemm.fp8_gemm(x, w, s, weight_block=group, fmt=gemm.input_format_for_block(group), config=cfg)
+            else:
+                gemm.w8a16_gemm(x, w, s, weight_block=group, config=cfg)
+        except Exception as exc:  # noqa: BLE001 - report, keep compiling the rest
+            print(f"compile failed {kind} {name} g{group} M={m} {cfg}: {type(exc).__name__}: {exc}"[:400],
+                  flush=True)
+    torch.cuda.synchronize()
+
+
+def _precompile(args):
+    procs = []
+    clean = []
+    skip = False
+    for a in sys.argv[1:]:  # drop "--precompile N" / "--precompile=N"
+        if skip:
+            skip = False
+            continue
+        if a == "--precompile":
+            skip = True
+            continue
+        if not a.startswith("--precompile="):
+            clean.append(a)
+    for i in range(args.precompile):
+        procs.append(subprocess.Popen([sys.executable, __file__, *clean, "--worker", f"{i}/{args.precompile}"]))
+    for p in procs:
+        p.wait()
+
+
+def _time(fn, args):
+    from fp8chain.bench.harness import graph_time_us
+
+    iters = args.iters or (20 if args.quick or args.sweep else 50)
+    return graph_time_us(fn, iters=iters, repeats=3 if (args.quick or args.sweep) else 7)
+
+
+def run_sweep(args, device, copy_bw):
+    shapes = [s for s in args.shapes.split(",") if s]
+    records = []
+    start = time.time()
+    weights = {}
+    for name, n, k, group, m in _sweep_points(shapes, args.quick):
+        if time.time() - start > args.sweep_budget_s:
+            print(f"sweep budget spent, stopping before {name} g{group} M={m}", flush=True)
+            break
+        if (n, k, group) not in weights:
+            weights = {(n, k, group): _weights(n, k, group, device, _copies(n, k))}
+        ws = weights[(n, k, group)]
+        pair = quant.quantize(torch.randn(m, k, device=device).bfloat16(), gemm.input_format_for_block(group))
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+        heur = gemm.select_config(m, n, k, group, device)
+        results = []
+        for cfg in sweep_candidates(m, n, k, group) + [None]:
+            fn = _rotating(lambda w, s, c=cfg: gemm.fp8_gemm(pair, w, s, weight_block=group, out=out, config=c), ws)
+            try:
+                results.append((_time(fn, args), cfg))
+            except Exception as exc:  # noqa: BLE001
+                print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        if not results:
+            continue
+        best_us, best = min((r for r in results if r[1] is not None), key=lambda r: r[0])
+        current = next(us for us, c in results if c is None)
+        floor = n * k / copy_bw * 1e6
+        print(f"{name:9s} g{group:<3d} M={m:<5d} best {best_us:8.2f}us {tuple(best)} | table/heur "
+              f"{current:8.2f}us {tuple(heur)} | floor {floor:6.2f}us", flush=True)
+        records.append(dict(shape=name, n=n, k=k, group=group, m=m, best_us=best_us, best=list(best),
+                            current_us=current, floor_us=floor,
+                            all=[(us, list(c) if c else None) for us, c in results]))
+    return records
+
+
+def check_blockwise_views(device):
+    """Which 128x128 scale_b view torch._scaled_mm takes (K/128 = 10 and 40), and its error."""
+    from fp8chain_kernel import reference as ref
+    from fp8chain_kernel.backends.torch_blockwise import TorchBlockwiseBackend
+
+    for n, k in ((32768, 1280), (1792, 5120)):
+        (w, s), = _weights(n, k, 128, device, 1)
+        padded = TorchBlockwiseBackend().derive_weight_tensors(w, s, 128)["weight_scale_blockwise"]
+        pair = quant.quantize(torch.randn(8, k, device=device).bfloat16(), G128)
+        want = ref.fp8_gemm(pair, w, s, 128)
+        for view in ("exact", "padded"):
+            try:
+                got = torch._scaled_mm(pair.data, w.t(), scale_a=pair.scale,
+                                       scale_b=TorchBlockwiseBackend._scale_b(padded, k, view),
+                                       out_dtype=torch.bfloat16)
+                err = ((got.double() - want).norm() / want.norm()).item()
+                print(f"blockwise {n}x{k} scale_b view {view}: rel err {err:.3g}", flush=True)
+            except Exception as exc:  # noqa: BLE001
+                print(f"blockwise {n}x{k} scale_b view {view}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+
+
+def run(args):
+    """Returns ``(meta, records)``."""
+    from fp8chain.bench.harness import bench_meta, copy_bandwidth, progress
+
+    device = torch.device("cuda")
+    if args.check_blockwise:
+        check_blockwise_views(device)
+    if args.worker:
+        _precompile_share(args, device)
+        return {}, []
+    if args.precompile:
+        _precompile(args)
+    meta = bench_meta()
+    copy_bw = copy_bandwidth(device)
+    meta["copy_bandwidth_Bps"] = copy_bw
+    if args.sweep:
+        return meta, run_sweep(args, device, copy_bw)
+
+    from fp8chain_kernel import backends
+
+    caps = backends.probe()
+    meta["cublas_blockwise"] = caps.scaled_mm_blockwise or caps.scaled_mm_reason
+    blockwise = backends.get_backend("torch_blockwise") if caps.scaled_mm_blockwise else None
+    shapes = [s for s in args.shapes.split(",") if s]
+    records = []
+    points = [(name, m) for name in shapes for m in _ms(args)]
+    weights_key, w32, w128 = None, None, None
+    for name, m in progress(points, desc="gemm"):
+        n, k = SHAPES[name]
+        if weights_key != name:
+            copies = _copies(n, k)
+            w32 = _weights(n, k, 32, device, copies)
+            w128 = _weights(n, k, 128, device, copies)
+            derived = [blockwise.derive_weight_tensors(w, s, 128) if blockwise else None for w, s in w128]
+            weights_key = name
+        x = torch.randn(m, k, device=device).bfloat16()
+        pair32 = quant.quantize(x, G32)
+        pair128 = quant.quantize(x, G128)
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+        rec = dict(shape=name, n=n, k=k, m=m)
+        rec["pair_us"] = _time(_rotating(lambda w, s: gemm.fp8_gemm(pair32, w, s, weight_block=32, out=out), w32), args)
+        rec["bf16_quant_us"] = _time(_rotating(
+            lambda w, s: gemm.fp8_gemm(x, w, s, weight_block=32, fmt=G32, out=out), w32), args)
+        rec["w8a16_us"] = _time(_rotating(lambda w, s: gemm.w8a16_gemm(x, w, s, weight_block=32, out=out), w32), args)
+        rec["triton_g128_us"] = _time(_rotating(
+            lambda w, s: gemm.fp8_gemm(pair128, w, s, weight_block=128, out=out), w128), args)
+        if blockwise is not None:
+            items = [(w, s, d) for (w, s), d in zip(w128, derived)]
+            rec["cublas_g128_us"] = _time(_rotating(
+                lambda w, s, d: blockwise.gemm(pair128, w, s, d, out=out), items), args)
+        else:
+            rec["cublas_g128_us"] = None
+        rec["floor_us"] = n * k / copy_bw * 1e6
+        rec["bw_frac"] = rec["floor_us"] / rec["pair_us"]
+        if rec["cublas_g128_us"]:
+            rec["pair_vs_cublas"] = rec["cublas_g128_us"] / rec["pair_us"]
+            rec["g128_vs_cublas"] = rec["cublas_g128_us"] / rec["triton_g128_us"]
+        rec["config_g32"] = list(gemm.select_config(m, n, k, 32, device))
+        records.append(rec)
+    return meta, records
+
+
+COLUMNS = ["shape", "m", "pair_us", "bf16_quant_us", "w8a16_us", "cublas_g128_us", "triton_g128_us",
+           "floor_us", "bw_frac", "pair_vs_cublas", "g128_vs_cublas"]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    meta, records = run(args)
+    if args.worker:
+        return
+    from fp8chain.bench.harness import markdown_table, plot_records, save_results
+
+    print(json.dumps(meta))
+    if args.sweep:
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+        return
+    print(markdown_table(records, COLUMNS))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    if not args.no_save:
+        path = save_results("gemm", meta, records)
+        try:
+            plot_records("gemm", records, "m", ["pair_us", "bf16_quant_us", "w8a16_us", "cublas_g128_us",
+                                                 "triton_g128_us", "floor_us"], "us", group="shape")
+        except Exception as exc:  # noqa: BLE001 - a plot is not worth failing the run
+            print(f"plot skipped: {exc}")
+        print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
