@@ -28,6 +28,7 @@ class GenerationResult:
     decode_steps: int
     graphs: bool                   # decode steps replayed CUDA graphs
     chain: bool
+    logits: list[torch.Tensor] | None = None  # per step fp32 [B, V] (``return_logits=True``)
 
 
 class Engine:
@@ -118,8 +119,9 @@ class Engine:
     # ---- generation --------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> GenerationResult:
-        """Greedy ``max_new_tokens`` tokens for each prompt."""
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 return_logits: bool = False) -> GenerationResult:
+        """Greedy ``max_new_tokens`` tokens for each prompt (step ``s`` logits kept on request)."""
         b = len(prompts)
         if not 0 < b <= self.max_batch:
             raise ValueError(f"batch of {b} prompts; this engine takes 1..{self.max_batch}")
@@ -133,16 +135,22 @@ class Engine:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
-        next_tokens = self.prefill(prompts).argmax(dim=-1)
+        logits = self.prefill(prompts)
+        kept = [logits.clone()] if return_logits else None
+        next_tokens = logits.argmax(dim=-1)
         sync()
         t1 = time.perf_counter()
         generated = [next_tokens]
         positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
         for _ in range(max_new_tokens - 1):
-            next_tokens = self.decode(next_tokens, positions).argmax(dim=-1)
+            logits = self.decode(next_tokens, positions)
+            if kept is not None:
+                kept.append(logits.clone())
+            next_tokens = logits.argmax(dim=-1)
             generated.append(next_tokens)
             positions = positions + 1
         sync()
         t2 = time.perf_counter()
         tokens = torch.stack(generated, dim=1).cpu().tolist()
-        return GenerationResult(tokens, t1 - t0, t2 - t1, max_new_tokens - 1, self.cuda_graphs, self.chain)
+        return GenerationResult(tokens, t1 - t0, t2 - t1, max_new_tokens - 1, self.cuda_graphs,
+                                self.chain, kept)
