@@ -62,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "i/n": compile share i
     parser.add_argument("--check-blockwise", action="store_true",
                         help="print which scale_b layouts torch._scaled_mm accepts and their error")
+    parser.add_argument("--table-from", default=None,
+                        help="use the best configs of a --sweep JSON as the config table")
     parser.add_argument("--no-save", action="store_true", help="do not write JSON/PNG")
     parser.add_argument("--json-out", default=None, help="also write records to this JSON path")
 
@@ -96,34 +98,46 @@ def _rotating(fn, items):
     return call
 
 
+def _splits(iters: int) -> list[int]:
+    return [d for d in (1, 2, 3, 4, 5, 6, 8) if iters % d == 0 and iters // d >= 2] or [1]
+
+
 def sweep_candidates(m: int, n: int, k: int, group: int) -> list[gemm.GemmConfig]:
+    """Launch configs worth timing for one (M bucket, N, K, group); bf16-dequantized operands
+    only for 32-groups (power-of-two scales: exact)."""
     cands = []
+    dequant_modes = (False, True) if group == 32 else (False,)
     if m <= 64:
         bm = max(16, 1 << (m - 1).bit_length())
-        for bn in (64, 128):
-            for bk in (128, 256):
-                if k % bk:
-                    continue
-                iters = k // bk
-                for split in (1, 2, 4, 8):
-                    if iters % split or iters // split < 2:
+        for dequant in dequant_modes:
+            for bn in (64, 128):
+                for bk in (128, 256):
+                    if k % bk:
                         continue
-                    cands.append(gemm.GemmConfig(bn, bm, bk, split, 4, 4, 8))
-    elif m <= 256:
-        for cfg in [(128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4), (128, 128, 128, 1, 3, 8),
-                    (128, 64, 128, 2, 4, 4), (64, 64, 128, 2, 4, 4), (128, 32, 128, 1, 4, 4)]:
-            if k % cfg[2] == 0 and (k // cfg[2]) % cfg[3] == 0:
-                cands.append(gemm.GemmConfig(*cfg, 8))
+                    for split in _splits(k // bk)[-4:] if len(_splits(k // bk)) > 4 else _splits(k // bk):
+                        cands.append(gemm.GemmConfig(bn, bm, bk, split, 4, 4, 8, dequant))
+        return cands
+    if m <= 256:
+        fp8 = [(128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4), (128, 128, 128, 1, 3, 8),
+               (128, 64, 128, 2, 4, 4), (64, 128, 128, 1, 4, 4)]
+        deq = [(128, 64, 128, 1, 4, 4), (128, 128, 128, 1, 3, 8), (64, 128, 128, 1, 4, 4)]
     else:
-        for cfg in [(128, 128, 128, 1, 3, 8), (128, 128, 128, 1, 4, 8), (256, 128, 128, 1, 3, 8),
-                    (128, 256, 128, 1, 3, 8), (128, 64, 128, 1, 4, 4), (64, 128, 128, 1, 4, 4)]:
+        fp8 = [(128, 128, 128, 1, 3, 8), (128, 64, 128, 1, 4, 4), (64, 128, 128, 1, 4, 4),
+               (256, 128, 128, 1, 3, 8), (128, 256, 128, 1, 3, 8)]
+        deq = [(128, 128, 128, 1, 3, 8), (128, 128, 64, 1, 4, 8), (128, 256, 64, 1, 3, 8),
+               (256, 128, 64, 1, 3, 8), (128, 64, 128, 1, 4, 4)]
+    for cfg in fp8:
+        if k % cfg[2] == 0 and (k // cfg[2]) % cfg[3] == 0:
+            cands.append(gemm.GemmConfig(*cfg, 8, False))
+    if group == 32:
+        for cfg in deq:
             if k % cfg[2] == 0:
-                cands.append(gemm.GemmConfig(*cfg, 8))
+                cands.append(gemm.GemmConfig(*cfg, 8, True))
     return cands
 
 
 def _sweep_points(shapes, quick):
-    ms = [16, 64, 256, 2048] if not quick else [16, 64, 2048]
+    ms = [16, 64, 256, 2048] if not quick else [16, 64, 2048]  # one M per table bucket
     for name in shapes:
         n, k = SHAPES[name]
         for group in (32, 128):
@@ -215,17 +229,28 @@ def run_sweep(args, device, copy_bw):
         if (n, k, group) not in weights:
             weights = {(n, k, group): _weights(n, k, group, device, _copies(n, k))}
         ws = weights[(n, k, group)]
-        pair = quant.quantize(torch.randn(m, k, device=device).bfloat16(), gemm.input_format_for_block(group))
+        x = torch.randn(m, k, device=device) * torch.exp2(torch.randint(-6, 6, (m, 1), device=device).float())
+        pair = quant.quantize(x.bfloat16(), gemm.input_format_for_block(group))
         out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
         heur = gemm.select_config(m, n, k, group, device)
         results = []
+        from fp8chain_kernel import reference as ref
+
+        want = ref.fp8_gemm(pair, ws[0][0], ws[0][1], group)
         for cfg in sweep_candidates(m, n, k, group) + [None]:
+            got = gemm.fp8_gemm(pair, ws[0][0], ws[0][1], weight_block=group, config=cfg)
+            err = ((got.double() - want).norm() / want.norm()).item()
+            if not err < 5e-3:  # NaN-safe: a wrong config is never a candidate
+                print(f"  {cfg}: WRONG, relative error {err:.3g}", flush=True)
+                continue
             fn = _rotating(lambda w, s, c=cfg: gemm.fp8_gemm(pair, w, s, weight_block=group, out=out, config=c), ws)
             try:
                 results.append((_time(fn, args), cfg))
             except Exception as exc:  # noqa: BLE001
                 print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
         if not results:
+            continue
+        if not any(c is not None for _, c in results):
             continue
         best_us, best = min((r for r in results if r[1] is not None), key=lambda r: r[0])
         current = next(us for us, c in results if c is None)
@@ -243,15 +268,15 @@ def check_blockwise_views(device):
     from fp8chain_kernel import reference as ref
     from fp8chain_kernel.backends.torch_blockwise import TorchBlockwiseBackend
 
-    for n, k in ((32768, 1280), (1792, 5120)):
+    for n, k in ((32768, 1280), (5120, 2304), (1792, 5120)):
         (w, s), = _weights(n, k, 128, device, 1)
         padded = TorchBlockwiseBackend().derive_weight_tensors(w, s, 128)["weight_scale_blockwise"]
         pair = quant.quantize(torch.randn(8, k, device=device).bfloat16(), G128)
         want = ref.fp8_gemm(pair, w, s, 128)
-        for view in ("exact", "padded"):
+        for view in ("contig", "exact", "padded"):
             try:
                 got = torch._scaled_mm(pair.data, w.t(), scale_a=pair.scale,
-                                       scale_b=TorchBlockwiseBackend._scale_b(padded, k, view),
+                                       scale_b=TorchBlockwiseBackend._scale_b(padded, k, view, s),
                                        out_dtype=torch.bfloat16)
                 err = ((got.double() - want).norm() / want.norm()).item()
                 print(f"blockwise {n}x{k} scale_b view {view}: rel err {err:.3g}", flush=True)
@@ -264,6 +289,8 @@ def run(args):
     from fp8chain.bench.harness import bench_meta, copy_bandwidth, progress
 
     device = torch.device("cuda")
+    if args.table_from:
+        gemm.load_table(args.table_from)
     if args.check_blockwise:
         check_blockwise_views(device)
     if args.worker:

@@ -69,7 +69,7 @@ def _block_scaled_gemm_kernel(
     M, N, K,
     stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsk, stride_om,
     GROUP: tl.constexpr, A_FP8: tl.constexpr, SPLIT: tl.constexpr, ITERS: tl.constexpr,
-    FP32_DOT: tl.constexpr,  # the CPU interpreter: fp32 dots and bit-exact bf16 rounding
+    DEQUANT: tl.constexpr, FP32_DOT: tl.constexpr,  # the CPU interpreter: fp32 dots and bit-exact bf16 rounding
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE_GROUP: tl.constexpr,
 ):
     """out[m, n] = sum_g (sum_{k in g} a[m, k] w[n, k]) * a_scale[m, g] * w_scale[n // GROUP, g].
@@ -104,28 +104,64 @@ def _block_scaled_gemm_kernel(
 
     it_begin = pid_k * ITERS
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for i in range(ITERS):
-        it = it_begin + i
-        for sub in tl.static_range(BLOCK_K // GROUP):
-            g = it * (BLOCK_K // GROUP) + sub
-            k0 = g * GROUP
-            w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)
-            a = tl.load(a_rows + k0, mask=m_ok[:, None], other=0.0)
-            w_s = tl.load(ws_rows + g * stride_wsk, mask=n_ok, other=0.0)
-            if A_FP8:
-                a_s = tl.load(as_rows + g * stride_asg, mask=m_ok, other=0.0)
-                if FP32_DOT:
-                    part = tl.dot(_e4m3_to_f32_exact(w), tl.trans(_e4m3_to_f32_exact(a)),
-                                  input_precision="ieee")
-                else:
-                    part = tl.dot(w, tl.trans(a))
-                acc += part * (w_s[:, None] * a_s[None, :])
+    if DEQUANT:
+        # Dequantize both operands to bf16 in registers (exact for power-of-two scales: an e4m3
+        # value times 2^e is a bf16 value), then one bf16 dot over BLOCK_K with fp32
+        # accumulation across all of K: no per-group promotion, no waits between small dots.
+        SUB: tl.constexpr = BLOCK_K // GROUP
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_s = tl.arange(0, SUB)
+        w_tile = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
+        a_tile = a_ptr + rows_m[:, None] * stride_am + offs_k[None, :]
+        for i in range(ITERS):
+            it = it_begin + i
+            g0 = it * SUB
+            w = tl.load(w_tile + it * BLOCK_K, mask=n_ok[:, None], other=0.0)
+            a = tl.load(a_tile + it * BLOCK_K, mask=m_ok[:, None], other=0.0)
+            w_s = tl.load(ws_rows[:, None] + (g0 + offs_s)[None, :] * stride_wsk, mask=n_ok[:, None], other=0.0)
+            if FP32_DOT:
+                wf = _e4m3_to_f32_exact(w)
             else:
-                if FP32_DOT:  # the interpreter's bf16 tl.dot is wrong; fp32 is exact there
-                    part = tl.dot(_e4m3_to_f32_exact(w), tl.trans(a.to(tl.float32)), input_precision="ieee")
+                wf = w.to(tl.float32)
+            wd = tl.reshape(tl.reshape(wf, (BLOCK_N, SUB, GROUP)) * w_s[:, :, None], (BLOCK_N, BLOCK_K))
+            wd = _to_bf16(wd, FP32_DOT)
+            if A_FP8:
+                a_s = tl.load(as_rows[:, None] + (g0 + offs_s)[None, :] * stride_asg, mask=m_ok[:, None], other=0.0)
+                if FP32_DOT:
+                    af = _e4m3_to_f32_exact(a)
                 else:
-                    part = tl.dot(w.to(tl.bfloat16), tl.trans(a))
-                acc += part * w_s[:, None]
+                    af = a.to(tl.float32)
+                ad = _to_bf16(tl.reshape(tl.reshape(af, (BLOCK_M, SUB, GROUP)) * a_s[:, :, None],
+                                         (BLOCK_M, BLOCK_K)), FP32_DOT)
+            else:
+                ad = a
+            if FP32_DOT:
+                acc = tl.dot(wd.to(tl.float32), tl.trans(ad.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(wd, tl.trans(ad), acc)
+    else:
+        for i in range(ITERS):
+            it = it_begin + i
+            for sub in tl.static_range(BLOCK_K // GROUP):
+                g = it * (BLOCK_K // GROUP) + sub
+                k0 = g * GROUP
+                w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)
+                a = tl.load(a_rows + k0, mask=m_ok[:, None], other=0.0)
+                w_s = tl.load(ws_rows + g * stride_wsk, mask=n_ok, other=0.0)
+                if A_FP8:
+                    a_s = tl.load(as_rows + g * stride_asg, mask=m_ok, other=0.0)
+                    if FP32_DOT:
+                        part = tl.dot(_e4m3_to_f32_exact(w), tl.trans(_e4m3_to_f32_exact(a)),
+                                      input_precision="ieee")
+                    else:
+                        part = tl.dot(w, tl.trans(a))
+                    acc += part * (w_s[:, None] * a_s[None, :])
+                else:
+                    if FP32_DOT:  # the interpreter's bf16 tl.dot is wrong; fp32 is exact there
+                        part = tl.dot(_e4m3_to_f32_exact(w), tl.trans(a.to(tl.float32)), input_precision="ieee")
+                    else:
+                        part = tl.dot(w.to(tl.bfloat16), tl.trans(a))
+                    acc += part * w_s[:, None]
 
     out_ptrs = out_ptr + rows_m[None, :] * stride_om + rows_n[:, None]
     out_mask = n_ok[:, None] & m_ok[None, :]
@@ -163,12 +199,41 @@ class GemmConfig(NamedTuple):
     stages: int = 4
     warps: int = 4
     tile_group: int = 8
+    dequant: bool = False  # bf16-dequantized operands, one dot per BLOCK_K (see the kernel)
 
 
 # Static table, (M bucket, N, K, group) -> config, filled from H200 sweeps (benchmark/gemm.py
-# --sweep). M buckets: 16, 32, 64, 128, 256, 1 << 30 (anything larger). Shapes not listed fall
-# back to ``_heuristic_config``. ``group`` is 32 (DSv4.1 weights) or 128; W8A16 uses the heuristic.
-CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {}
+# --sweep, which verifies each candidate against the reference before timing it). M buckets: 16,
+# 32, 64, 128, 256, 1 << 30 (anything larger). Shapes not listed fall back to
+# ``_heuristic_config``. ``group`` is 32 (DSv4.1 weights) or 128; W8A16 uses the heuristic.
+_C = GemmConfig
+CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
+    # H200 sweep 2026-11-29 (benchmark/gemm.py --sweep --quick), best of the candidates.
+    (16, 1792, 5120, 32): _C(64, 16, 128, 8), (64, 1792, 5120, 32): _C(64, 64, 128, 8),
+    (1 << 30, 1792, 5120, 32): _C(64, 128, 128, 1),
+    (16, 1792, 5120, 128): _C(64, 16, 128, 8), (64, 1792, 5120, 128): _C(64, 64, 128, 4),
+    (1 << 30, 1792, 5120, 128): _C(128, 64, 128, 1),
+    (16, 32768, 1280, 32): _C(64, 16, 128, 1), (64, 32768, 1280, 32): _C(128, 64, 128, 1),
+    (1 << 30, 32768, 1280, 32): _C(64, 128, 128, 1),
+    (16, 32768, 1280, 128): _C(64, 16, 128, 1), (64, 32768, 1280, 128): _C(128, 64, 128, 1),
+    (1 << 30, 32768, 1280, 128): _C(128, 64, 128, 1),
+    (16, 5120, 8192, 32): _C(128, 16, 128, 8), (64, 5120, 8192, 32): _C(64, 64, 128, 8),
+    (1 << 30, 5120, 8192, 32): _C(64, 128, 128, 1),
+    (16, 5120, 8192, 128): _C(64, 16, 128, 4), (64, 5120, 8192, 128): _C(64, 64, 128, 4),
+    (1 << 30, 5120, 8192, 128): _C(128, 64, 128, 1),
+    (16, 5120, 2048, 32): _C(64, 16, 128, 8), (64, 5120, 2048, 32): _C(64, 64, 128, 2),
+    (1 << 30, 5120, 2048, 32): _C(64, 128, 128, 1),
+    (16, 5120, 2048, 128): _C(64, 16, 128, 4), (64, 5120, 2048, 128): _C(64, 64, 128, 1),
+    (1 << 30, 5120, 2048, 128): _C(128, 128, 128, 1, 3, 8),
+    (16, 4608, 5120, 32): _C(64, 16, 128, 8), (64, 4608, 5120, 32): _C(64, 64, 128, 8),
+    (1 << 30, 4608, 5120, 32): _C(64, 128, 128, 1),
+    (16, 4608, 5120, 128): _C(64, 16, 128, 4), (64, 4608, 5120, 128): _C(64, 64, 128, 4),
+    (1 << 30, 4608, 5120, 128): _C(128, 64, 128, 1),
+    (16, 5120, 2304, 32): _C(64, 16, 128, 3), (64, 5120, 2304, 32): _C(64, 64, 128, 3),
+    (1 << 30, 5120, 2304, 32): _C(64, 128, 128, 1),
+    (16, 5120, 2304, 128): _C(64, 16, 128, 2), (64, 5120, 2304, 128): _C(64, 64, 128, 1),
+    (1 << 30, 5120, 2304, 128): _C(128, 64, 128, 1),
+}
 
 _M_BUCKETS = (16, 32, 64, 128, 256, 1 << 30)
 _COUNTER_SLOTS = 1 << 14
@@ -188,28 +253,33 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _heuristic_config(m: int, n: int, k: int, group: int, sms: int, a_fp8: bool = True) -> GemmConfig:
+    bk = 128 if k % 128 == 0 else group
     if m <= 64:
-        block_m = max(16, triton.next_power_of_2(m))
-        block_n = 64
-        block_k = 256 if (group == 128 and k % 256 == 0) else 128 if k % 128 == 0 else group
-        stages, warps = (5, 4) if block_m <= 32 else (4, 4)
+        block_m, block_n, stages, warps = max(16, triton.next_power_of_2(m)), 64, 4, 4
     elif m <= 256:
-        block_m, block_n, block_k, stages, warps = 64, 128, 128 if k % 128 == 0 else group, 4, 4
+        block_m, block_n, stages, warps = 64, 128, 4, 4
     else:
-        block_m, block_n, block_k, stages, warps = 128, 128, 128 if k % 128 == 0 else group, 3, 8
+        block_m, block_n, stages, warps = (128, 64, 4, 4) if group == 32 else (64, 128, 4, 4)
     tiles = cdiv(n, block_n) * cdiv(m, block_m)
-    iters = cdiv(k, block_k)
+    iters = cdiv(k, bk)
     split = 1
     # Split K until there are about two programs per SM, keeping >= 4 K iterations per slice.
-    while tiles * split < 2 * sms and iters // (split * 2) >= 4 and split < 16:
+    while tiles * split < 2 * sms and iters // (split * 2) >= 4 and split < 8:
         split *= 2
-    return GemmConfig(block_n, block_m, block_k, split, stages, warps, 8)
+    return GemmConfig(block_n, block_m, bk, split, stages, warps, 8)
 
 
 def select_config(m: int, n: int, k: int, group: int, device: torch.device, a_fp8: bool = True) -> GemmConfig:
-    """The launch config for an ``m x n x k`` problem with K groups of ``group`` columns."""
+    """The launch config for an ``m x n x k`` problem with K groups of ``group`` columns: the
+    table entry of M's bucket (buckets 32 and 128 borrow 64's and 256's with a narrower M tile),
+    else the heuristic."""
     if a_fp8:
-        hit = CONFIG_TABLE.get((_m_bucket(m), n, k, group))
+        bucket = _m_bucket(m)
+        hit = CONFIG_TABLE.get((bucket, n, k, group))
+        if hit is None and bucket in (32, 128):
+            hit = CONFIG_TABLE.get((bucket * 2, n, k, group))
+            if hit is not None:
+                hit = hit._replace(block_m=min(hit.block_m, bucket))
         if hit is not None and k % hit.block_k == 0:
             return hit
     return _heuristic_config(m, n, k, group, _num_sms(device), a_fp8)
@@ -308,7 +378,7 @@ def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, conf
         m, n, k,
         a.stride(0), stride_asm, stride_asg, weight.stride(0),
         weight_scale.stride(0), weight_scale.stride(1), out.stride(0),
-        GROUP=group, A_FP8=a_fp8, SPLIT=split, ITERS=iters_per_split, FP32_DOT=interpreting(),
+        GROUP=group, A_FP8=a_fp8, SPLIT=split, ITERS=iters_per_split, DEQUANT=cfg.dequant, FP32_DOT=interpreting(),
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, TILE_GROUP=cfg.tile_group,
         num_warps=cfg.warps, **extra,
     )
@@ -371,5 +441,18 @@ def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return _launch(x, None, weight, weight_scale, out, weight_block, False, config)
 
 
+def load_table(path) -> None:
+    """Replace ``CONFIG_TABLE`` with the best configs of a ``benchmark/gemm.py --sweep`` JSON."""
+    import json
+
+    records = json.loads(open(path).read())["records"]
+    CONFIG_TABLE.clear()
+    for r in records:
+        bucket = _m_bucket(r["m"])
+        CONFIG_TABLE[(bucket, r["n"], r["k"], r["group"])] = GemmConfig(*r["best"])
+
+
 if os.environ.get("FP8CHAIN_GEMM_NO_TABLE") == "1":  # benchmarks: measure the heuristic alone
     CONFIG_TABLE.clear()
+elif os.environ.get("FP8CHAIN_GEMM_TABLE"):  # a sweep's JSON (benchmark/gemm.py --sweep --json-out)
+    load_table(os.environ["FP8CHAIN_GEMM_TABLE"])

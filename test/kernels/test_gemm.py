@@ -67,6 +67,7 @@ SPLIT_CFG = gemm.GemmConfig(block_n=64, block_m=16, block_k=128, split=2, stages
     (3, 192, 256, None),       # N not a multiple of the tile: masked
     (17, 128, 512, SPLIT_CFG),  # split-K: partials + last-arrival reduction
     (40, 256, 256, gemm.GemmConfig(64, 32, 128, 1, 2, 4, 2)),  # several M tiles, grouped order
+    (5, 192, 512, gemm.GemmConfig(64, 16, 256, 2, 2, 4, 8, dequant=True)),  # bf16-dequantized operands
 ])
 def test_fp8_gemm_matches_reference_cpu(fmt, block, m, n, k, config, device):
     w, scale = make_weight(n, k, block, device)
@@ -164,11 +165,13 @@ def test_zero_rows_and_caller_buffers(device):
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("block", [32, 128])
-def test_w8a16_matches_reference_cpu(block, device):
+@pytest.mark.parametrize("dequant", [False, True])
+def test_w8a16_matches_reference_cpu(block, dequant, device):
     m, n, k = 3, 192, 256
     w, s = make_weight(n, k, block, device)
     x = make_activation(m, k, device)
-    out = gemm.w8a16_gemm(x, w, s, weight_block=block, out=poisoned_out(m, n, device))
+    cfg = gemm.GemmConfig(64, 16, 128, 1, 2, 4, 8, dequant=dequant)
+    out = gemm.w8a16_gemm(x, w, s, weight_block=block, out=poisoned_out(m, n, device), config=cfg)
     err = rel_error(out, ref.w8a16_gemm(x, w, s, block))
     assert err < TOL, err
     with pytest.raises(TypeError, match="bfloat16"):
@@ -213,6 +216,26 @@ def test_fp8_gemm_dsv41_shapes_gpu(fmt, block, n, k):
         if m in (3, 64, 2048):
             unchained = gemm.fp8_gemm(x, w, s, weight_block=block, fmt=fmt)
             assert torch.equal(out.view(torch.int16), unchained.view(torch.int16)), f"M={m}"
+
+
+DEQUANT_CONFIGS = [gemm.GemmConfig(64, 16, 128, 4, 4, 4, 8, True), gemm.GemmConfig(128, 64, 128, 2, 4, 4, 8, True),
+                   gemm.GemmConfig(128, 128, 128, 1, 3, 8, 8, True), gemm.GemmConfig(64, 128, 128, 1, 4, 4, 8, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,block", FORMATS, ids=["g32", "g128"])
+@pytest.mark.parametrize("n,k", [(1792, 5120), (32768, 1280), (5120, 2304)])
+def test_fp8_gemm_dequant_and_split_configs_gpu(fmt, block, n, k):
+    """Configs the sweep may pick beyond the table's: bf16-dequantized operands, splits."""
+    w, s, w_ref = _gpu_weight(n, k, block)
+    for m, cfg in [(1, DEQUANT_CONFIGS[0]), (13, DEQUANT_CONFIGS[0]), (64, DEQUANT_CONFIGS[1]),
+                   (300, DEQUANT_CONFIGS[2]), (2048, DEQUANT_CONFIGS[3]),
+                   (16, gemm.GemmConfig(64, 16, 256, 8, 4, 4, 8)), (64, gemm.GemmConfig(128, 64, 128, 5, 4, 4, 8))]:
+        x = make_activation(m, k, "cuda")
+        pair = quant.quantize(x, fmt)
+        out = gemm.fp8_gemm(pair, w, s, weight_block=block, out=poisoned_out(m, n, "cuda"), config=cfg)
+        err = rel_error(out, ref.dequantize(pair).double() @ w_ref.t())
+        assert err < TOL, f"M={m} {cfg}: relative error {err:.3g}"
 
 
 @pytest.mark.gpu

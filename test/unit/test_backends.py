@@ -254,10 +254,12 @@ def test_select_rejections_and_errors():
     assert "reads sm90_g32_fp32_mn" in triton_backend.rejection(PACKED, 32, 1792, 5120)
     assert "multiple of the 128-column group" in triton_backend.rejection(G128, 128, 256, 320)
     blockwise = backends.get_backend("torch_blockwise")
-    assert blockwise.rejection(G128, 128, 1792, 5120)  # no CUDA here, or not this format
+    assert "sm90_g128_fp32_mn with 128x128" in blockwise.rejection(G32, 32, 1792, 5120) or \
+        not backends.probe().scaled_mm_blockwise
+    if not backends.probe().scaled_mm_blockwise:
+        assert blockwise.rejection(G128, 128, 1792, 5120) == backends.probe().scaled_mm_reason
     with pytest.raises(ValueError, match="torch_blockwise"):
-        backends.select_backend(G128, 128, 1792, 5120, prefer="torch_blockwise") if not torch.cuda.is_available() \
-            else backends.select_backend(G32, 32, 1792, 5120, prefer="torch_blockwise")
+        backends.select_backend(G32, 32, 1792, 5120, prefer="torch_blockwise")
     with pytest.raises(ValueError, match="no GEMM backend can serve"):
         backends.select_backend(PACKED, 32, 1792, 5120)
     with pytest.raises(ValueError, match="unknown GEMM backend"):
@@ -274,10 +276,10 @@ def test_input_format_for():
         backends.input_format_for(64, (9, 0))
 
 
-def test_triton_backend_gemm_matches_reference():
+def test_triton_backend_gemm_matches_reference(device):
     n, k, m = 128, 256, 3
-    w, s = _weights(n, k, 32)
-    pair = ref.quantize(_activation(m, k), G32)
+    w, s = (t.to(device) for t in _weights(n, k, 32))
+    pair = ref.quantize(_activation(m, k).to(device), G32)
     backend = backends.get_backend("triton")
     got = backend.gemm(pair, w, s, backend.derive_weight_tensors(w, s, 32))
     want = ref.fp8_gemm(pair, w, s, 32)

@@ -40,7 +40,7 @@ class Capabilities:
     triton_interpreter: bool
     deep_gemm: bool  # ``deep_gemm`` imported and one tiny fp8_gemm_nt call ran and was right
     deep_gemm_reason: str  # why not (empty when available)
-    scaled_mm_blockwise: bool  # torch._scaled_mm ran a 1x128 x 128x128 blockwise call correctly
+    scaled_mm_blockwise: bool  # torch._scaled_mm ran 1x128 x 128x128 blockwise calls correctly
     scaled_mm_reason: str
 
 
@@ -164,7 +164,11 @@ def probe(refresh: bool = False, arch: tuple[int, int] | None = None) -> Capabil
     elif not hasattr(torch, "_scaled_mm"):
         sm_reason = f"torch {torch.__version__} has no torch._scaled_mm"
     else:
-        sm_reason = _try_backend(_BACKENDS["torch_blockwise"], device, ActFormat.SM90_G128_FP32_MN, 128)
+        try:
+            sm_reason = _BACKENDS["torch_blockwise"].calibrate(device)
+        except Exception as exc:  # noqa: BLE001
+            sm_reason = f"torch._scaled_mm blockwise failed: {type(exc).__name__}: {str(exc)[:200]}"
+
 
     _CAPS = Capabilities(cuda, arch, torch.__version__, interpreting(), dg_reason == "", dg_reason,
                          sm_reason == "", sm_reason)

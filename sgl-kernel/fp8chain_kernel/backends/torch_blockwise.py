@@ -7,9 +7,12 @@ torch's contract (PyTorch's blockwise ``_scaled_mm``; the recipe follows from th
   strides ``(1, M)``: exactly the MN-major pair layout when ``M`` is a multiple of 4 (so M is
   padded to a multiple of 4 here, the padded rows zero);
 * ``mat_b``: e4m3 ``[K, N]`` column-major (the ``[N, K]`` weight transposed, a view);
-  ``scale_b``: fp32 ``[K/128, N/128]`` with the K-block index contiguous and its column stride
-  ``L4 = round_up(K/128, 4)`` (cuBLAS's padding of 128x128 block scales). The weight's scales are
-  re-laid out once at load into that padded buffer (``weight_scale_blockwise``).
+  ``scale_b``: fp32 ``[K/128, N/128]`` with the K-block index contiguous: torch 2.11 checks
+  ``scale_b.t()`` to be the contiguous ``[N/128, K/128]`` checkpoint tensor (strides
+  ``(K/128, 1)``), so the checkpoint's scales are passed as they are (a transposed view). cuBLAS's
+  documentation pads that stride to ``L4 = round_up(K/128, 4)``; torch versions that check for the
+  padded layout get the zero-padded copy made at load (``weight_scale_blockwise``). The first
+  layout torch accepts is remembered per K.
 * scales are dequantization multipliers (``out = (a * scale_a) @ (b * scale_b)``), as fp8chain's.
 """
 
@@ -26,9 +29,43 @@ class TorchBlockwiseBackend(GemmBackend):
     blockwise recipe (probed). Shape constraint: K % 128 == 0 and N % 16 == 0."""
 
     name = "torch_blockwise"
-    # Which scale_b view this torch accepts: "exact" = [K/128, N/128] with column stride L4,
-    # "padded" = [L4, N/128]. Found by the first call that succeeds.
-    _scale_b_view: str | None = None
+    # Which scale_b view this torch takes and computes right with, per class of K (K/128 % 4 == 0
+    # or not; set by ``calibrate``): "contig" = the checkpoint's [N/128, K/128] transposed;
+    # "exact" = [K/128, N/128] with column stride L4; "padded" = [L4, N/128]. None: none works.
+    _VIEWS = ("contig", "exact", "padded")
+    _scale_b_view: dict[bool, str | None] = {}
+
+    def calibrate(self, device) -> str:
+        """Find, for each class of K, the first scale_b layout that torch accepts AND that gives
+        the reference's result (a layout torch accepts but reads differently would be silently
+        wrong). Returns '' when at least K/128 % 4 == 0 works, else the reason."""
+        from .. import reference
+        from . import _tiny_problem
+
+        found, notes = {}, []
+        for k in (512, 640):  # K/128 = 4 and 5
+            aligned = (k // 128) % 4 == 0
+            pair, weight, weight_scale, want = _tiny_problem(device, ActFormat.SM90_G128_FP32_MN, 128,
+                                                             m=8, n=256, k=k)
+            padded = self.derive_weight_tensors(weight, weight_scale, 128)["weight_scale_blockwise"]
+            found[aligned] = None
+            for view in self._VIEWS:
+                try:
+                    got = torch._scaled_mm(pair.data, weight.t(), scale_a=pair.scale,
+                                           scale_b=self._scale_b(padded, k, view, weight_scale),
+                                           out_dtype=torch.bfloat16)
+                    err = ((got.double() - want).norm() / want.norm()).item()
+                except (RuntimeError, ValueError, NotImplementedError) as exc:
+                    notes.append(f"K={k} {view}: {type(exc).__name__}")
+                    continue
+                if err < 1e-2:
+                    found[aligned] = view
+                    break
+                notes.append(f"K={k} {view}: wrong (rel err {err:.2g})")
+        type(self)._scale_b_view = found
+        if found.get(True) is None:
+            return "torch._scaled_mm blockwise 1x128 x 128x128 did not compute right: " + "; ".join(notes)
+        return ""
 
     def rejection(self, fmt: ActFormat, weight_block: int, n: int, k: int) -> str | None:
         from . import probe
@@ -41,6 +78,9 @@ class TorchBlockwiseBackend(GemmBackend):
                     f"{ActFormat(fmt).value} with {weight_block}x{weight_block}")
         if k % 128 or n % 16:
             return f"needs K % 128 == 0 and N % 16 == 0, got N={n} K={k}"
+        aligned = (k // 128) % 4 == 0
+        if aligned in self._scale_b_view and self._scale_b_view[aligned] is None:
+            return f"torch._scaled_mm found no working 128x128 scale layout for K/128 = {k // 128} (not a multiple of 4)"
         return None
 
     def derive_weight_tensors(self, weight, weight_scale, weight_block) -> dict[str, torch.Tensor]:
@@ -51,8 +91,10 @@ class TorchBlockwiseBackend(GemmBackend):
         return {"weight_scale_blockwise": padded}
 
     @staticmethod
-    def _scale_b(padded: torch.Tensor, k: int, view: str) -> torch.Tensor:
+    def _scale_b(padded: torch.Tensor, k: int, view: str, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
         blocks_n, l4 = padded.shape
+        if view == "contig":
+            return weight_scale.contiguous().t()
         if view == "exact":
             return padded.as_strided((cdiv(k, 128), blocks_n), (1, l4))
         return padded.t()
@@ -79,17 +121,17 @@ class TorchBlockwiseBackend(GemmBackend):
         padded_b = derived.get("weight_scale_blockwise")
         if padded_b is None:
             padded_b = self.derive_weight_tensors(weight, weight_scale, 128)["weight_scale_blockwise"]
-        views = [self._scale_b_view] if self._scale_b_view else ["exact", "padded"]
+        known = self._scale_b_view.get((k // 128) % 4 == 0)
+        views = [known] if known else list(self._VIEWS)
         error = None
         for view in views:
             try:
                 result = torch._scaled_mm(data, weight.t(), scale_a=scale,
-                                          scale_b=self._scale_b(padded_b, k, view),
+                                          scale_b=self._scale_b(padded_b, k, view, weight_scale),
                                           out_dtype=torch.bfloat16)
             except (RuntimeError, ValueError, NotImplementedError) as exc:
                 error = exc
                 continue
-            type(self)._scale_b_view = view
             out.copy_(result[:m])
             return out
         raise error
