@@ -1,0 +1,246 @@
+"""FP8-emitting producers: what writing the pair in the producer costs, against the launch it saves.
+
+Producers (DSv4.1 shapes): ``rms_norm`` H=5120 (with the fused residual add) and q_norm H=1280,
+``silu_mul`` I=2304 with the swiglu clamp, ``wo_a_einsum`` G=8 (TP1) and G=2 (TP4) with R=1024,
+D=4096, and the mHC boundary (``mhc.mhc_mega_boundary``, post + combine + RMSNorm) when it is
+importable. For each producer and T, four timings in one process (CUDA-graph replay, median):
+
+- ``bf16_us``: the bf16-only producer;
+- ``bf16_quant_us``: the bf16 producer followed by the standalone ``quant.quantize`` (two launches:
+  the unchained baseline);
+- ``fp8_us``: the FP8-emitting producer (one launch). It writes only the pair
+  (``return_bf16=False``) where the model reads only the pair (q_norm -> wq_b, SiLU*mul -> shared
+  down, wo_a -> wo_b) and bf16 + pair where the model also reads bf16 (H=5120 norm and the mHC
+  boundary: the indexer, compressor and router read bf16 x); ``fp8_returns_bf16`` says which;
+- ``compiled_peer_us``: ``torch.compile`` of the torch reference producer followed by
+  ``reference.quantize``. For ``wo_a`` the peer is the bf16 ``torch.einsum`` (cuBLAS, fp32
+  accumulation, one bf16 rounding: the same contract as the kernel) rather than the fp32-upcast
+  reference, which is a specification, not a competitor.
+
+Next to each figure: the bytes-moved floor of each arm (bytes / copy bandwidth measured in the
+same run), and the ratios fp8/bf16-only and fp8/(bf16+quant). ``fp8_launches`` counts kernel
+launches of the FP8 arm (torch.profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
+
+from fp8chain.bench import harness  # noqa: E402
+from fp8chain_kernel import act, einsum, norm, quant, reference  # noqa: E402
+from fp8chain_kernel.formats import ActFormat, align4, empty_pair  # noqa: E402
+from fp8chain_kernel.reference.quant import _quantize_groups  # noqa: E402
+
+ROWS = [1, 4, 16, 64, 256, 2048]
+QUICK_ROWS = [1, 64, 2048]
+PRODUCERS = ["rms_norm", "q_norm", "silu_mul", "wo_a_g8", "wo_a_g2", "mhc_boundary"]
+EPS = 1e-6
+DEVICE = "cuda"
+SWIGLU_LIMIT = 10.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rows", nargs="+", type=int, default=ROWS, help="token counts T")
+    parser.add_argument("--quick", action="store_true", help=f"T in {QUICK_ROWS}")
+    parser.add_argument("--producers", nargs="+", default=PRODUCERS, choices=PRODUCERS, help="producers to time")
+    parser.add_argument("--formats", nargs="+", default=[ActFormat.SM90_G32_FP32_MN.value],
+                        choices=[f.value for f in ActFormat],
+                        help="FP8 formats (default: the DSv4.1 Hopper format)")
+    parser.add_argument("--no-peer", action="store_true", help="skip the torch.compile peer")
+    parser.add_argument("--iters", type=int, default=50, help="calls per captured graph")
+    parser.add_argument("--results-dir", default=None, help="where JSON/PNG go (default benchmark/results)")
+
+
+def _pair_bytes(rows: int, cols: int, fmt: ActFormat) -> int:
+    return rows * cols + rows * fmt.scale_shape(rows, cols)[1] * 4
+
+
+def peer_quantize(x: torch.Tensor, fmt: ActFormat):
+    """``reference.quantize`` composed so torch.compile can trace it (the reference zeroes its
+    scale padding through ``as_strided``, which functionalization rejects): the same group math
+    (``reference.quant._quantize_groups``), the same layout; returns ``(data, scale)``."""
+    data, scale, exponent = _quantize_groups(x, fmt)
+    if fmt.packed:
+        return data, reference.pack_ue8m0(exponent)
+    rows = x.shape[0]
+    out = torch.zeros(scale.shape[1], align4(rows), dtype=torch.float32, device=x.device).t()[:rows]
+    out.copy_(scale)
+    return data, out
+
+
+def peer_function(name: str, fmt: ActFormat):
+    """The compiled peer's eager body: torch reference producer + reference quantize."""
+    if name in ("rms_norm", "q_norm"):
+        return lambda x, w, res: peer_quantize(reference.rms_norm(x, w, EPS, residual=res), fmt)
+    if name == "silu_mul":
+        return lambda gu: peer_quantize(reference.silu_mul(gu, limit=SWIGLU_LIMIT), fmt)
+    if name.startswith("wo_a"):
+        return lambda o, wo_a: peer_quantize(torch.einsum("tgd,grd->tgr", o, wo_a).flatten(1), fmt)
+    if name == "mhc_boundary":
+        def boundary(*a):
+            new_residual, x, _ = reference.mhc_mega_boundary(*a, EPS)
+            return new_residual, x, peer_quantize(x, fmt)
+        return boundary
+    raise ValueError(name)
+
+
+class Case:
+    """One producer at one T: the three arms as closures over preallocated buffers, the peer, and
+    the bytes each arm must move (``in_bytes`` read + written besides the output)."""
+
+    def __init__(self, name, rows, fmt, device):
+        self.name, self.rows, self.fmt = name, rows, fmt
+        t = rows
+        quant_out = None
+        if name in ("rms_norm", "q_norm"):
+            h = 5120 if name == "rms_norm" else 1280
+            self.shape, cols = f"H={h}", h
+            x = torch.randn(t, h, device=device).bfloat16()
+            w = (1 + 0.1 * torch.randn(h, device=device)).bfloat16()
+            res = torch.randn(t, h, device=device).bfloat16() if name == "rms_norm" else None
+            self.fp8_bf16 = name == "rms_norm"
+            self.in_bytes = t * h * 2 + h * 2 + (2 * t * h * 2 if res is not None else 0)
+            y = torch.empty(t, h, device=device, dtype=torch.bfloat16)
+            pair = empty_pair(t, h, fmt, device)
+            self.bf16 = lambda: norm.rms_norm(x, w, EPS, residual=res, out_bf16=y)
+            self.fp8 = lambda: norm.rms_norm(x, w, EPS, residual=res, out_format=fmt, out=pair,
+                                             out_bf16=y if self.fp8_bf16 else None, return_bf16=self.fp8_bf16)
+            self.peer_args = (x, w, res)
+        elif name == "silu_mul":
+            i = 2304
+            self.shape, cols = f"I={i}", i
+            gu = (4 * torch.randn(t, 2 * i, device=device)).bfloat16()
+            self.fp8_bf16 = False
+            self.in_bytes = t * 2 * i * 2
+            y = torch.empty(t, i, device=device, dtype=torch.bfloat16)
+            pair = empty_pair(t, i, fmt, device)
+            self.bf16 = lambda: act.silu_mul(gu, limit=SWIGLU_LIMIT, out_bf16=y)
+            self.fp8 = lambda: act.silu_mul(gu, limit=SWIGLU_LIMIT, out_format=fmt, out=pair, return_bf16=False)
+            self.peer_args = (gu,)
+        elif name.startswith("wo_a"):
+            g, r, d = (8 if name == "wo_a_g8" else 2), 1024, 4096
+            self.shape, cols = f"G={g} R={r} D={d}", g * r
+            # o as the attention output's view: [T, 64 heads / (8/G), 512] seen as [T, G, 4096]
+            o = torch.randn(t, g, d, device=device).bfloat16()
+            wo_a = (torch.randn(g, r, d, device=device) / d ** 0.5).bfloat16()
+            self.fp8_bf16 = False
+            self.in_bytes = t * g * d * 2 + g * r * d * 2
+            self.flops = 2 * t * g * r * d
+            y = torch.empty(t, cols, device=device, dtype=torch.bfloat16)
+            pair = empty_pair(t, cols, fmt, device)
+            self.bf16 = lambda: einsum.wo_a_einsum(o, wo_a, out_bf16=y)
+            self.fp8 = lambda: einsum.wo_a_einsum(o, wo_a, out_format=fmt, out=pair, return_bf16=False)
+            self.peer_args = (o, wo_a)
+        elif name == "mhc_boundary":
+            from fp8chain_kernel import mhc  # lazily: the boundary kernel may not exist yet
+            h = 5120
+            self.shape, cols = f"H={h} hc=4", h
+            yin = torch.randn(t, h, device=device).bfloat16()
+            res = torch.randn(t, 4, h, device=device).bfloat16()
+            pre = torch.rand(t, 4, device=device)
+            post = 2 * torch.rand(t, 4, device=device)
+            comb = torch.softmax(torch.randn(t, 4, 4, device=device), dim=-1)
+            w = (1 + 0.1 * torch.randn(h, device=device)).bfloat16()
+            new_res = torch.empty_like(res)
+            self.fp8_bf16 = True
+            self.in_bytes = t * h * 2 + 2 * t * 4 * h * 2 + h * 2 + t * 24 * 4
+            y = torch.empty(t, h, device=device, dtype=torch.bfloat16)
+            pair = empty_pair(t, h, fmt, device)
+            self.bf16 = lambda: mhc.mhc_mega_boundary(yin, res, pre, post, comb, w, EPS, out_residual=new_res,
+                                                      out_bf16=y)
+            self.fp8 = lambda: mhc.mhc_mega_boundary(yin, res, pre, post, comb, w, EPS, out_format=fmt, out=pair,
+                                                     out_residual=new_res, out_bf16=y)
+            self.peer_args = (yin, res, pre, post, comb, w)
+        else:
+            raise ValueError(name)
+        self.cols = cols
+        quant_out = empty_pair(t, cols, fmt, device)
+        self.bf16_quant = lambda: (self.bf16(), quant.quantize(y, fmt, out=quant_out))
+        bf16_out = t * cols * 2
+        fp8_out = _pair_bytes(t, cols, fmt)
+        self.bytes_bf16 = self.in_bytes + bf16_out
+        self.bytes_fp8 = self.in_bytes + fp8_out + (bf16_out if self.fp8_bf16 else 0)
+        # the unchained pair re-reads the bf16 output to quantize it
+        self.bytes_bf16_quant = self.bytes_bf16 + bf16_out + fp8_out
+
+
+def run(args) -> tuple[dict, list[dict]]:
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark producers needs a CUDA GPU (kernel logic is tested on CPU instead)")
+    rows_list = QUICK_ROWS if args.quick else args.rows
+    meta = harness.bench_meta()
+    bandwidth = harness.copy_bandwidth()
+    meta["copy_bandwidth_TBps"] = bandwidth / 1e12
+    meta["notes"] = ("fp8_us writes the pair only where fp8_returns_bf16 is false; compiled_peer_us is "
+                     "torch.compile(reference producer + reference.quantize); wo_a peer: bf16 torch.einsum")
+    producers = list(args.producers)
+    if "mhc_boundary" in producers:
+        try:
+            from fp8chain_kernel.mhc import mhc_mega_boundary  # noqa: F401
+        except ImportError as exc:
+            print(f"note: mHC boundary skipped (fp8chain_kernel.mhc.mhc_mega_boundary not importable: {exc})")
+            producers.remove("mhc_boundary")
+    cases = [(p, ActFormat(f), t) for p in producers for f in args.formats for t in rows_list]
+    records = []
+    peers = {}
+    for name, fmt, rows in harness.progress(cases, "producers"):
+        case = Case(name, rows, fmt, DEVICE)
+        rec = {"case": f"{name} {case.shape}", "producer": name, "shape": case.shape, "format": fmt.value,
+               "T": rows, "fp8_returns_bf16": case.fp8_bf16}
+        rec["bf16_us"] = harness.graph_time_us(case.bf16, iters=args.iters)
+        rec["bf16_quant_us"] = harness.graph_time_us(case.bf16_quant, iters=args.iters)
+        rec["fp8_us"] = harness.graph_time_us(case.fp8, iters=args.iters)
+        launches = harness.count_launches(case.fp8)
+        rec["fp8_launches"] = sum(launches.values())
+        rec["compiled_peer_us"] = None
+        if not args.no_peer:
+            key = (name, fmt)
+            if key not in peers:  # one compile per producer (dynamic T), not one per T
+                peers[key] = torch.compile(peer_function(name, fmt), dynamic=True)
+            peer, peer_args = peers[key], case.peer_args
+            try:
+                rec["compiled_peer_us"] = harness.graph_time_us(lambda: peer(*peer_args), iters=args.iters)
+            except Exception as exc:  # a compile failure must not lose the other figures
+                print(f"note: compiled peer failed for {name} T={rows}: {type(exc).__name__}: {exc}")
+        rec["floor_bf16_us"] = case.bytes_bf16 / bandwidth * 1e6
+        rec["floor_bf16_quant_us"] = case.bytes_bf16_quant / bandwidth * 1e6
+        rec["floor_fp8_us"] = case.bytes_fp8 / bandwidth * 1e6
+        rec["fp8_over_bf16"] = rec["fp8_us"] / rec["bf16_us"]
+        rec["fp8_over_bf16_quant"] = rec["fp8_us"] / rec["bf16_quant_us"]
+        rec["fp8_over_peer"] = rec["fp8_us"] / rec["compiled_peer_us"] if rec["compiled_peer_us"] else None
+        rec["fp8_bw_fraction"] = rec["floor_fp8_us"] / rec["fp8_us"]
+        if hasattr(case, "flops"):
+            rec["fp8_tflops"] = case.flops / (rec["fp8_us"] * 1e-6) / 1e12
+        records.append(rec)
+        harness.save_results("producers", meta, records, args.results_dir)  # partial results survive
+        del case
+    return meta, records
+
+
+COLUMNS = ["case", "format", "T", "bf16_us", "bf16_quant_us", "fp8_us", "compiled_peer_us", "floor_fp8_us",
+           "fp8_over_bf16", "fp8_over_bf16_quant", "fp8_over_peer", "fp8_returns_bf16", "fp8_launches"]
+
+
+def report(meta: dict, records: list[dict], results_dir=None) -> str:
+    json_path = harness.save_results("producers", meta, records, results_dir)
+    if records:
+        harness.plot_records("producers", records, "T",
+                             ["bf16_us", "bf16_quant_us", "fp8_us", "compiled_peer_us", "floor_fp8_us"],
+                             "us per call", group="case", results_dir=results_dir)
+    return f"{json_path}\n" + harness.markdown_table(records, COLUMNS)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    cli_args = parser.parse_args()
+    meta_, records_ = run(cli_args)
+    print(f"device {meta_['device']}, copy {meta_['copy_bandwidth_TBps']:.2f} TB/s, commit {meta_['commit']}")
+    print(report(meta_, records_, cli_args.results_dir))
