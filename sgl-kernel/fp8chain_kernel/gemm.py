@@ -266,7 +266,8 @@ def _heuristic_config(m: int, n: int, k: int, group: int, sms: int, a_fp8: bool 
     # Split K until there are about two programs per SM, keeping >= 4 K iterations per slice.
     while tiles * split < 2 * sms and iters // (split * 2) >= 4 and split < 8:
         split *= 2
-    return GemmConfig(block_n, block_m, bk, split, stages, warps, 8)
+    # W8A16 with power-of-two (32x32) weight scales: widen to bf16 exactly, one dot per BLOCK_K.
+    return GemmConfig(block_n, block_m, bk, split, stages, warps, 8, dequant=not a_fp8 and group == 32)
 
 
 def select_config(m: int, n: int, k: int, group: int, device: torch.device, a_fp8: bool = True) -> GemmConfig:
