@@ -57,9 +57,11 @@ def check_rms_norm(rows, cols, fmt, device, residual):
     assert_pairs_equal(only, pair)
     if residual:
         assert torch.equal(r_only, h)
-    # bf16 only
+    # bf16 only (another compiled variant: bitwise equal on the interpreter, within the bound on GPU)
     y_plain = norm.rms_norm(h, w, EPS)
-    assert torch.equal(y_plain, y)
+    if device.type == "cpu":
+        assert torch.equal(y_plain, y)
+    assert_close_bf16(y_plain, rms_norm_fp32(h, w, EPS), ulps=1.0)
 
 
 @pytest.mark.cpu
