@@ -100,23 +100,26 @@ def _stats_partial_kernel(r_ptr, fn_ptr, part_ptr, sq_ptr, T, H, stride_rt, stri
 
 @triton.jit
 def _stats_finish_kernel(part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
-                         T, K, rms_eps, hc_eps, NSPLIT: tl.constexpr, SINKHORN_ITERS: tl.constexpr,
-                         NP: tl.constexpr, BT: tl.constexpr):
+                         T, K, rms_eps, hc_eps, NSPLIT: tl.constexpr, SP: tl.constexpr,
+                         SINKHORN_ITERS: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr):
+    """Sum the split partials (one tile load, a fixed reduction tree: deterministic), then the
+    sigmoids, softmax and Sinkhorn normalisations for BT tokens."""
     offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
     t_ok = offs_t < T
     rows = offs_t.to(tl.int64)
     a4 = tl.arange(0, 4)
+    a16 = tl.arange(0, 16)
+    offs_s = tl.arange(0, SP)
+    both_ok = t_ok[:, None] & (offs_s < NSPLIT)[None, :]                  # [BT, SP]
+    part = part_ptr + ((offs_s[None, :] * T + rows[:, None]) * NP)[:, :, None]  # [BT, SP, 1]
+    mask3 = both_ok[:, :, None]
+    m_pre = tl.sum(tl.load(part + a4[None, None, :], mask=mask3, other=0.0), axis=1)
+    m_post = tl.sum(tl.load(part + 4 + a4[None, None, :], mask=mask3, other=0.0), axis=1)
+    m_comb = tl.sum(tl.load(part + 8 + a16[None, None, :], mask=mask3, other=0.0), axis=1)
+    m_comb = tl.reshape(m_comb, (BT, 4, 4))
+    sumsq = tl.sum(tl.load(sq_ptr + offs_s[None, :] * T + rows[:, None], mask=both_ok, other=0.0),
+                   axis=1)
     offs_c = (2 * 4 + a4[:, None] * 4 + a4[None, :])[None, :, :]          # [1, 4, 4]
-    m_pre = tl.zeros((BT, 4), dtype=tl.float32)
-    m_post = tl.zeros((BT, 4), dtype=tl.float32)
-    m_comb = tl.zeros((BT, 4, 4), dtype=tl.float32)
-    sumsq = tl.zeros((BT,), dtype=tl.float32)
-    for s in range(NSPLIT):                                                # fixed order
-        base = part_ptr + (s * T + rows) * NP
-        m_pre += tl.load(base[:, None] + a4[None, :], mask=t_ok[:, None], other=0.0)
-        m_post += tl.load(base[:, None] + 4 + a4[None, :], mask=t_ok[:, None], other=0.0)
-        m_comb += tl.load(base[:, None, None] + offs_c, mask=t_ok[:, None, None], other=0.0)
-        sumsq += tl.load(sq_ptr + s * T + rows, mask=t_ok, other=0.0)
     mean = tl.math.div_rn(sumsq, tl.zeros(sumsq.shape, tl.float32) + K)
     one = tl.full(sumsq.shape, 1.0, tl.float32)
     r = tl.math.div_rn(one, tl.sqrt_rn(mean + rms_eps))
@@ -169,22 +172,23 @@ def _load_col(ptr, rows, m_ok, stride_t, offset):
 
 
 @triton.jit
-def _post_stream(o: tl.constexpr, y, r0, r1, r2, r3, post_ptr, comb_ptr, rows, m_ok,
-                 stride_pt, stride_pk, stride_ct, stride_ci, stride_cj, EXACT_CAST: tl.constexpr):
+def _post_stream(y, r0, r1, r2, r3, q, c0, c1, c2, c3, EXACT_CAST: tl.constexpr):
     """bf16-rounded (kept in fp32) ``post[o]*y + c0o*R0 + c1o*R1 + c2o*R2 + c3o*R3``."""
-    acc = _load_col(post_ptr, rows, m_ok, stride_pt, o * stride_pk) * y
-    acc = acc + _load_col(comb_ptr, rows, m_ok, stride_ct, 0 * stride_ci + o * stride_cj) * r0
-    acc = acc + _load_col(comb_ptr, rows, m_ok, stride_ct, 1 * stride_ci + o * stride_cj) * r1
-    acc = acc + _load_col(comb_ptr, rows, m_ok, stride_ct, 2 * stride_ci + o * stride_cj) * r2
-    acc = acc + _load_col(comb_ptr, rows, m_ok, stride_ct, 3 * stride_ci + o * stride_cj) * r3
+    acc = q * y
+    acc = acc + c0 * r0
+    acc = acc + c1 * r1
+    acc = acc + c2 * r2
+    acc = acc + c3 * r3
     return _round_bf16(acc, EXACT_CAST)
 
 
 @triton.jit
-def _streams(offs_h, y_ptr, r_ptr, post_ptr, comb_ptr, rows, m_ok, H,
-             stride_yt, stride_rt, stride_rs, stride_pt, stride_pk, stride_ct, stride_ci,
-             stride_cj, DO_POST: tl.constexpr, EXACT_CAST: tl.constexpr):
-    """The four (new) residual streams of a [BM, BLOCK] tile, fp32 holding bf16 values."""
+def _streams(offs_h, y_ptr, r_ptr, rows, m_ok, H, stride_yt, stride_rt, stride_rs,
+             q0, q1, q2, q3, c00, c01, c02, c03, c10, c11, c12, c13,
+             c20, c21, c22, c23, c30, c31, c32, c33,
+             DO_POST: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """The four (new) residual streams of a [BM, BLOCK] tile, fp32 holding bf16 values
+    (``cio`` = comb[i][o], ``qo`` = post[o], each a [BM, 1] column)."""
     mask = m_ok[:, None] & (offs_h[None, :] < H)
     base = r_ptr + rows[:, None] * stride_rt + offs_h[None, :]
     r0 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
@@ -194,26 +198,22 @@ def _streams(offs_h, y_ptr, r_ptr, post_ptr, comb_ptr, rows, m_ok, H,
     if DO_POST:
         y = tl.load(y_ptr + rows[:, None] * stride_yt + offs_h[None, :], mask=mask,
                     other=0.0).to(tl.float32)
-        n0 = _post_stream(0, y, r0, r1, r2, r3, post_ptr, comb_ptr, rows, m_ok,
-                          stride_pt, stride_pk, stride_ct, stride_ci, stride_cj, EXACT_CAST)
-        n1 = _post_stream(1, y, r0, r1, r2, r3, post_ptr, comb_ptr, rows, m_ok,
-                          stride_pt, stride_pk, stride_ct, stride_ci, stride_cj, EXACT_CAST)
-        n2 = _post_stream(2, y, r0, r1, r2, r3, post_ptr, comb_ptr, rows, m_ok,
-                          stride_pt, stride_pk, stride_ct, stride_ci, stride_cj, EXACT_CAST)
-        n3 = _post_stream(3, y, r0, r1, r2, r3, post_ptr, comb_ptr, rows, m_ok,
-                          stride_pt, stride_pk, stride_ct, stride_ci, stride_cj, EXACT_CAST)
+        n0 = _post_stream(y, r0, r1, r2, r3, q0, c00, c10, c20, c30, EXACT_CAST)
+        n1 = _post_stream(y, r0, r1, r2, r3, q1, c01, c11, c21, c31, EXACT_CAST)
+        n2 = _post_stream(y, r0, r1, r2, r3, q2, c02, c12, c22, c32, EXACT_CAST)
+        n3 = _post_stream(y, r0, r1, r2, r3, q3, c03, c13, c23, c33, EXACT_CAST)
         return n0, n1, n2, n3
     else:
         return r0, r1, r2, r3
 
 
 @triton.jit
-def _combine(n0, n1, n2, n3, pre_ptr, rows, m_ok, stride_et, stride_ek, EXACT_CAST: tl.constexpr):
+def _combine(n0, n1, n2, n3, p0, p1, p2, p3, EXACT_CAST: tl.constexpr):
     """``v = bf16(pre0*n0 + pre1*n1 + pre2*n2 + pre3*n3)`` left to right, kept in fp32."""
-    v = _load_col(pre_ptr, rows, m_ok, stride_et, 0) * n0
-    v = v + _load_col(pre_ptr, rows, m_ok, stride_et, stride_ek) * n1
-    v = v + _load_col(pre_ptr, rows, m_ok, stride_et, 2 * stride_ek) * n2
-    v = v + _load_col(pre_ptr, rows, m_ok, stride_et, 3 * stride_ek) * n3
+    v = p0 * n0
+    v = v + p1 * n1
+    v = v + p2 * n2
+    v = v + p3 * n3
     return _round_bf16(v, EXACT_CAST)
 
 
@@ -235,28 +235,84 @@ def _boundary_kernel(
     rows = offs_m.to(tl.int64)
     h_begin = tl.program_id(1) * SLICE
 
+    # The 24 mix values of each row, loaded once ([BM, 1] columns; unused ones are zero).
+    zero = tl.zeros((BM, 1), dtype=tl.float32)
+    p0 = zero
+    p1 = zero
+    p2 = zero
+    p3 = zero
+    if DO_NORM:
+        p0 = _load_col(pre_ptr, rows, m_ok, stride_et, 0)
+        p1 = _load_col(pre_ptr, rows, m_ok, stride_et, stride_ek)
+        p2 = _load_col(pre_ptr, rows, m_ok, stride_et, 2 * stride_ek)
+        p3 = _load_col(pre_ptr, rows, m_ok, stride_et, 3 * stride_ek)
+    q0 = zero
+    q1 = zero
+    q2 = zero
+    q3 = zero
+    c00 = zero
+    c01 = zero
+    c02 = zero
+    c03 = zero
+    c10 = zero
+    c11 = zero
+    c12 = zero
+    c13 = zero
+    c20 = zero
+    c21 = zero
+    c22 = zero
+    c23 = zero
+    c30 = zero
+    c31 = zero
+    c32 = zero
+    c33 = zero
+    if DO_POST:
+        q0 = _load_col(post_ptr, rows, m_ok, stride_pt, 0)
+        q1 = _load_col(post_ptr, rows, m_ok, stride_pt, stride_pk)
+        q2 = _load_col(post_ptr, rows, m_ok, stride_pt, 2 * stride_pk)
+        q3 = _load_col(post_ptr, rows, m_ok, stride_pt, 3 * stride_pk)
+        c00 = _load_col(comb_ptr, rows, m_ok, stride_ct, 0)
+        c01 = _load_col(comb_ptr, rows, m_ok, stride_ct, stride_cj)
+        c02 = _load_col(comb_ptr, rows, m_ok, stride_ct, 2 * stride_cj)
+        c03 = _load_col(comb_ptr, rows, m_ok, stride_ct, 3 * stride_cj)
+        c10 = _load_col(comb_ptr, rows, m_ok, stride_ct, stride_ci)
+        c11 = _load_col(comb_ptr, rows, m_ok, stride_ct, stride_ci + stride_cj)
+        c12 = _load_col(comb_ptr, rows, m_ok, stride_ct, stride_ci + 2 * stride_cj)
+        c13 = _load_col(comb_ptr, rows, m_ok, stride_ct, stride_ci + 3 * stride_cj)
+        c20 = _load_col(comb_ptr, rows, m_ok, stride_ct, 2 * stride_ci)
+        c21 = _load_col(comb_ptr, rows, m_ok, stride_ct, 2 * stride_ci + stride_cj)
+        c22 = _load_col(comb_ptr, rows, m_ok, stride_ct, 2 * stride_ci + 2 * stride_cj)
+        c23 = _load_col(comb_ptr, rows, m_ok, stride_ct, 2 * stride_ci + 3 * stride_cj)
+        c30 = _load_col(comb_ptr, rows, m_ok, stride_ct, 3 * stride_ci)
+        c31 = _load_col(comb_ptr, rows, m_ok, stride_ct, 3 * stride_ci + stride_cj)
+        c32 = _load_col(comb_ptr, rows, m_ok, stride_ct, 3 * stride_ci + 2 * stride_cj)
+        c33 = _load_col(comb_ptr, rows, m_ok, stride_ct, 3 * stride_ci + 3 * stride_cj)
+
     if DO_NORM:
         # Pass 1: the whole row's sum of squares of v (same code and order in every program).
+        # Unrolled, so the loads of all chunks are in flight together.
         sq = tl.zeros((BM, BLOCK1), dtype=tl.float32)
-        for i in range(0, CHUNKS1):
+        for i in tl.static_range(CHUNKS1):
             offs_h = i * BLOCK1 + tl.arange(0, BLOCK1)
-            n0, n1, n2, n3 = _streams(offs_h, y_ptr, r_ptr, post_ptr, comb_ptr, rows, m_ok, H,
-                                      stride_yt, stride_rt, stride_rs, stride_pt, stride_pk,
-                                      stride_ct, stride_ci, stride_cj, DO_POST, EXACT_CAST)
-            v = _combine(n0, n1, n2, n3, pre_ptr, rows, m_ok, stride_et, stride_ek, EXACT_CAST)
+            n0, n1, n2, n3 = _streams(offs_h, y_ptr, r_ptr, rows, m_ok, H, stride_yt, stride_rt,
+                                      stride_rs, q0, q1, q2, q3, c00, c01, c02, c03,
+                                      c10, c11, c12, c13, c20, c21, c22, c23,
+                                      c30, c31, c32, c33, DO_POST, EXACT_CAST)
+            v = _combine(n0, n1, n2, n3, p0, p1, p2, p3, EXACT_CAST)
             sq += v * v
         mean = tl.math.div_rn(tl.sum(sq, axis=1), tl.zeros((BM,), tl.float32) + H)
         rs = tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), tl.sqrt_rn(mean + eps))[:, None]
 
-    # Pass 2: this program's slice.
-    for i in range(0, SLICE, BLOCK):  # columns past H are masked
+    # Pass 2: this program's slice (columns past H are masked).
+    for i in tl.static_range(0, SLICE, BLOCK):
         h0 = h_begin + i
         offs_h = h0 + tl.arange(0, BLOCK)
         h_ok = offs_h < H
         mask = m_ok[:, None] & h_ok[None, :]
-        n0, n1, n2, n3 = _streams(offs_h, y_ptr, r_ptr, post_ptr, comb_ptr, rows, m_ok, H,
-                                  stride_yt, stride_rt, stride_rs, stride_pt, stride_pk,
-                                  stride_ct, stride_ci, stride_cj, DO_POST, EXACT_CAST)
+        n0, n1, n2, n3 = _streams(offs_h, y_ptr, r_ptr, rows, m_ok, H, stride_yt, stride_rt,
+                                  stride_rs, q0, q1, q2, q3, c00, c01, c02, c03,
+                                  c10, c11, c12, c13, c20, c21, c22, c23,
+                                  c30, c31, c32, c33, DO_POST, EXACT_CAST)
         if DO_POST:
             out = rout_ptr + rows[:, None] * stride_ot + offs_h[None, :]
             tl.store(out, n0.to(tl.bfloat16), mask=mask)
@@ -264,7 +320,7 @@ def _boundary_kernel(
             tl.store(out + 2 * stride_os, n2.to(tl.bfloat16), mask=mask)
             tl.store(out + 3 * stride_os, n3.to(tl.bfloat16), mask=mask)
         if DO_NORM:
-            v = _combine(n0, n1, n2, n3, pre_ptr, rows, m_ok, stride_et, stride_ek, EXACT_CAST)
+            v = _combine(n0, n1, n2, n3, p0, p1, p2, p3, EXACT_CAST)
             w = tl.load(w_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)[None, :]
             x = _round_bf16((v * rs) * w, EXACT_CAST)
             if STORE_X:
@@ -293,12 +349,15 @@ def _target_programs(device: torch.device) -> int:
     return 16
 
 
+def _max_rows_per_program(device: torch.device) -> int:
+    """One row per program on a GPU; the interpreter's cost is per program, so it takes 64."""
+    return 1 if device.type == "cuda" and not interpreting() else 64
+
+
 def _boundary_config(rows: int, cols: int, device: torch.device) -> dict:
     """Rows per program, columns per program (a multiple of 128), chunk sizes, grid."""
     target = _target_programs(device)
-    on_gpu = device.type == "cuda" and not interpreting()
-    # One row per program on a GPU; the interpreter's cost is per program, so it takes up to 64.
-    bm = 1 if on_gpu else min(64, triton.next_power_of_2(rows))
+    bm = min(_max_rows_per_program(device), triton.next_power_of_2(rows))
     row_blocks = cdiv(rows, bm)
     n128 = cdiv(cols, 128)
     splits = max(1, min(n128, cdiv(target, row_blocks)))
@@ -476,10 +535,11 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
         residual, fn, part, sq, rows, cols, residual.stride(0), residual.stride(1), fn.stride(0),
         per_split, NMIX=NMIX, NP=np_, BT=bt, BK=bk, UPCAST_DOT=interpreting(), num_warps=4,
     )
-    bt2 = 16
+    sp = triton.next_power_of_2(splits)
+    bt2 = max(1, min(16, 256 // sp))  # partial tiles of at most [BT, SP, 16] = 4096 values
     _stats_finish_kernel[(cdiv(rows, bt2),)](
         part, sq, scale, base, pre, post, comb, rows, HC * cols, float(rms_eps), float(hc_eps),
-        NSPLIT=splits, SINKHORN_ITERS=int(sinkhorn_iters), NP=np_, BT=bt2, num_warps=4,
+        NSPLIT=splits, SP=sp, SINKHORN_ITERS=int(sinkhorn_iters), NP=np_, BT=bt2, num_warps=4,
     )
     return pre, post, comb
 

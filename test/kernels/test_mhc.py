@@ -404,6 +404,26 @@ def test_mega_boundary_cuda_graph():
     check_boundary_outputs(y, residual, pre, post, comb, weight, out_r, out_x, out, fmt)
 
 
+@cpu
+def test_gpu_launch_configs_on_interpreter(monkeypatch):
+    """The GPU's launch shapes (264 target programs, one row per program, 160 GEMV splits at
+    H = 5120) run through the interpreter too."""
+    monkeypatch.setattr(mhc, "_target_programs", lambda device: 264)
+    monkeypatch.setattr(mhc, "_max_rows_per_program", lambda device: 1)
+    residual = torch.randn(2, 4, GPU_H).bfloat16()
+    params = make_stats_params(GPU_H, "cpu")
+    assert mhc._stats_config(2, 4 * GPU_H, residual.device)[3] == 160
+    check_stats(mhc.mhc_stats(residual, *params), reference.mhc_stats(residual, *params), residual)
+    h, t = 1280, 3
+    residual, y, weight, pre, post, comb = make_inputs(t, h, "cpu")
+    cfg = mhc._boundary_config(t, h, residual.device)
+    assert cfg["grid"] == (3, 10) and cfg["BM"] == 1 and cfg["SLICE"] == 128
+    for fmt in (ActFormat.SM90_G128_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN):
+        new_r, x, pair = mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, EPS,
+                                               out_format=fmt, out=poisoned_pair(t, h, fmt, "cpu"))
+        check_boundary_outputs(y, residual, pre, post, comb, weight, new_r, x, pair, fmt)
+
+
 # --------------------------------------------------------------------------- validation
 
 
