@@ -19,6 +19,11 @@ FP8 data and scales. A decode batch of a few tokens thus still spreads over ~2 p
 in one launch, deterministically. Because every program reads whole rows of ``y`` and ``R``, the
 mega boundary cannot write ``R'`` or ``x`` in place over its inputs (checked).
 
+Batch invariance: the boundary's per-row arithmetic does not depend on the batch size on a GPU
+(one row per program, fixed chunking), so ``R'``, ``x`` and the pair of a token are the same
+for any ``T``. The stats GEMV's split count follows ``T``, so a token's mixes can differ in the
+last fp32 bits between batch sizes (always deterministic for a given ``T``).
+
 Numerics follow ``reference.mhc`` operation for operation: sums left to right in fp32, compiled
 without fused multiply-add (``enable_fp_fusion=False``), so ``R'`` and ``v`` equal the torch
 reference bit for bit, and the FP8 pair equals ``reference.quantize`` of the kernel's own bf16
