@@ -333,9 +333,14 @@ def run(args):
         rec["triton_g128_us"] = _time(_rotating(
             lambda w, s: gemm.fp8_gemm(pair128, w, s, weight_block=128, out=out), w128), args)
         if blockwise is not None:
+            # K/128 % 4 != 0: torch 2.11 takes only a layout cuBLAS reads differently (wrong
+            # result); its time is still recorded (same cuBLAS kernel), flagged cublas_valid=False.
+            reason = blockwise.rejection(G128, 128, n, k)
+            view = None if reason is None else "contig"
             items = [(w, s, d) for (w, s), d in zip(w128, derived)]
             rec["cublas_g128_us"] = _time(_rotating(
-                lambda w, s, d: blockwise.gemm(pair128, w, s, d, out=out), items), args)
+                lambda w, s, d: blockwise.gemm(pair128, w, s, d, out=out, _force_view=view), items), args)
+            rec["cublas_valid"] = reason is None
         else:
             rec["cublas_g128_us"] = None
         rec["floor_us"] = n * k / copy_bw * 1e6
