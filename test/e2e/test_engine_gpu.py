@@ -97,6 +97,7 @@ def test_quantize_launches_per_decode_step(setup):
 
 
 def test_logits_close_to_fp32_reference(setup):
+    """Own routing: median error and top-1 agreement (top-k flips at near ties are expected)."""
     _, tensors = load_state_dict(setup["path"])
     reference = DeepseekV41Reference(setup["config"], tensors, device="cuda")
     on = setup["runs"][True]
@@ -109,8 +110,38 @@ def test_logits_close_to_fp32_reference(setup):
             agree += int(got.argmax() == want.argmax())
     errors = torch.tensor(errors)
     assert torch.isfinite(errors).all()
-    print(f"fp32 reference: relative L2 error median {errors.median().item():.4f}, "
+    print(f"fp32 reference (own routing): relative L2 error median {errors.median().item():.4f}, "
           f"max {errors.max().item():.4f}; top-1 agreement {agree}/{len(errors)}")
     assert errors.median().item() <= 0.06
-    assert (errors <= 0.08).float().mean().item() >= 0.9
     assert agree / len(errors) >= 0.75
+
+
+def test_logits_close_to_fp32_reference_same_routing(setup):
+    """With the FP8 model's expert choices, every position is within 0.08 of the reference."""
+    model, config = setup["model"], setup["config"]
+    sequences = [p + t[:-1] for p, t in zip(setup["prompts"], setup["runs"][True].tokens)]
+    ids = torch.tensor([t for s in sequences for t in s], device="cuda")
+    positions = torch.cat([torch.arange(len(s)) for s in sequences]).cuda()
+    slots = torch.cat([torch.full((len(s),), i) for i, s in enumerate(sequences)]).cuda()
+    for layer in model.layers:
+        layer.ffn.gate.record = []
+    try:
+        with torch.no_grad():
+            logits = model(ids, positions, slots, model.make_kv_cache(len(sequences), 96))
+        routing = [layer.ffn.gate.record[0] for layer in model.layers]
+    finally:
+        for layer in model.layers:
+            layer.ffn.gate.record = None
+    _, tensors = load_state_dict(setup["path"])
+    reference = DeepseekV41Reference(config, tensors, device="cuda")
+    errors, start = [], 0
+    for seq in sequences:
+        rows = slice(start, start + len(seq))
+        ref = reference(seq, routing=[r[rows] for r in routing]).double()
+        errors.append((logits[rows].double() - ref).norm(dim=-1) / ref.norm(dim=-1))
+        start += len(seq)
+    errors = torch.cat(errors)
+    print(f"fp32 reference (same routing), {len(errors)} positions: median "
+          f"{errors.median().item():.4f}, max {errors.max().item():.4f}")
+    assert torch.isfinite(errors).all()
+    assert errors.max().item() <= 0.08

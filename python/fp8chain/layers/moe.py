@@ -113,18 +113,25 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size, dtype=torch.bfloat16),
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
+        #: set to a list to record every forward's ``topk_idx`` (tests, diagnostics)
+        self.record: list[torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` bf16 -> ``(topk_idx int64 [T, k], topk_weights fp32 [T, k])``."""
         logits = x.float() @ self.weight.float().t()
-        return route(logits, self.bias, self.top_k, self.routed_scaling_factor, self.renormalize)
+        idx, weights = route(logits, self.bias, self.top_k, self.routed_scaling_factor, self.renormalize)
+        if self.record is not None:
+            self.record.append(idx.detach().clone())
+        return idx, weights
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
-          renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing from fp32 router logits (shared by the module and the fp32 model reference)."""
+          renormalize: bool = True, idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing from fp32 router logits (shared by the module and the fp32 model reference);
+    ``idx`` given: keep that expert choice and compute only its weights."""
     scores = torch.sqrt(F.softplus(logits.float()))
-    idx = torch.topk(scores + bias.float(), top_k, dim=-1, sorted=True).indices
+    if idx is None:
+        idx = torch.topk(scores + bias.float(), top_k, dim=-1, sorted=True).indices
     weights = scores.gather(-1, idx)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)

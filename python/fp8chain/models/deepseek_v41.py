@@ -731,12 +731,13 @@ class DeepseekV41Reference:
         o = torch.einsum("tgd,grd->tgr", o, wo_a).reshape(t, -1)
         return o @ w[f"{pfx}.wo_b.weight"].t()
 
-    def _moe(self, x, pfx):
+    def _moe(self, x, pfx, idx=None):
         from ..layers.moe import route, swiglu_reference
 
         c, w = self.config, self.w
         idx, weights = route(x @ w[f"{pfx}.gate.weight"].t(), w[f"{pfx}.gate.bias"],
-                             c.num_experts_per_tok, c.routed_scaling_factor, c.norm_topk_prob)
+                             c.num_experts_per_tok, c.routed_scaling_factor, c.norm_topk_prob,
+                             idx=None if idx is None else idx.to(x.device))
 
         def expert(xs, p):
             gate_up = torch.cat([xs @ w[f"{p}.w1.weight"].t(), xs @ w[f"{p}.w3.weight"].t()], -1)
@@ -750,8 +751,13 @@ class DeepseekV41Reference:
         return out
 
     @torch.no_grad()
-    def forward(self, tokens) -> torch.Tensor:
-        """fp32 logits ``[T, V]`` of one sequence (causal)."""
+    def forward(self, tokens, routing: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """fp32 logits ``[T, V]`` of one sequence (causal).
+
+        ``routing``: per layer, the ``[T, k]`` expert choice to use instead of the reference's
+        own top-k (e.g. the FP8 model's, so a near-tie flipped by FP8 rounding does not switch
+        experts); the routing weights are still the reference's fp32 scores of those experts.
+        """
         c, w = self.config, self.w
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(ids.numel(), device=self.device)
@@ -764,8 +770,10 @@ class DeepseekV41Reference:
                        if i + 1 < c.num_hidden_layers else "norm.weight")]
         for n, (hc_pfx, kind, next_norm) in enumerate(names):
             layer = f"layers.{n // 2}"
-            y = self._attention(x, positions, f"{layer}.attn") if kind == "attn" \
-                else self._moe(x, f"{layer}.ffn")
+            if kind == "attn":
+                y = self._attention(x, positions, f"{layer}.attn")
+            else:
+                y = self._moe(x, f"{layer}.ffn", None if routing is None else routing[n // 2])
             pre, post, comb = self._stats(residual, hc_pfx)
             residual = post.unsqueeze(-1) * y.unsqueeze(1) + torch.einsum("tio,tih->toh", comb, residual)
             v = (pre.unsqueeze(-1) * residual).sum(1)
