@@ -11,14 +11,19 @@ arbitrary fp32 scales. A bf16 ``[M, K]`` tensor plus ``fmt`` is quantized first 
 One Triton kernel serves both, see docs/gemm.md:
 
 * swap-AB tiles: the accumulator is ``[BLOCK_N, BLOCK_M]`` (weights on the MMA's M side, at least
-  64 rows, tokens on its N side, 16..128), so a decode step with one token still runs full-size
+  64 rows, tokens on its N side, 16..256), so a decode step with one token still runs full-size
   wgmma instructions on Hopper and reads the weights once;
-* per K group (32 or 128 columns) one ``tl.dot`` on the e4m3 operands, then
-  ``acc += partial * (weight_scale[n // block, g] * act_scale[m, g])`` in fp32;
+* two operand modes per config. FP8 dot: per K group (32 or 128 columns) one ``tl.dot`` on the
+  e4m3 operands, then ``acc += partial * (weight_scale[n // block, g] * act_scale[m, g])`` in
+  fp32. Dequantized: both operands are scaled to bf16 in registers (exact when the scales are
+  powers of two, as DSv4.1's 32x32 blocks and ``sm90_g32_fp32_mn`` are: e4m3 x 2^e is a bf16
+  value) and one bf16 ``tl.dot`` covers BLOCK_K columns with fp32 accumulation over all of K. The
+  H200 sweep picks the dequantized mode for nearly every 32-group shape (per-32 FP8 dots pay one
+  wgmma wait and one promotion per 32 columns);
 * split-K for decode shapes: each K slice stores its fp32 partial tile to a workspace and bumps a
   per-tile counter; the program that arrives last sums the partials in slice order (so the result
   is deterministic and independent of arrival order), writes bf16 and re-arms the counter;
-* configs come from a static table keyed by (M bucket, N, K), measured on an H200, with a
+* configs come from a static table keyed by (M bucket, N, K, group), measured on an H200, with a
   heuristic for shapes outside it. Nothing is autotuned at serving time.
 """
 

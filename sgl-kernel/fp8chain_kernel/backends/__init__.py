@@ -24,7 +24,7 @@ from ..formats import ActFormat, QuantizedActivation, cdiv, check_pair
 
 __all__ = [
     "Capabilities", "GemmBackend", "probe", "input_format_for", "select_backend", "get_backend",
-    "backend_names", "weight_block_of",
+    "backend_names", "BACKEND_NAMES", "weight_block_of",
 ]
 
 logger = logging.getLogger("fp8chain.backends")
@@ -202,6 +202,9 @@ from .triton import TritonBackend  # noqa: E402
 _BACKENDS: dict[str, GemmBackend] = {
     b.name: b for b in (DeepGemmBackend(), TritonBackend(), TorchBlockwiseBackend())
 }
+
+
+BACKEND_NAMES: tuple[str, ...] = tuple(_BACKENDS)  # default preference order
 
 
 def backend_names() -> list[str]:
