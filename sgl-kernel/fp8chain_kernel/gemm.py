@@ -333,15 +333,21 @@ def select_config(m: int, n: int, k: int, group: int, device: torch.device, a_fp
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
-def _split_counters(device: torch.device) -> torch.Tensor:
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Per-tile arrival counters for split-K (zero between calls: the last arrival resets its own).
 
-    One buffer per device: split-K GEMMs on one device must not run concurrently on two streams.
+    One buffer per device, allocated on first eager use: split-K GEMMs on one device must not run
+    concurrently on two streams. A first use inside CUDA-graph capture gets its own zeroed buffer
+    (allocated from, and zeroed by, the graph), so the cached buffer never lives in a graph's
+    private memory pool.
     """
     buf = _counters.get(device)
-    if buf is None:
-        buf = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-        _counters[device] = buf
+    if buf is not None:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    buf = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+    _counters[device] = buf
     return buf
 
 
@@ -406,7 +412,7 @@ def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, conf
     iters_per_split = iters // split
     if split > 1:
         part = torch.empty(split * tiles * cfg.block_n * cfg.block_m, dtype=torch.float32, device=a.device)
-        counters = _split_counters(a.device)
+        counters = _split_counters(a.device, tiles)
     else:
         part = counters = out  # unused placeholders
     if a_scale is None:

@@ -272,3 +272,30 @@ def test_torch_blockwise_dsv41_shapes_gpu(n, k):
         out = backend.gemm(pair, w, s, derived, out=poisoned_out(m, n, "cuda"))
         err = rel_error(out, ref.dequantize(pair).double() @ w_ref.t())
         assert err < TOL, f"M={m}: relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+def test_split_k_under_cuda_graph_replay_gpu():
+    """Captured once, replayed with new inputs: split-K counters re-arm on every replay."""
+    n, k, m = 1792, 5120, 16
+    w, s, w_ref = _gpu_weight(n, k, 32)
+    cfg = gemm.GemmConfig(64, 16, 128, 8, 4, 4, 8, dequant=True)
+    static_x = make_activation(m, k, "cuda")
+    pair = quant.quantize(static_x, G32)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gemm.fp8_gemm(pair, w, s, weight_block=32, out=out, config=cfg)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        quant.quantize(static_x, G32, out=pair)
+        gemm.fp8_gemm(pair, w, s, weight_block=32, out=out, config=cfg)
+    for _ in range(3):
+        static_x.copy_(make_activation(m, k, "cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = rel_error(out, ref.dequantize(pair).double() @ w_ref.t())
+        assert err < TOL, f"relative error {err:.3g}"
