@@ -192,20 +192,19 @@ def _precompile_share(args, device):
 
 
 def _precompile(args):
-    procs = []
-    clean = []
-    skip = False
-    for a in sys.argv[1:]:  # drop "--precompile N" / "--precompile=N"
-        if skip:
-            skip = False
-            continue
-        if a == "--precompile":
-            skip = True
-            continue
-        if not a.startswith("--precompile="):
-            clean.append(a)
-    for i in range(args.precompile):
-        procs.append(subprocess.Popen([sys.executable, __file__, *clean, "--worker", f"{i}/{args.precompile}"]))
+    """Compile the planned kernels in ``args.precompile`` worker processes (Triton's on-disk cache
+    is shared), so the timing process only loads them."""
+    argv = ["--shapes", args.shapes]
+    if args.quick:
+        argv.append("--quick")
+    if args.sweep:
+        argv.append("--sweep")
+    if args.ms:
+        argv += ["--ms", args.ms]
+    if args.table_from:
+        argv += ["--table-from", args.table_from]
+    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--worker", f"{i}/{args.precompile}"])
+             for i in range(args.precompile)]
     for p in procs:
         p.wait()
 
@@ -301,7 +300,9 @@ def run(args):
     meta = bench_meta()
     copy_bw = copy_bandwidth(device)
     meta["copy_bandwidth_Bps"] = copy_bw
+    meta["copy_bandwidth_TBps"] = copy_bw / 1e12
     if args.sweep:
+        meta["sweep"] = True
         return meta, run_sweep(args, device, copy_bw)
 
     from fp8chain_kernel import backends
@@ -357,6 +358,26 @@ COLUMNS = ["shape", "m", "pair_us", "bf16_quant_us", "w8a16_us", "cublas_g128_us
            "floor_us", "bw_frac", "pair_vs_cublas", "g128_vs_cublas"]
 
 
+def report(meta, records, results_dir=None) -> str:
+    """Save JSON (+ PNG for the timing run) under ``results_dir``; return the markdown table."""
+    from fp8chain.bench.harness import markdown_table, plot_records, save_results
+
+    if meta.get("sweep"):
+        path = save_results("gemm_sweep", meta, records, results_dir)
+        rows = [dict(shape=r["shape"], group=r["group"], m=r["m"], best_us=r["best_us"],
+                     best=str(tuple(r["best"])), current_us=r["current_us"], floor_us=r["floor_us"])
+                for r in records]
+        return f"{path}\n" + markdown_table(rows, ["shape", "group", "m", "best_us", "best", "current_us", "floor_us"])
+    path = save_results("gemm", meta, records, results_dir)
+    try:
+        plot_records("gemm", records, "m", ["pair_us", "bf16_quant_us", "w8a16_us", "cublas_g128_us",
+                                             "triton_g128_us", "floor_us"], "us per call", group="shape",
+                     results_dir=results_dir)
+    except Exception as exc:  # noqa: BLE001 - a plot is not worth failing the run
+        print(f"plot skipped: {exc}")
+    return f"{path}\n" + markdown_table(records, COLUMNS + ["cublas_valid"])
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -365,24 +386,16 @@ def main(argv=None):
     meta, records = run(args)
     if args.worker:
         return
-    from fp8chain.bench.harness import markdown_table, plot_records, save_results
-
     print(json.dumps(meta))
-    if args.sweep:
-        if args.json_out:
-            Path(args.json_out).write_text(json.dumps({"meta": meta, "records": records}, indent=1))
-        return
-    print(markdown_table(records, COLUMNS))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"meta": meta, "records": records}, indent=1))
-    if not args.no_save:
-        path = save_results("gemm", meta, records)
-        try:
-            plot_records("gemm", records, "m", ["pair_us", "bf16_quant_us", "w8a16_us", "cublas_g128_us",
-                                                 "triton_g128_us", "floor_us"], "us", group="shape")
-        except Exception as exc:  # noqa: BLE001 - a plot is not worth failing the run
-            print(f"plot skipped: {exc}")
-        print(f"saved {path}")
+    if args.no_save:
+        from fp8chain.bench.harness import markdown_table
+
+        if not args.sweep:
+            print(markdown_table(records, COLUMNS))
+        return
+    print(report(meta, records))
 
 
 if __name__ == "__main__":
