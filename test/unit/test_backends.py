@@ -293,3 +293,44 @@ def test_torch_blockwise_derived_scale_layout():
     padded = backends.get_backend("torch_blockwise").derive_weight_tensors(w, s, 128)["weight_scale_blockwise"]
     assert padded.shape == (2, 12) and padded.is_contiguous()
     assert torch.equal(padded[:, :10], s) and not padded[:, 10:].any()
+
+
+def _fake_scaled_mm(calls):
+    """torch 2.11's checks for 1x128 x 128x128 blockwise ``_scaled_mm`` (scale_a strides exactly
+    (1, M); scale_b.t() the contiguous [N/128, K/128] tensor), computed with the reference."""
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype=None):
+        m, k = a.shape
+        n = b.shape[1]
+        assert a.dtype == torch.float8_e4m3fn and a.is_contiguous() and m % 4 == 0, (a.stride(), m)
+        assert b.stride() == (1, k), f"mat_b must be column-major, strides {b.stride()}"
+        assert tuple(scale_a.shape) == (m, cdiv(k, 128)) and scale_a.stride() == (1, m), scale_a.stride()
+        sbt = scale_b.t()
+        assert tuple(sbt.shape) == (cdiv(n, 128), cdiv(k, 128)) and sbt.stride() == (cdiv(k, 128), 1)
+        calls.append(m)
+        a_val = a.float() * scale_a.repeat_interleave(128, 1)[:, :k]
+        w_val = ref.dequantize_weight(b.t(), sbt, 128)
+        return (a_val.double() @ w_val.double().t()).to(out_dtype)
+
+    return scaled_mm
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 6])
+def test_torch_blockwise_prepares_arguments_like_torch_checks(monkeypatch, m):
+    """M padded to a multiple of 4, MN-major scales with stride exactly M, sliced pairs re-laid
+    out, output rows past M dropped; against a stand-in with torch 2.11's argument checks."""
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm(calls), raising=False)
+    backend = backends.get_backend("torch_blockwise")
+    monkeypatch.setattr(type(backend), "_scale_b_view", {True: "contig", False: None})
+    n, k = 256, 512
+    w, s = _weights(n, k, 128)
+    big = ref.quantize(_activation(m + 5, k), G128)
+    for pair in (ref.quantize(_activation(m, k), G128), big.rows(m)):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        got = backend.gemm(pair, w, s, backend.derive_weight_tensors(w, s, 128), out=out)
+        assert got is out and calls[-1] == -(-m // 4) * 4
+        want = ref.fp8_gemm(pair, w, s, 128)
+        assert ((got.double() - want).norm() / want.norm()) < 5e-3
+    with pytest.raises(ValueError, match="no working 128x128 scale layout"):
+        backend.gemm(ref.quantize(_activation(m, 640), G128), *_weights(n, 640, 128), {})
