@@ -130,7 +130,12 @@ def weight_bytes(layer: DeepseekV41DecoderLayer) -> int:
 
 
 class CompiledPeer:
-    """The same unit in plain torch + cuBLAS blockwise FP8 (g128 weights), torch.compile'd."""
+    """The same unit in plain torch + cuBLAS blockwise FP8 (g128 weights), torch.compile'd.
+
+    torch 2.11's blockwise ``_scaled_mm`` computes wrong results when K/128 is not a multiple
+    of 4 (docs/gemm.md), so for those GEMMs (wq_b K=1280, down K=2304) the peer zero-pads K to
+    a multiple of 512: same result, a few more bytes.
+    """
 
     def __init__(self, layer: DeepseekV41DecoderLayer, config: DeepseekV41Config, device):
         from fp8chain_kernel.backends import get_backend
@@ -141,13 +146,17 @@ class CompiledPeer:
         for name, module in (("wqkv_a", layer.attn.wqkv_a), ("wq_b", layer.attn.wq_b),
                              ("wo_b", layer.attn.wo_b), ("gate_up", layer.ffn.shared_experts.gate_up),
                              ("down", layer.ffn.shared_experts.down)):
-            w, s = _random_fp8(*module.weight.shape, 128, device, pow2=False)
-            derived = self.blockwise.derive_weight_tensors(w, s, 128)
-            self.weights[name] = (w, s, derived)
+            n, k = module.weight.shape
+            padded_k = k if (k // 128) % 4 == 0 else -(-k // 512) * 512
+            w, s = _random_fp8(n, padded_k, 128, device, pow2=False)
+            w[:, k:] = 0
+            self.weights[name] = (w, s, self.blockwise.derive_weight_tensors(w, s, 128), padded_k)
         self.step = torch.compile(self._step, dynamic=False)
 
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        w, s, derived = self.weights[name]
+        w, s, derived, padded_k = self.weights[name]
+        if padded_k != x.shape[1]:
+            x = torch.nn.functional.pad(x, (0, padded_k - x.shape[1]))
         return self.blockwise.gemm(reference.quantize(x, ActFormat.SM90_G128_FP32_MN), w, s, derived)
 
     def _step(self, residual, x, positions, slots, kv_cache):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import (
-    AMAX_FLOOR, FP8_DTYPE, FP8_MAX, ActFormat, QuantizedActivation, align4, cdiv, empty_scale,
+    AMAX_FLOOR, FP8_DTYPE, FP8_MAX, ActFormat, QuantizedActivation, align4, cdiv,
 )
 
 __all__ = [
@@ -108,9 +108,10 @@ def quantize(x: torch.Tensor, fmt: ActFormat | str) -> QuantizedActivation:
         raise TypeError(f"quantize expects bfloat16 or float32, got {x.dtype}")
     rows, cols = x.shape
     data, scale, exponent = _quantize_groups(x, fmt)
-    out_scale = empty_scale(rows, cols, fmt, x.device)
-    # Zero the whole backing buffer, so padding rows M..align4(M)-1 read as zero.
-    out_scale.as_strided((out_scale.shape[1], align4(rows)), (align4(rows), 1)).zero_()
+    # A zeroed [scale_cols, align4(M)] buffer viewed transposed: the layout of empty_scale, with
+    # padding rows M..align4(M)-1 reading zero (and traceable by torch.compile).
+    out_scale = torch.zeros((fmt.scale_shape(rows, cols)[1], align4(rows)), dtype=fmt.scale_dtype,
+                            device=x.device).t()[:rows]
     if fmt.packed:
         pack_ue8m0(exponent, out=out_scale)
     else:
