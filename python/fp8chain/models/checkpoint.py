@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import OrderedDict
 from pathlib import Path
 from typing import Iterator, NamedTuple

@@ -29,20 +29,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fp8chain_kernel import einsum as einsum_kernels
 from fp8chain_kernel.formats import QuantizedActivation
 
 from ..layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from ..layers.mhc import HyperConnection, MHCStats, expand_streams, mhc_boundary
+from ..layers.mhc import HyperConnection, expand_streams, mhc_boundary
 from ..layers.moe import RoutedExpertsReference, SharedExpert, TopKRouter
 from ..layers.norm import RMSNorm, split_producer_result
 from ..layers.quantization.fp8 import Fp8Config
