@@ -47,7 +47,8 @@ def _bench_parser(sub) -> None:
         parser = which.add_parser(name, help=f"benchmark/{name}.py", description=f"benchmark/{name}.py")
         if path.exists():
             _load_benchmark(name).add_arguments(parser)
-        parser.add_argument("--results-dir", default=None, help="where JSON/PNG/markdown go (default benchmark/results)")
+        if "--results-dir" not in parser._option_string_actions:
+            parser.add_argument("--results-dir", default=None, help="where JSON/PNG/markdown go (default benchmark/results)")
     everything = which.add_parser("all", help="every benchmark in turn")
     everything.add_argument("--quick", action="store_true", help="the reduced sweep of each benchmark")
     everything.add_argument("--results-dir", default=None, help="where JSON/PNG/markdown go")
