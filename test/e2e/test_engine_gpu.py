@@ -40,17 +40,30 @@ def setup(tmp_path_factory):
     return dict(config=config, path=path, model=model, prompts=prompts, engine=engine, runs=runs)
 
 
-def test_tokens_and_logits_identical_chain_on_off_with_graphs(setup):
+def test_tokens_identical_chain_on_off_with_graphs(setup):
     on, off = setup["runs"][True], setup["runs"][False]
     assert on.graphs and off.graphs and on.chain and not off.chain
-    assert on.tokens == off.tokens
     assert all(len(t) == NEW_TOKENS for t in on.tokens)
     assert len({tok for seq in on.tokens for tok in seq}) > NEW_TOKENS  # not degenerate
-    for step, (a, b) in enumerate(zip(on.logits, off.logits)):
+    for i, (a, b) in enumerate(zip(on.tokens, off.tokens)):
+        first = next((s for s, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        assert first is None, f"prompt {i}: tokens differ from step {first}: {a[first:]} vs {b[first:]}"
+    assert setup["engine"]._runners[True].replays >= NEW_TOKENS - 1
+    assert setup["engine"]._runners[False].replays >= NEW_TOKENS - 1
+
+
+def test_logits_bitwise_identical_chain_on_off_with_graphs(setup):
+    """Bit-identical logits need every producer's bf16-only launch (chain off) to write the same
+    bf16 bits as its FP8-writing launch (chain on); a difference here names the first step."""
+    on, off = setup["runs"][True], setup["runs"][False]
+    differing = [s for s, (a, b) in enumerate(zip(on.logits, off.logits)) if not torch.equal(a, b)]
+    for step, a in enumerate(on.logits):
         assert torch.isfinite(a).all(), step
-        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item()}"
-    runner = setup["engine"]._runners[True]
-    assert runner.replays >= NEW_TOKENS - 1
+    if differing:
+        s = differing[0]
+        diff = (on.logits[s] - off.logits[s]).abs().max().item()
+        pytest.fail(f"logits differ at {len(differing)} of {len(on.logits)} steps, first at step {s} "
+                    f"(max abs diff {diff:.3g})")
 
 
 def assert_runs_agree(got, want, steps: int, rel: float = 1e-2, sure: int = 4):
