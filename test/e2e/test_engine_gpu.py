@@ -169,3 +169,48 @@ def test_logits_close_to_fp32_reference_same_routing(setup):
           f"{errors.median().item():.4f}, max {errors.max().item():.4f}")
     assert torch.isfinite(errors).all()
     assert errors.max().item() <= 0.08
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_producers_write_the_same_bf16_with_and_without_a_pair(setup, rows):
+    """The condition for bit-identical arms, per producer at the model's shapes: the bf16 output
+    of the chain-off launch (no pair) equals the bf16 output of the chain-on launch."""
+    from fp8chain_kernel import act, einsum, mhc, norm
+
+    model, c = setup["model"], setup["config"]
+    layer = model.layers[0]
+    fmt = layer.attn.wqkv_a.input_format
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").bfloat16()
+
+    h = c.hidden_size
+    residual = randn(rows, c.hc_mult, h)
+    pre, post, comb = layer.hc_attn.stats(residual)
+    cases = {
+        "rms_norm": lambda f: norm.rms_norm(randn_fixed["x"], layer.attn_norm.weight, c.rms_norm_eps,
+                                            out_format=f),
+        "q_norm": lambda f: norm.rms_norm(randn_fixed["q"], layer.attn.q_norm.weight, c.rms_norm_eps,
+                                          out_format=f),
+        "silu_mul": lambda f: act.silu_mul(randn_fixed["gu"], limit=c.swiglu_limit, out_format=f),
+        "wo_a_einsum": lambda f: einsum.wo_a_einsum(randn_fixed["o"], layer.attn.wo_a, out_format=f),
+        "mhc_mega_boundary": lambda f: mhc.mhc_mega_boundary(
+            randn_fixed["y"], residual, pre, post, comb, layer.ffn_norm.weight, c.rms_norm_eps,
+            out_format=f)[:2],
+    }
+    randn_fixed = {"x": randn(rows, h), "q": randn(rows, c.q_lora_rank),
+                   "gu": randn(rows, 2 * c.moe_intermediate_size),
+                   "o": randn(rows, c.o_groups, c.o_group_dim), "y": randn(rows, h)}
+    bad = []
+    for name, run in cases.items():
+        with_pair = run(fmt)
+        without = run(None)
+        if name == "mhc_mega_boundary":
+            (r1, x1), (r2, x2) = with_pair, without
+            same = torch.equal(r1, r2) and torch.equal(x1, x2)
+        else:
+            same = torch.equal(with_pair[0], without)
+        if not same:
+            bad.append(name)
+    assert not bad, f"bf16 output differs with/without the FP8 pair ({rows} rows): {bad}"
