@@ -150,6 +150,15 @@ def test_model_reads_the_checkpoint_back(written, tiny):
         assert linear.input_format is not None, name  # every request honoured
 
 
+def test_from_pretrained(written, tiny):
+    from fp8chain.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    model = DeepseekV41ForCausalLM.from_pretrained(written, chain=False)
+    _, t = load_state_dict(written)
+    assert model.config == tiny and not model.chain and not model.layers[0].attn.chain
+    assert torch.equal(model.layers[0].attn.attn_sink, t["layers.0.attn.attn_sink"])
+
+
 def test_reload_keeps_storage_and_rejects_bad_names(written, tiny):
     from fp8chain.models.deepseek_v41 import DeepseekV41ForCausalLM
 

@@ -483,6 +483,17 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.set_chain(chain)
         self.quantize_counter = QuantizeCounter(self)
 
+    @classmethod
+    def from_pretrained(cls, path, *, device=None, chain: bool = True) -> "DeepseekV41ForCausalLM":
+        """Config + weights from a checkpoint directory (``models.checkpoint`` format)."""
+        from .checkpoint import load_checkpoint
+
+        config, tensors = load_checkpoint(path)
+        model = cls(config, chain=chain, device=device)
+        model.load_weights((name, t.to(device)) if device is not None else (name, t)
+                           for name, t in tensors)
+        return model
+
     # ---- chain switch ----------------------------------------------------------------
 
     def set_chain(self, on: bool) -> None:

@@ -79,7 +79,7 @@ def run_demo(args) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
-    from fp8chain.models.checkpoint import load_checkpoint, write_random_checkpoint
+    from fp8chain.models.checkpoint import write_random_checkpoint
     from fp8chain.models.deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
     from fp8chain.runtime.engine import Engine
 
@@ -101,9 +101,8 @@ def run_demo(args) -> int:
     try:
         t0 = time.perf_counter()
         write_random_checkpoint(ckpt_dir, config, seed=seed)
-        config, tensors = load_checkpoint(ckpt_dir)
-        model = DeepseekV41ForCausalLM(config, device=device)
-        model.load_weights((name, t.to(device)) for name, t in tensors)
+        model = DeepseekV41ForCausalLM.from_pretrained(ckpt_dir, device=device)
+        config = model.config
         t_load = time.perf_counter() - t0
         prompts = _prompts(n_prompts, config.vocab_size, seed)
         longest = max(len(p) for p in prompts)
@@ -151,6 +150,8 @@ def run_demo(args) -> int:
         print(f"quantize launches saved per decode step: {saved:g} "
               f"({results[False]['quantize_per_step']:g} -> {results[True]['quantize_per_step']:g}; "
               f"{results[True]['how']})")
+        if device == "cpu":
+            print("(CPU timings are the Triton interpreter's, not performance; run on a GPU for that)")
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             summary = dict(device=device, layers=layers, seed=seed, prompts=prompts,
