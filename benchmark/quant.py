@@ -75,10 +75,4 @@ def report(meta: dict, records: list[dict], results_dir=None) -> str:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    parser.add_argument("--results-dir", default=None, help="where JSON/PNG go (default benchmark/results)")
-    cli_args = parser.parse_args()
-    meta_, records_ = run(cli_args)
-    print(f"device {meta_['device']}, copy {meta_['copy_bandwidth_TBps']:.2f} TB/s, commit {meta_['commit']}")
-    print(report(meta_, records_, cli_args.results_dir))
+    harness.benchmark_main(__doc__, add_arguments, run, report)

@@ -38,6 +38,8 @@ def _load_benchmark(name: str):
 
 
 def _bench_parser(sub) -> None:
+    from fp8chain.bench import harness
+
     bench = sub.add_parser("bench", help="run benchmarks on the GPU found (JSON + PNG + markdown)",
                            description="Per-op and per-layer benchmarks: CUDA-graph replay, median "
                                        "of many, both arms in one process.")
@@ -47,8 +49,7 @@ def _bench_parser(sub) -> None:
         parser = which.add_parser(name, help=f"benchmark/{name}.py", description=f"benchmark/{name}.py")
         if path.exists():
             _load_benchmark(name).add_arguments(parser)
-        if "--results-dir" not in parser._option_string_actions:
-            parser.add_argument("--results-dir", default=None, help="where JSON/PNG/markdown go (default benchmark/results)")
+        harness.add_results_dir(parser)
     everything = which.add_parser("all", help="every benchmark in turn")
     everything.add_argument("--quick", action="store_true", help="the reduced sweep of each benchmark")
     everything.add_argument("--results-dir", default=None, help="where JSON/PNG/markdown go")

@@ -8,6 +8,7 @@ device's copy bandwidth in the same run for the bytes floor, and writes JSON + P
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import statistics
@@ -179,3 +180,21 @@ def progress(iterable, desc: str, total: int | None = None):
     from tqdm import tqdm
 
     return tqdm(iterable, desc=desc, total=total, dynamic_ncols=True, leave=False)
+
+
+def add_results_dir(parser: argparse.ArgumentParser) -> None:
+    """``--results-dir`` unless the benchmark declares it itself."""
+    if "--results-dir" not in parser._option_string_actions:
+        parser.add_argument("--results-dir", default=None,
+                            help="where JSON/PNG/markdown go (default benchmark/results)")
+
+
+def benchmark_main(doc: str, add_arguments, run, report, argv=None) -> None:
+    """``python benchmark/<name>.py``: parse, run, print the device line and the report."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    add_results_dir(parser)
+    args = parser.parse_args(argv)
+    meta, records = run(args)
+    print(f"device {meta['device']}, copy {meta['copy_bandwidth_TBps']:.2f} TB/s, commit {meta['commit']}")
+    print(report(meta, records, args.results_dir))
