@@ -29,7 +29,7 @@ from fp8chain.bench import harness  # noqa: E402
 from fp8chain.layers.mhc import mhc_boundary  # noqa: E402
 from fp8chain.layers.quantization.fp8 import Fp8Config  # noqa: E402
 from fp8chain.models.deepseek_v41 import (  # noqa: E402
-    DeepseekV41Config, DeepseekV41DecoderLayer, _chain_format, apply_rope, attention_core, rope_cos_sin,
+    DeepseekV41Config, DeepseekV41DecoderLayer, _chain_format,
 )
 from fp8chain_kernel import quant, reference  # noqa: E402
 from fp8chain_kernel.formats import FP8_DTYPE, FP8_MAX, align4  # noqa: E402
@@ -172,25 +172,14 @@ class CompiledPeer:
     def _step(self, residual, x, positions, slots, kv_cache):
         layer, c = self.layer, self.c
         attn = layer.attn
-        t, nh, d, rd = x.shape[0], attn.num_heads, attn.head_dim, attn.rope_dim
+        t = x.shape[0]
         stats = reference.mhc_stats(residual, layer.hc_attn.fn, layer.hc_attn.scale, layer.hc_attn.base,
                                     rms_eps=c.rms_norm_eps, hc_eps=c.hc_eps, sinkhorn_iters=c.hc_sinkhorn_iters)
         qkv = self._linear("wqkv_a", x)
         q_lora, kv = qkv[:, :attn.q_lora_rank], qkv[:, attn.q_lora_rank:]
         q = self._linear("wq_b", reference.rms_norm(q_lora, attn.q_norm.weight, c.rms_norm_eps))
         kv = reference.rms_norm(kv.contiguous(), attn.kv_norm.weight, c.rms_norm_eps)
-        cos, sin = rope_cos_sin(positions, rd, attn.rope_theta)
-        q = q.float().view(t, nh, d)
-        q = q * torch.rsqrt(q.pow(2).mean(dim=-1, keepdim=True) + attn.eps)
-        q = torch.cat([q[..., :d - rd], apply_rope(q[..., d - rd:], cos, sin)], dim=-1)
-        kv = kv.float()
-        kv = torch.cat([kv[:, :d - rd], apply_rope(kv[:, d - rd:], cos, sin)], dim=-1)
-        kv_cache[slots, positions] = kv.to(kv_cache.dtype)
-        keys = kv_cache[slots].float()
-        valid = torch.arange(keys.shape[1], device=x.device)[None, :] <= positions[:, None]
-        o = attention_core(q, keys, valid, attn.attn_sink, attn.softmax_scale)
-        o = torch.cat([o[..., :d - rd], apply_rope(o[..., d - rd:], cos, sin, inverse=True)], dim=-1)
-        o = o.to(torch.bfloat16).view(t, attn.o_groups, -1)
+        o = attn.attend(q, kv, positions, slots, kv_cache)
         o = torch.einsum("tgd,grd->tgr", o, attn.wo_a).reshape(t, -1)
         y = self._linear("wo_b", o)
         pre, post, comb = stats

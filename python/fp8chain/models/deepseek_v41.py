@@ -331,24 +331,15 @@ class MQALayer(nn.Module):
         self.wo_b.deepgemm_mxfp8_input = True
         self.last_x = self.last_q_lora = None
 
-    def forward(self, x: torch.Tensor, x_pair: QuantizedActivation | None, positions: torch.Tensor,
-                slots: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]`` bf16 (+ its pair when chained) -> ``y [T, H]`` bf16.
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               kv_cache: torch.Tensor) -> torch.Tensor:
+        """The attention core between ``wq_b`` and ``wo_a``: ``q [T, nh*d]`` (wq_b's output) and
+        the normed latent ``kv [T, d]`` -> ``o [T, G, nh/G*d]`` bf16, after the inverse RoPE.
 
-        ``kv_cache [S, L, head_dim]`` bf16; token ``t`` writes its roped latent at
-        ``kv_cache[slots[t], positions[t]]`` and attends to positions ``<= positions[t]`` of
-        its slot.
+        Writes the roped latent into ``kv_cache`` (plain torch ops, the same in every arm).
         """
-        t = x.shape[0]
+        t = q.shape[0]
         nh, d, rd = self.num_heads, self.head_dim, self.rope_dim
-        qkv = self.wqkv_a(x_pair if (self.chain and x_pair is not None) else x)
-        q_lora, kv = qkv[:, :self.q_lora_rank], qkv[:, self.q_lora_rank:]
-        q_lora, q_pair = self.q_norm(q_lora, _chain_format(self.wq_b, self.chain))
-        if self.keep_indexer_inputs:  # what DSv4.1's indexer reads (not modelled here)
-            self.last_x, self.last_q_lora = x, q_lora
-        q = self.wq_b(q_pair if q_pair is not None else q_lora)
-        kv, _ = self.kv_norm(kv)
-
         cos, sin = rope_cos_sin(positions, rd, self.rope_theta)
         q = q.float().view(t, nh, d)
         q = q * torch.rsqrt(q.pow(2).mean(dim=-1, keepdim=True) + self.eps)
@@ -357,10 +348,27 @@ class MQALayer(nn.Module):
         kv = torch.cat([kv[:, :d - rd], apply_rope(kv[:, d - rd:], cos, sin)], dim=-1)
         kv_cache[slots, positions] = kv.to(kv_cache.dtype)
         keys = kv_cache[slots].float()
-        valid = torch.arange(keys.shape[1], device=x.device)[None, :] <= positions[:, None]
+        valid = torch.arange(keys.shape[1], device=q.device)[None, :] <= positions[:, None]
         o = attention_core(q, keys, valid, self.attn_sink, self.softmax_scale)
         o = torch.cat([o[..., :d - rd], apply_rope(o[..., d - rd:], cos, sin, inverse=True)], dim=-1)
-        o = o.to(torch.bfloat16).view(t, self.o_groups, nh // self.o_groups * d)
+        return o.to(torch.bfloat16).view(t, self.o_groups, nh // self.o_groups * d)
+
+    def forward(self, x: torch.Tensor, x_pair: QuantizedActivation | None, positions: torch.Tensor,
+                slots: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` bf16 (+ its pair when chained) -> ``y [T, H]`` bf16.
+
+        ``kv_cache [S, L, head_dim]`` bf16; token ``t`` writes its roped latent at
+        ``kv_cache[slots[t], positions[t]]`` and attends to positions ``<= positions[t]`` of
+        its slot.
+        """
+        qkv = self.wqkv_a(x_pair if (self.chain and x_pair is not None) else x)
+        q_lora, kv = qkv[:, :self.q_lora_rank], qkv[:, self.q_lora_rank:]
+        q_lora, q_pair = self.q_norm(q_lora, _chain_format(self.wq_b, self.chain))
+        if self.keep_indexer_inputs:  # what DSv4.1's indexer reads (not modelled here)
+            self.last_x, self.last_q_lora = x, q_lora
+        q = self.wq_b(q_pair if q_pair is not None else q_lora)
+        kv, _ = self.kv_norm(kv)
+        o = self.attend(q, kv, positions, slots, kv_cache)
 
         fmt = _chain_format(self.wo_b, self.chain)
         o_flat, o_pair = split_producer_result(
