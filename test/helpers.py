@@ -46,3 +46,19 @@ def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor, ulps: float = 1.0) -
     err = (out.float() - ref).abs() / ulp
     worst = err.max().item()
     assert worst <= ulps, f"max error {worst:.2f} bf16 ulps > {ulps}"
+
+
+def assert_other_rows_unchanged(y, pair, clean_y, clean_pair, changed_row: int) -> None:
+    """Rows other than ``changed_row`` equal the clean run's, bf16 output and fp8 bytes."""
+    keep = [i for i in range(y.shape[0]) if i != changed_row]
+    assert torch.equal(y[keep], clean_y[keep])
+    assert torch.equal(pair.data[keep].view(torch.uint8), clean_pair.data[keep].view(torch.uint8))
+
+
+def assert_captured_rest_untouched(big: QuantizedActivation, big_y: torch.Tensor, rows: int, cols: int) -> None:
+    """A producer that wrote ``rows x cols`` into poisoned buffers captured for more rows/columns
+    (``poisoned_pair`` and a NaN-filled bf16 buffer) left everything else as it was."""
+    assert (big.data[rows:].view(torch.uint8) == 0x7F).all()
+    captured = big.scale.shape[0]
+    assert (big.scale.as_strided((big.scale.shape[1], captured), (captured, 1))[:, rows:] == -1).all()
+    assert torch.isnan(big_y[rows:]).all() and torch.isnan(big_y[:rows, cols:]).all()
