@@ -65,6 +65,28 @@ def check_producers(device, quick) -> str:
     return f"rms_norm, silu_mul: T in {rows_list} x {len(ActFormat)} formats bitwise"
 
 
+def check_wo_a_and_mhc(device, quick) -> str:
+    from fp8chain_kernel import einsum, mhc
+
+    groups, rank, width, hidden = (8, 1024, 4096, 5120) if device.type == "cuda" else (2, 128, 128, 256)
+    rows_list = [1, 3, 64] if device.type == "cuda" else [1, 3]
+    wo_a = (torch.randn(groups, rank, width, device=device) * width ** -0.5).bfloat16()
+    norm_weight = (torch.rand(hidden, device=device) + 0.5).bfloat16()
+    for fmt in ActFormat:
+        for rows in rows_list[:1] if quick else rows_list:
+            o = torch.randn(rows, groups, width, device=device).bfloat16()
+            y, pair = einsum.wo_a_einsum(o, wo_a, out_format=fmt)
+            _require(_pairs_equal(pair, ref.quantize(y, fmt)), f"wo_a_einsum {fmt.value} T={rows}")
+            residual = _random_rows(rows, 4 * hidden, device).view(rows, 4, hidden)
+            pre = torch.rand(rows, 4, device=device)
+            post = 2 * torch.rand(rows, 4, device=device)
+            comb = torch.rand(rows, 4, 4, device=device)
+            _, x, pair = mhc.mhc_mega_boundary(_random_rows(rows, hidden, device), residual, pre, post,
+                                               comb, norm_weight, 1e-6, out_format=fmt)
+            _require(_pairs_equal(pair, ref.quantize(x, fmt)), f"mhc_mega_boundary {fmt.value} T={rows}")
+    return f"wo_a_einsum G={groups}, mhc_mega_boundary H={hidden}: {len(ActFormat)} formats bitwise"
+
+
 def check_gemm(device, quick) -> str:
     from fp8chain_kernel import gemm, quant
     from fp8chain_kernel.formats import FP8_DTYPE
@@ -89,6 +111,7 @@ def check_gemm(device, quick) -> str:
 CHECKS: dict[str, Check] = {
     "quantize": check_quantize,
     "producers": check_producers,
+    "wo_a + mhc": check_wo_a_and_mhc,
     "gemm": check_gemm,
 }
 

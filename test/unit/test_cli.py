@@ -1,0 +1,41 @@
+"""The `fp8chain` command: help texts, verify on the CPU, clear refusals without a GPU."""
+
+import pytest
+import torch
+
+from fp8chain import cli, verify
+
+pytestmark = pytest.mark.cpu
+
+
+def test_help_of_every_command(capsys):
+    for argv in (["--help"], ["bench", "--help"], ["verify", "--help"], ["demo", "--help"]) + tuple(
+            ["bench", name, "--help"] for name in cli.BENCHMARKS):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        assert exit_info.value.code == 0
+        assert "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_bench_refuses_without_gpu(capsys):
+    assert cli.main(["bench", "quant", "--quick"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_verify_passes_and_reports_a_broken_kernel(monkeypatch, capsys):
+    assert verify.run_checks(quick=True)
+
+    def broken(device, quick):
+        raise AssertionError("fmt x T=1")
+
+    monkeypatch.setitem(verify.CHECKS, "quantize", broken)
+    assert not verify.run_checks(quick=True)
+    assert "[FAIL] quantize" in capsys.readouterr().out
+
+
+def test_info_lists_backends(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    for name in ("triton", "torch_blockwise", "deep_gemm"):
+        assert name in out
