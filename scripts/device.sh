@@ -6,6 +6,11 @@
 # Writes under OUTDIR: gpu-tests.xml (junit), gpu-tests.log, bench.log, results.tar.gz
 # (benchmark/results JSON + PNG). Installs nothing: it runs from the source tree with the
 # machine's python3 (torch, triton, numpy, safetensors, pytest, rich, tqdm, matplotlib).
+#
+# On an H200 the whole gpu suite takes ~12 minutes (Triton compilation dominates) and the full
+# benchmark sweeps longer; where one call is limited to 10 minutes, split it, e.g.
+#   scripts/device.sh $OUT tests -- test/kernels/test_quant.py test/kernels/test_norm.py ...
+#   scripts/device.sh $OUT bench --quick
 set -uo pipefail
 out=${1:?usage: scripts/device.sh OUTDIR [all|tests|bench] [--quick] [-- PYTEST_ARGS...]}
 shift
@@ -22,7 +27,7 @@ export PYTHONUNBUFFERED=1
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$out/device.txt"
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  python3 -m pytest -q -m gpu --junitxml="$out/gpu-tests.xml" -p no:cacheprovider "${@:-test}" \
+  python3 -m pytest -q -m gpu --durations=30 --junitxml="$out/gpu-tests.xml" -p no:cacheprovider "${@:-test}" \
     2>&1 | tee "$out/gpu-tests.log" | tail -n 40
   status=${PIPESTATUS[0]}
 fi
