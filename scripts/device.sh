@@ -11,6 +11,7 @@
 # benchmark sweeps longer; where one call is limited to 10 minutes, split it, e.g.
 #   scripts/device.sh $OUT tests -- test/kernels/test_quant.py test/kernels/test_norm.py ...
 #   scripts/device.sh $OUT bench --quick
+# The tree usually travels without .git: pass FP8CHAIN_COMMIT=<hash> so results name their commit.
 set -uo pipefail
 out=${1:?usage: scripts/device.sh OUTDIR [all|tests|bench] [--quick] [-- PYTEST_ARGS...]}
 shift

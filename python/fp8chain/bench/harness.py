@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import statistics
 import subprocess
 from collections import Counter
@@ -90,6 +91,10 @@ def quantize_launches(launches: dict[str, int]) -> int:
 
 
 def _git_commit() -> str:
+    """HEAD of the checkout, or ``FP8CHAIN_COMMIT`` where the tree travelled without ``.git``
+    (e.g. ``FP8CHAIN_COMMIT=$(git rev-parse --short HEAD)`` in the remote command)."""
+    if os.environ.get("FP8CHAIN_COMMIT"):
+        return os.environ["FP8CHAIN_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent, check=True).stdout.strip()
