@@ -37,6 +37,8 @@ import torch
 from torch import nn
 
 from fp8chain_kernel import einsum as einsum_kernels
+from fp8chain_kernel.attention import mqa_attention
+from fp8chain_kernel.reference import attention_with_sinks
 from fp8chain_kernel.formats import QuantizedActivation
 
 from ..layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -47,7 +49,7 @@ from ..layers.quantization.fp8 import Fp8Config
 
 __all__ = [
     "DeepseekV41Config", "MQALayer", "DeepseekV41MoE", "DeepseekV41DecoderLayer",
-    "DeepseekV41ForCausalLM", "rope_cos_sin", "apply_rope", "attention_core",
+    "DeepseekV41ForCausalLM", "rope_cos_sin", "apply_rope",
 ]
 
 DEFAULT_QUANT_CONFIG = {
@@ -254,22 +256,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
 
 
-def attention_core(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """MQA over one latent head with per-head attention sinks, fp32.
-
-    ``q [T, nh, D]``, ``keys [T, L, D]`` (keys = values), ``valid [T, L]`` bool, ``sink [nh]``
-    -> ``o [T, nh, D]``: ``softmax([q.k * scale, sink]) @ [keys, 0]``.
-    """
-    scores = torch.einsum("thd,tld->thl", q, keys) * scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    sink = sink.float().view(1, -1, 1)
-    peak = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
-    probs = torch.exp(scores - peak)
-    denom = probs.sum(dim=-1, keepdim=True) + torch.exp(sink - peak)
-    return torch.einsum("thl,tld->thd", probs, keys) / denom
-
-
 def _chain_format(linear, chain: bool):
     """The format a producer should write for ``linear``: its ``input_format`` when the chain
     is on and the linear accepted a pre-quantized input, else ``None`` (bf16 only)."""
@@ -332,11 +318,12 @@ class MQALayer(nn.Module):
         self.last_x = self.last_q_lora = None
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               kv_cache: torch.Tensor) -> torch.Tensor:
+               kv_cache: torch.Tensor, core=mqa_attention) -> torch.Tensor:
         """The attention core between ``wq_b`` and ``wo_a``: ``q [T, nh*d]`` (wq_b's output) and
         the normed latent ``kv [T, d]`` -> ``o [T, G, nh/G*d]`` bf16, after the inverse RoPE.
 
-        Writes the roped latent into ``kv_cache`` (plain torch ops, the same in every arm).
+        Writes the roped latent into ``kv_cache`` and attends with ``core`` (the split-key
+        Triton kernel; ``reference.mqa_attention`` for a plain-torch arm), the same in every arm.
         """
         t = q.shape[0]
         nh, d, rd = self.num_heads, self.head_dim, self.rope_dim
@@ -347,9 +334,7 @@ class MQALayer(nn.Module):
         kv = kv.float()
         kv = torch.cat([kv[:, :d - rd], apply_rope(kv[:, d - rd:], cos, sin)], dim=-1)
         kv_cache[slots, positions] = kv.to(kv_cache.dtype)
-        keys = kv_cache[slots].float()
-        valid = torch.arange(keys.shape[1], device=q.device)[None, :] <= positions[:, None]
-        o = attention_core(q, keys, valid, self.attn_sink, self.softmax_scale)
+        o = core(q.contiguous(), kv_cache, slots, positions, self.attn_sink, self.softmax_scale)
         o = torch.cat([o[..., :d - rd], apply_rope(o[..., d - rd:], cos, sin, inverse=True)], dim=-1)
         return o.to(torch.bfloat16).view(t, self.o_groups, nh // self.o_groups * d)
 
@@ -741,7 +726,7 @@ class DeepseekV41Reference:
         kv = torch.cat([kv[:, :d - rd], apply_rope(kv[:, d - rd:], cos, sin)], -1)
         keys = kv.unsqueeze(0).expand(t, t, d)
         valid = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        o = attention_core(q, keys, valid, w[f"{pfx}.attn_sink"], d ** -0.5)
+        o = attention_with_sinks(q, keys, valid, w[f"{pfx}.attn_sink"], d ** -0.5)
         o = torch.cat([o[..., :d - rd], apply_rope(o[..., d - rd:], cos, sin, inverse=True)], -1)
         o = o.reshape(t, c.o_groups, -1)
         wo_a = w[f"{pfx}.wo_a.weight"].view(c.o_groups, c.o_lora_rank, -1)

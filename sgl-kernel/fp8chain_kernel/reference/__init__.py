@@ -10,3 +10,4 @@ from .act import *  # noqa: F401,F403
 from .einsum import *  # noqa: F401,F403
 from .mhc import *  # noqa: F401,F403
 from .gemm import *  # noqa: F401,F403
+from .attention import *  # noqa: F401,F403
