@@ -25,6 +25,7 @@ __all__ = ["mqa_attention"]
 _BLOCK_H = 16  # heads per program (tl.dot needs >= 16 rows; fewer heads are masked)
 _BLOCK_L = 16  # keys per step
 _TARGET_PROGRAMS = 264  # ~2 waves on 132 SMs
+_MIN_STEPS_PER_SPLIT = 4  # a split reads >= 64 keys: fewer, larger fp32 partials to merge
 
 
 @triton.jit
@@ -96,8 +97,10 @@ def _mqa_merge_kernel(part_o_ptr, part_ml_ptr, sink_ptr, o_ptr, NH, D, stride_ot
 
 
 def _splits(tokens: int, head_blocks: int, key_steps: int) -> int:
-    """Key splits per (token, head block): enough programs for ~2 waves, at most one per step."""
-    return max(1, min(key_steps, triton.cdiv(_TARGET_PROGRAMS, max(1, tokens * head_blocks))))
+    """Key splits per (token, head block): enough programs for ~2 waves, each split at least
+    ``_MIN_STEPS_PER_SPLIT`` steps of keys (partials cost a write and a read each)."""
+    most = max(1, key_steps // _MIN_STEPS_PER_SPLIT)
+    return max(1, min(most, triton.cdiv(_TARGET_PROGRAMS, max(1, tokens * head_blocks))))
 
 
 def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+import triton
 
 from fp8chain_kernel import reference as ref
-from fp8chain_kernel.attention import mqa_attention
+from fp8chain_kernel.attention import _splits, mqa_attention
 
 
 def _problem(tokens, heads, dim, length, slots_count, device, positions=None):
@@ -30,16 +31,24 @@ def _check(problem):
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("tokens,heads,dim,length", [(1, 2, 128, 16), (3, 17, 96, 40), (5, 16, 128, 50)])
+@pytest.mark.parametrize("tokens,heads,dim,length", [(1, 2, 128, 16), (3, 17, 96, 160), (5, 16, 128, 50)])
 def test_matches_reference_cpu(tokens, heads, dim, length):
     _check(_problem(tokens, heads, dim, length, 3, "cpu"))
+
+
+@pytest.mark.cpu
+def test_key_splits_are_merged():
+    """A shape whose keys are split over several programs (merge path, empty splits included)."""
+    assert _splits(1, 1, triton.cdiv(256, 16)) > 1
+    positions = torch.tensor([3, 255])  # the first token's later splits see no key at all
+    _check(_problem(2, 4, 128, 256, 2, "cpu", positions=positions))
 
 
 @pytest.mark.cpu
 def test_prefill_positions_and_first_token():
     """Causal prefill of one slot (positions 0..T-1, position 0 sees one key) and the sink."""
     tokens = 7
-    problem = list(_problem(tokens, 4, 128, 32, 1, "cpu", positions=torch.arange(tokens)))
+    problem = list(_problem(tokens, 4, 128, 128, 1, "cpu", positions=torch.arange(tokens)))
     _check(tuple(problem))
     problem[4] = torch.full((4,), 30.0)  # a sink that takes almost all the mass
     _check(tuple(problem))
