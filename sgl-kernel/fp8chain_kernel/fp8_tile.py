@@ -57,6 +57,23 @@ def cast_to_e4m3(x, EXACT_CAST: tl.constexpr):
 
 
 @triton.jit
+def round_bf16(x, EXACT_CAST: tl.constexpr):
+    """fp32 tile -> bf16 tile, round to nearest even (NaN kept, overflow to inf).
+
+    Compiled, the native conversion rounds to nearest even. The Triton CPU interpreter's native
+    conversion truncates, so there the rounding is done on the fp32 bits first (the truncating
+    cast of the already rounded value is then exact).
+    """
+    if EXACT_CAST:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        rounded = tl.where(x == x, rounded, bits | 0x400000)
+        return rounded.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
 def quantize_tile(y, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                   POW2: tl.constexpr, EXACT_CAST: tl.constexpr):
     """fp32 ``[BLOCK_M, BLOCK_K]`` (masked elements 0) -> (e4m3 tile, fp32 scale per group).

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation, cdiv
-from .fp8_tile import format_constexprs, interpreting, quantize_tile, store_scale_tile
+from .fp8_tile import format_constexprs, interpreting, quantize_tile, round_bf16, store_scale_tile
 from .quant import prepare_out
 
 __all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary"]
@@ -155,22 +155,6 @@ def _stats_finish_kernel(part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_pt
 
 
 @triton.jit
-def _round_bf16(x, EXACT_CAST: tl.constexpr):
-    """fp32 -> the nearest bf16 value (ties to even, NaN kept), returned as fp32.
-
-    Under the CPU interpreter the native fp32 -> bf16 cast truncates, so the rounding is done
-    with integer bit operations there (the result then converts to bf16 exactly)."""
-    if EXACT_CAST:
-        bits = x.to(tl.int32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        quiet_nan = (bits | 0x400000) & -65536
-        rounded = tl.where(x == x, rounded, quiet_nan)
-        return rounded.to(tl.float32, bitcast=True)
-    else:
-        return x.to(tl.bfloat16).to(tl.float32)
-
-
-@triton.jit
 def _load_col(ptr, rows, m_ok, stride_t, offset):
     """One fp32 mix value per row, as a [BM, 1] column."""
     return tl.load(ptr + rows * stride_t + offset, mask=m_ok, other=0.0).to(tl.float32)[:, None]
@@ -184,7 +168,7 @@ def _post_stream(y, r0, r1, r2, r3, q, c0, c1, c2, c3, EXACT_CAST: tl.constexpr)
     acc = acc + c1 * r1
     acc = acc + c2 * r2
     acc = acc + c3 * r3
-    return _round_bf16(acc, EXACT_CAST)
+    return round_bf16(acc, EXACT_CAST).to(tl.float32)
 
 
 @triton.jit
@@ -219,7 +203,7 @@ def _combine(n0, n1, n2, n3, p0, p1, p2, p3, EXACT_CAST: tl.constexpr):
     v = v + p1 * n1
     v = v + p2 * n2
     v = v + p3 * n3
-    return _round_bf16(v, EXACT_CAST)
+    return round_bf16(v, EXACT_CAST).to(tl.float32)
 
 
 @triton.jit
@@ -327,7 +311,7 @@ def _boundary_kernel(
         if DO_NORM:
             v = _combine(n0, n1, n2, n3, p0, p1, p2, p3, EXACT_CAST)
             w = tl.load(w_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)[None, :]
-            x = _round_bf16((v * rs) * w, EXACT_CAST)
+            x = round_bf16((v * rs) * w, EXACT_CAST).to(tl.float32)
             if STORE_X:
                 tl.store(x_ptr + rows[:, None] * stride_xt + offs_h[None, :], x.to(tl.bfloat16),
                          mask=mask)

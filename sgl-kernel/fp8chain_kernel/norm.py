@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation
-from .fp8_tile import format_constexprs, interpreting, quantize_tile, store_scale_tile
+from .fp8_tile import format_constexprs, interpreting, quantize_tile, round_bf16, store_scale_tile
 from .quant import prepare_out
 
 __all__ = ["rms_norm"]
@@ -121,23 +121,6 @@ def launch_args(fmt, pair, y, dummy: torch.Tensor) -> dict:
 # ----------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------
-
-@triton.jit
-def round_bf16(x, EXACT_CAST: tl.constexpr):
-    """fp32 tile -> bf16 tile, round to nearest even (NaN kept, overflow to inf).
-
-    Compiled, the native conversion rounds to nearest even. The Triton CPU interpreter's native
-    conversion truncates, so there the rounding is done on the fp32 bits first (the truncating
-    cast of the already rounded value is then exact).
-    """
-    if EXACT_CAST:
-        bits = x.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        rounded = tl.where(x == x, rounded, bits | 0x400000)
-        return rounded.to(tl.float32, bitcast=True).to(tl.bfloat16)
-    else:
-        return x.to(tl.bfloat16)
-
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, H, eps,
