@@ -30,8 +30,7 @@ import triton
 import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation
-from .fp8_tile import quantize_tile, store_scale_tile
-from .fp8_tile import round_bf16
+from .fp8_tile import quantize_tile, round_bf16, store_scale_tile
 from .norm import check_tensor, launch_args, producer_result, resolve_outputs
 
 __all__ = ["wo_a_einsum"]
