@@ -1,16 +1,21 @@
-"""Multi-query attention over a slotted KV cache, split over the key length (flash-decoding).
+"""DSv4.1 attention between ``wq_b`` and ``wo_a``: RoPE, MQA over a slotted KV cache, inverse RoPE.
 
-``mqa_attention(q, kv_cache, slots, positions, sink, scale, *, out=None) -> o``
+``rope_qkv(q, kv, cos_table, sin_table, kv_cache, slots, positions, eps) -> q_roped``
+    ``q`` bf16 ``[T, nh*D]`` (wq_b's output) -> fp32 ``[T, nh, D]``, each head RMS-normalized
+    (no weight) and RoPE'd on its last ``rd`` dims; ``kv`` bf16 ``[T, D]`` is RoPE'd the same way
+    and written to ``kv_cache[slots[t], positions[t]]``. One launch.
 
-* ``q``: fp32 ``[T, nh, D]`` (normed and roped queries), unit last stride;
-* ``kv_cache``: bf16 ``[S, L, D]`` contiguous: one latent head, keys = values;
-* ``slots``, ``positions``: int ``[T]``: token ``t`` attends to ``kv_cache[slots[t], 0..positions[t]]``;
-* ``sink``: fp32 ``[nh]`` per-head attention sinks (probability mass, no value);
-* ``o``: fp32 ``[T, nh, D]``.
+``mqa_attention(q, kv_cache, slots, positions, sink, scale, cos_table, sin_table, *, out=None) -> o``
+    ``q`` fp32 ``[T, nh, D]``, ``kv_cache`` bf16 ``[S, L, D]`` contiguous (one latent head, keys =
+    values), ``sink`` fp32 ``[nh]`` -> ``o`` bf16 ``[T, nh, D]``: token ``t`` attends to
+    ``kv_cache[slots[t], 0..positions[t]]`` with per-head sinks, then the last ``rd`` dims are
+    rotated back (inverse RoPE). Launch 1 spreads (token, head block, key split) over the GPU,
+    each program an online softmax over its share of the keys, fp32 throughout (IEEE dots);
+    launch 2 merges the splits and the sink and applies the inverse RoPE.
 
-Launch 1 spreads (token, head block, key split) over the GPU, each program an online softmax
-over its share of the keys, fp32 throughout (IEEE dots); launch 2 merges the splits and the sink.
-Equals ``reference.mqa_attention`` up to fp32 summation order. Decode and prefill alike: each
+RoPE acts on interleaved pairs ``(x[2i], x[2i+1])``; ``cos_table``/``sin_table`` are fp32
+``[L, rd/2]`` rows per position (``reference.rope_tables``). Both functions equal their
+``fp8chain_kernel.reference`` namesakes up to fp32 rounding order. Decode and prefill alike: each
 token reads only its own slot's keys up to its own position, straight from the cache.
 """
 
@@ -20,12 +25,65 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["mqa_attention"]
+from .fp8_tile import interpreting, round_bf16
+
+__all__ = ["rope_qkv", "mqa_attention"]
 
 _BLOCK_H = 16  # heads per program (tl.dot needs >= 16 rows; fewer heads are masked)
 _BLOCK_L = 16  # keys per step
 _TARGET_PROGRAMS = 264  # ~2 waves on 132 SMs
 _MIN_STEPS_PER_SPLIT = 4  # a split reads >= 64 keys: fewer, larger fp32 partials to merge
+
+
+@triton.jit
+def _rotate_pairs(even, odd, cos, sin, INVERSE: tl.constexpr):
+    """(x[2i], x[2i+1]) rotated by +angle (or -angle): returns the new (even, odd)."""
+    if INVERSE:
+        return even * cos + odd * sin, odd * cos - even * sin
+    else:
+        return even * cos - odd * sin, even * sin + odd * cos
+
+
+@triton.jit
+def _rope_qkv_kernel(q_ptr, kv_ptr, cos_ptr, sin_ptr, out_ptr, cache_ptr, slot_ptr, pos_ptr,
+                     NH, D, eps, stride_qt, stride_kvt, stride_ot, stride_oh, stride_cs, stride_cl,
+                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_HALF: tl.constexpr, EXACT_CAST: tl.constexpr):
+    # Programs (t, 0..heads/BLOCK_H-1) rope the query heads; program (t, last) the latent kv.
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_i = tl.arange(0, BLOCK_HALF)
+    i_ok = offs_i < HALF
+    cos = tl.load(cos_ptr + pos * HALF + offs_i, mask=i_ok, other=1.0)
+    sin = tl.load(sin_ptr + pos * HALF + offs_i, mask=i_ok, other=0.0)
+    nope = D - 2 * HALF
+    even_d = nope + 2 * offs_i
+    if hb < tl.num_programs(1) - 1:
+        offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = offs_h < NH
+        row = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * D
+        q = tl.load(row + offs_d[None, :], mask=h_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(q * q, axis=1) / D + eps)
+        pair_mask = h_ok[:, None] & i_ok[None, :]
+        even = tl.load(row + even_d[None, :], mask=pair_mask, other=0.0).to(tl.float32) * rstd[:, None]
+        odd = tl.load(row + even_d[None, :] + 1, mask=pair_mask, other=0.0).to(tl.float32) * rstd[:, None]
+        even, odd = _rotate_pairs(even, odd, cos[None, :], sin[None, :], False)
+        out = out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
+        tl.store(out + offs_d[None, :], q * rstd[:, None], mask=h_ok[:, None] & (offs_d[None, :] < nope))
+        tl.store(out + even_d[None, :], even, mask=pair_mask)
+        tl.store(out + even_d[None, :] + 1, odd, mask=pair_mask)
+    else:
+        src = kv_ptr + t.to(tl.int64) * stride_kvt
+        dst = cache_ptr + tl.load(slot_ptr + t).to(tl.int64) * stride_cs + pos * stride_cl
+        kv = tl.load(src + offs_d, mask=offs_d < nope, other=0.0)
+        tl.store(dst + offs_d, kv, mask=offs_d < nope)
+        even = tl.load(src + even_d, mask=i_ok, other=0.0).to(tl.float32)
+        odd = tl.load(src + even_d + 1, mask=i_ok, other=0.0).to(tl.float32)
+        even, odd = _rotate_pairs(even, odd, cos, sin, False)
+        tl.store(dst + even_d, round_bf16(even, EXACT_CAST), mask=i_ok)
+        tl.store(dst + even_d + 1, round_bf16(odd, EXACT_CAST), mask=i_ok)
 
 
 @triton.jit
@@ -71,29 +129,47 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
 
 
 @triton.jit
-def _mqa_merge_kernel(part_o_ptr, part_ml_ptr, sink_ptr, o_ptr, NH, D, stride_ot, stride_oh,
-                      SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _mqa_merge_kernel(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, pos_ptr, o_ptr, NH, D,
+                      stride_ot, stride_oh, SPLITS: tl.constexpr, HALF: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                      EXACT_CAST: tl.constexpr):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_i = tl.arange(0, BLOCK_HALF)
     h_ok = offs_h < NH
-    mask = h_ok[:, None] & (offs_d[None, :] < D)
-    peak = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
+    i_ok = offs_i < HALF
+    nope = D - 2 * HALF
+    even_d = nope + 2 * offs_i
+    nope_mask = h_ok[:, None] & (offs_d[None, :] < nope)
+    pair_mask = h_ok[:, None] & i_ok[None, :]
+    sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
+    peak = sink
     for split in range(SPLITS):
         base = (t * SPLITS + split).to(tl.int64) * NH
         peak = tl.maximum(peak, tl.load(part_ml_ptr + (base + offs_h) * 2, mask=h_ok, other=float("-inf")))
-    denom = tl.exp(tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0) - peak)
+    denom = tl.exp(sink - peak)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+    even = tl.zeros((BLOCK_H, BLOCK_HALF), tl.float32)
+    odd = tl.zeros((BLOCK_H, BLOCK_HALF), tl.float32)
     for split in range(SPLITS):
         base = (t * SPLITS + split).to(tl.int64) * NH
         m_s = tl.load(part_ml_ptr + (base + offs_h) * 2, mask=h_ok, other=float("-inf"))
         l_s = tl.load(part_ml_ptr + (base + offs_h) * 2 + 1, mask=h_ok, other=0.0)
-        weight = tl.exp(m_s - peak)  # 0 for a split that saw no key (m_s = -inf)
-        denom += l_s * weight
-        acc += tl.load(part_o_ptr + (base + offs_h[:, None]) * D + offs_d[None, :], mask=mask,
-                       other=0.0) * weight[:, None]
-    tl.store(o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-             acc / denom[:, None], mask=mask)
+        weight = tl.exp(m_s - peak)[:, None]  # 0 for a split that saw no key (m_s = -inf)
+        denom += l_s * tl.exp(m_s - peak)
+        part = part_o_ptr + (base + offs_h[:, None]) * D
+        acc += tl.load(part + offs_d[None, :], mask=nope_mask, other=0.0) * weight
+        even += tl.load(part + even_d[None, :], mask=pair_mask, other=0.0) * weight
+        odd += tl.load(part + even_d[None, :] + 1, mask=pair_mask, other=0.0) * weight
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * HALF + offs_i, mask=i_ok, other=1.0)[None, :]
+    sin = tl.load(sin_ptr + pos * HALF + offs_i, mask=i_ok, other=0.0)[None, :]
+    even, odd = _rotate_pairs(even / denom[:, None], odd / denom[:, None], cos, sin, True)
+    out = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
+    tl.store(out + offs_d[None, :], round_bf16(acc / denom[:, None], EXACT_CAST), mask=nope_mask)
+    tl.store(out + even_d[None, :], round_bf16(even, EXACT_CAST), mask=pair_mask)
+    tl.store(out + even_d[None, :] + 1, round_bf16(odd, EXACT_CAST), mask=pair_mask)
 
 
 def _splits(tokens: int, head_blocks: int, key_steps: int) -> int:
@@ -103,28 +179,79 @@ def _splits(tokens: int, head_blocks: int, key_steps: int) -> int:
     return max(1, min(most, triton.cdiv(_TARGET_PROGRAMS, max(1, tokens * head_blocks))))
 
 
+def _check_tables(cos_table: torch.Tensor, sin_table: torch.Tensor, dim: int, device) -> int:
+    """fp32 contiguous ``[L, rd/2]`` tables with ``rd <= dim``; returns ``rd/2``."""
+    for name, table in (("cos_table", cos_table), ("sin_table", sin_table)):
+        if table.dtype != torch.float32 or table.dim() != 2 or not table.is_contiguous():
+            raise TypeError(f"{name} must be a contiguous float32 [L, rd/2] tensor, got {table.dtype} "
+                            f"{tuple(table.shape)}")
+        if table.device != device:
+            raise ValueError(f"{name} is on {table.device}, the activations on {device}")
+    if cos_table.shape != sin_table.shape or 2 * cos_table.shape[1] > dim:
+        raise ValueError(f"cos/sin tables {tuple(cos_table.shape)}/{tuple(sin_table.shape)} do not fit head dim {dim}")
+    return cos_table.shape[1]
+
+
+def _check_index(idx: torch.Tensor, name: str, tokens: int) -> None:
+    if idx.dtype not in (torch.int32, torch.int64) or tuple(idx.shape) != (tokens,):
+        raise TypeError(f"{name} must be an int32/int64 [{tokens}] tensor, got {idx.dtype} {tuple(idx.shape)}")
+
+
+def _check_cache(kv_cache: torch.Tensor, dim: int) -> None:
+    if kv_cache.dtype != torch.bfloat16 or kv_cache.dim() != 3 or kv_cache.shape[2] != dim:
+        raise TypeError(f"kv_cache must be bfloat16 [S, L, {dim}], got {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+
+
+def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+             kv_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, eps: float) -> torch.Tensor:
+    """See the module docstring."""
+    if kv.dtype != torch.bfloat16 or kv.dim() != 2 or (kv.numel() and kv.stride(1) != 1):
+        raise TypeError(f"kv must be bfloat16 [T, D] with unit column stride, got {kv.dtype} {tuple(kv.shape)}")
+    tokens, dim = kv.shape
+    if q.dtype != torch.bfloat16 or q.dim() != 2 or q.shape[0] != tokens or q.shape[1] % max(dim, 1) \
+            or (q.numel() and q.stride(1) != 1):
+        raise TypeError(f"q must be bfloat16 [{tokens}, heads*{dim}] with unit column stride, got "
+                        f"{q.dtype} {tuple(q.shape)}")
+    _check_cache(kv_cache, dim)
+    _check_index(slots, "slots", tokens)
+    _check_index(positions, "positions", tokens)
+    half = _check_tables(cos_table, sin_table, dim, q.device)
+    heads = q.shape[1] // dim if dim else 0
+    out = torch.empty((tokens, heads, dim), dtype=torch.float32, device=q.device)
+    if tokens == 0 or heads == 0:
+        return out
+    _rope_qkv_kernel[(tokens, triton.cdiv(heads, _BLOCK_H) + 1)](
+        q, kv, cos_table, sin_table, out, kv_cache, slots, positions, heads, dim, float(eps),
+        q.stride(0), kv.stride(0), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        HALF=half, BLOCK_H=_BLOCK_H, BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_HALF=triton.next_power_of_2(max(half, 1)), EXACT_CAST=interpreting(),
+        num_warps=8 if dim >= 512 else 4,
+    )
+    return out
+
+
 def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                  sink: torch.Tensor, scale: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                  sink: torch.Tensor, scale: float, cos_table: torch.Tensor, sin_table: torch.Tensor, *,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring for shapes, dtypes and numerics."""
     if q.dtype != torch.float32 or q.dim() != 3 or (q.numel() and q.stride(2) != 1):
         raise TypeError(f"q must be float32 [T, nh, D] with unit last stride, got {q.dtype} "
                         f"{tuple(q.shape)} strides {q.stride()}")
     tokens, heads, dim = q.shape
-    if kv_cache.dtype != torch.bfloat16 or kv_cache.dim() != 3 or kv_cache.shape[2] != dim:
-        raise TypeError(f"kv_cache must be bfloat16 [S, L, {dim}], got {kv_cache.dtype} {tuple(kv_cache.shape)}")
-    if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache must be contiguous")
-    for name, idx in (("slots", slots), ("positions", positions)):
-        if idx.dtype not in (torch.int32, torch.int64) or tuple(idx.shape) != (tokens,):
-            raise TypeError(f"{name} must be an int32/int64 [{tokens}] tensor, got {idx.dtype} {tuple(idx.shape)}")
+    _check_cache(kv_cache, dim)
+    _check_index(slots, "slots", tokens)
+    _check_index(positions, "positions", tokens)
     if sink.dtype != torch.float32 or tuple(sink.shape) != (heads,):
         raise TypeError(f"sink must be float32 [{heads}], got {sink.dtype} {tuple(sink.shape)}")
     if len({t.device for t in (q, kv_cache, slots, positions, sink)}) != 1:
         raise ValueError("q, kv_cache, slots, positions and sink must be on one device")
+    half = _check_tables(cos_table, sin_table, dim, q.device)
     if out is None:
-        out = torch.empty_like(q)
-    elif out.dtype != torch.float32 or out.shape != q.shape or out.stride(2) != 1:
-        raise ValueError(f"out must be float32 {tuple(q.shape)} with unit last stride")
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    elif out.dtype != torch.bfloat16 or out.shape != q.shape or out.stride(2) != 1:
+        raise ValueError(f"out must be bfloat16 {tuple(q.shape)} with unit last stride")
     if tokens == 0 or heads == 0:
         return out
     length = kv_cache.shape[1]
@@ -142,7 +269,8 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
         SPLITS=splits, STEPS=steps, BLOCK_H=_BLOCK_H, BLOCK_L=_BLOCK_L, BLOCK_D=block_d, num_warps=warps,
     )
     _mqa_merge_kernel[(tokens, head_blocks)](
-        part_o, part_ml, sink, out, heads, dim, out.stride(0), out.stride(1),
-        SPLITS=splits, BLOCK_H=_BLOCK_H, BLOCK_D=block_d, num_warps=warps,
+        part_o, part_ml, sink, cos_table, sin_table, positions, out, heads, dim, out.stride(0), out.stride(1),
+        SPLITS=splits, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_D=block_d,
+        BLOCK_HALF=triton.next_power_of_2(max(half, 1)), EXACT_CAST=interpreting(), num_warps=warps,
     )
     return out

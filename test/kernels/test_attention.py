@@ -1,11 +1,15 @@
-"""MQA over a slotted KV cache (split-key kernel) vs the torch reference."""
+"""RoPE + MQA over a slotted KV cache (split-key kernel) + inverse RoPE vs the torch reference."""
 
 import pytest
 import torch
 import triton
 
 from fp8chain_kernel import reference as ref
-from fp8chain_kernel.attention import _splits, mqa_attention
+from fp8chain_kernel.attention import _splits, mqa_attention, rope_qkv
+from helpers import assert_close_bf16, rel_error
+
+ROPE_DIM = 64
+THETA = 10000.0
 
 
 def _problem(tokens, heads, dim, length, slots_count, device, positions=None):
@@ -16,24 +20,30 @@ def _problem(tokens, heads, dim, length, slots_count, device, positions=None):
     if positions is None:
         positions = torch.randint(0, length, (tokens,), device=device)
     sink = torch.randn(heads, device=device)
-    return q, kv_cache, slots, positions, sink, dim ** -0.5
+    cos, sin = ref.rope_tables(length, ROPE_DIM, THETA, device)
+    return q, kv_cache, slots, positions, sink, dim ** -0.5, cos, sin
 
 
-def _check(problem):
+def _check_attention(problem):
     q = problem[0]
-    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)  # poisoned
     got = mqa_attention(*problem, out=out)
-    want = ref.mqa_attention(*problem)
     assert got.data_ptr() == out.data_ptr()
-    assert torch.isfinite(got).all()
-    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-    assert err < 2e-5, f"relative error {err:.2e}"
+    q, kv_cache, slots, positions, sink, scale, cos, sin = problem
+    keys = kv_cache[slots].float()
+    valid = torch.arange(keys.shape[1], device=q.device)[None, :] <= positions[:, None]
+    o = ref.attention_with_sinks(q, keys, valid, sink, scale)
+    d = q.shape[-1]
+    want = torch.cat([o[..., :d - ROPE_DIM], ref.apply_rope(o[..., d - ROPE_DIM:], cos[positions], sin[positions],
+                                                             inverse=True)], dim=-1)
+    assert_close_bf16(got, want, ulps=1.0)
+    assert torch.equal(ref.mqa_attention(*problem), want.bfloat16())
 
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("tokens,heads,dim,length", [(1, 2, 128, 16), (3, 17, 96, 160), (5, 16, 128, 50)])
-def test_matches_reference_cpu(tokens, heads, dim, length):
-    _check(_problem(tokens, heads, dim, length, 3, "cpu"))
+def test_attention_matches_reference_cpu(tokens, heads, dim, length):
+    _check_attention(_problem(tokens, heads, dim, length, 3, "cpu"))
 
 
 @pytest.mark.cpu
@@ -41,36 +51,71 @@ def test_key_splits_are_merged():
     """A shape whose keys are split over several programs (merge path, empty splits included)."""
     assert _splits(1, 1, triton.cdiv(256, 16)) > 1
     positions = torch.tensor([3, 255])  # the first token's later splits see no key at all
-    _check(_problem(2, 4, 128, 256, 2, "cpu", positions=positions))
+    _check_attention(_problem(2, 4, 128, 256, 2, "cpu", positions=positions))
 
 
 @pytest.mark.cpu
-def test_prefill_positions_and_first_token():
+def test_prefill_positions_and_a_heavy_sink():
     """Causal prefill of one slot (positions 0..T-1, position 0 sees one key) and the sink."""
     tokens = 7
     problem = list(_problem(tokens, 4, 128, 128, 1, "cpu", positions=torch.arange(tokens)))
-    _check(tuple(problem))
+    _check_attention(tuple(problem))
     problem[4] = torch.full((4,), 30.0)  # a sink that takes almost all the mass
-    _check(tuple(problem))
+    _check_attention(tuple(problem))
+
+
+def _check_rope(tokens, heads, dim, length, device):
+    q = torch.randn(tokens, heads * dim, device=device).bfloat16()
+    kv = torch.randn(tokens, dim, device=device).bfloat16()
+    slots = torch.randperm(tokens, device=device)
+    positions = torch.randint(0, length, (tokens,), device=device)
+    cos, sin = ref.rope_tables(length, ROPE_DIM, THETA, device)
+    cache = torch.randn(tokens, length, dim, device=device).bfloat16()
+    want_cache = cache.clone()
+    got = rope_qkv(q, kv, cos, sin, cache, slots, positions, 1e-6)
+    want = ref.rope_qkv(q, kv, cos, sin, want_cache, slots, positions, 1e-6)
+    assert got.shape == (tokens, heads, dim) and got.dtype == torch.float32
+    assert rel_error(got, want) < 1e-5
+    written = cache[slots, positions]
+    assert_close_bf16(written, want_cache[slots, positions].float(), ulps=1.0)
+    untouched = torch.ones(cache.shape[:2], dtype=torch.bool, device=device)
+    untouched[slots, positions] = False
+    assert torch.equal(cache[untouched], want_cache[untouched])
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 2, 128), (3, 17, 96), (4, 16, 512)])
+def test_rope_qkv_matches_reference_cpu(tokens, heads, dim):
+    _check_rope(tokens, heads, dim, 32, "cpu")
 
 
 @pytest.mark.cpu
 def test_zero_tokens_and_bad_input():
-    q, kv_cache, slots, positions, sink, scale = _problem(0, 4, 128, 16, 2, "cpu")
-    assert mqa_attention(q, kv_cache, slots, positions, sink, scale).shape == (0, 4, 128)
-    q, kv_cache, slots, positions, sink, scale = _problem(2, 4, 128, 16, 2, "cpu")
+    q, kv_cache, slots, positions, sink, scale, cos, sin = _problem(0, 4, 128, 16, 2, "cpu")
+    assert mqa_attention(q, kv_cache, slots, positions, sink, scale, cos, sin).shape == (0, 4, 128)
+    q, kv_cache, slots, positions, sink, scale, cos, sin = _problem(2, 4, 128, 16, 2, "cpu")
     with pytest.raises(TypeError, match="q must be float32"):
-        mqa_attention(q.bfloat16(), kv_cache, slots, positions, sink, scale)
+        mqa_attention(q.bfloat16(), kv_cache, slots, positions, sink, scale, cos, sin)
     with pytest.raises(TypeError, match="kv_cache must be bfloat16"):
-        mqa_attention(q, kv_cache.float(), slots, positions, sink, scale)
+        mqa_attention(q, kv_cache.float(), slots, positions, sink, scale, cos, sin)
     with pytest.raises(TypeError, match="slots"):
-        mqa_attention(q, kv_cache, slots.float(), positions, sink, scale)
+        mqa_attention(q, kv_cache, slots.float(), positions, sink, scale, cos, sin)
     with pytest.raises(TypeError, match="sink"):
-        mqa_attention(q, kv_cache, slots, positions, sink[:2], scale)
+        mqa_attention(q, kv_cache, slots, positions, sink[:2], scale, cos, sin)
+    with pytest.raises(TypeError, match="cos_table"):
+        mqa_attention(q, kv_cache, slots, positions, sink, scale, cos.double(), sin)
+    with pytest.raises(TypeError, match="q must be bfloat16"):
+        rope_qkv(q.reshape(2, -1), kv_cache[0, :2], cos, sin, kv_cache, slots, positions, 1e-6)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 3, 4, 64, 256])
 @pytest.mark.parametrize("heads", [64, 16])
-def test_matches_reference_gpu(tokens, heads):
-    _check(_problem(tokens, heads, 512, 1024, max(tokens, 1), "cuda"))
+def test_attention_matches_reference_gpu(tokens, heads):
+    _check_attention(_problem(tokens, heads, 512, 1024, max(tokens, 1), "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 3, 64, 2048])
+def test_rope_qkv_matches_reference_gpu(tokens):
+    _check_rope(tokens, 64, 512, 4096, "cuda")

@@ -36,9 +36,9 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from fp8chain_kernel import attention as attention_kernels
 from fp8chain_kernel import einsum as einsum_kernels
-from fp8chain_kernel.attention import mqa_attention
-from fp8chain_kernel.reference import attention_with_sinks
+from fp8chain_kernel.reference import apply_rope, attention_with_sinks, rope_cos_sin, rope_tables
 from fp8chain_kernel.formats import QuantizedActivation
 
 from ..layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -49,7 +49,7 @@ from ..layers.quantization.fp8 import Fp8Config
 
 __all__ = [
     "DeepseekV41Config", "MQALayer", "DeepseekV41MoE", "DeepseekV41DecoderLayer",
-    "DeepseekV41ForCausalLM", "rope_cos_sin", "apply_rope",
+    "DeepseekV41ForCausalLM",
 ]
 
 DEFAULT_QUANT_CONFIG = {
@@ -237,25 +237,6 @@ class DeepseekV41Config:
 # --------------------------------------------------------------------------------------------
 
 
-def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``(cos, sin)`` ``[T, rope_dim/2]`` for integer ``positions [T]``."""
-    inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64, device=positions.device)
-                         / rope_dim)
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
-    return torch.cos(angles).float(), torch.sin(angles).float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate interleaved pairs ``(x[2i], x[2i+1])`` of fp32 ``x [T, ..., R]`` by the angle of
-    each row's position (``inverse``: by minus it)."""
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    c, s = cos.view(shape), sin.view(shape)
-    if inverse:
-        s = -s
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
-
-
 def _chain_format(linear, chain: bool):
     """The format a producer should write for ``linear``: its ``input_format`` when the chain
     is on and the linear accepted a pre-quantized input, else ``None`` (bf16 only)."""
@@ -316,27 +297,30 @@ class MQALayer(nn.Module):
         self.wq_b.deepgemm_mxfp8_input = True
         self.wo_b.deepgemm_mxfp8_input = True
         self.last_x = self.last_q_lora = None
+        self._rope_tables: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               kv_cache: torch.Tensor, core=mqa_attention) -> torch.Tensor:
+               kv_cache: torch.Tensor, impl=attention_kernels) -> torch.Tensor:
         """The attention core between ``wq_b`` and ``wo_a``: ``q [T, nh*d]`` (wq_b's output) and
         the normed latent ``kv [T, d]`` -> ``o [T, G, nh/G*d]`` bf16, after the inverse RoPE.
 
-        Writes the roped latent into ``kv_cache`` and attends with ``core`` (the split-key
-        Triton kernel; ``reference.mqa_attention`` for a plain-torch arm), the same in every arm.
+        Writes the roped latent into ``kv_cache``; ``impl`` provides ``rope_qkv`` and
+        ``mqa_attention`` (the Triton kernels, or ``fp8chain_kernel.reference`` for a plain-torch
+        arm). The same in both arms of the chain.
         """
-        t = q.shape[0]
-        nh, d, rd = self.num_heads, self.head_dim, self.rope_dim
-        cos, sin = rope_cos_sin(positions, rd, self.rope_theta)
-        q = q.float().view(t, nh, d)
-        q = q * torch.rsqrt(q.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        q = torch.cat([q[..., :d - rd], apply_rope(q[..., d - rd:], cos, sin)], dim=-1)
-        kv = kv.float()
-        kv = torch.cat([kv[:, :d - rd], apply_rope(kv[:, d - rd:], cos, sin)], dim=-1)
-        kv_cache[slots, positions] = kv.to(kv_cache.dtype)
-        o = core(q.contiguous(), kv_cache, slots, positions, self.attn_sink, self.softmax_scale)
-        o = torch.cat([o[..., :d - rd], apply_rope(o[..., d - rd:], cos, sin, inverse=True)], dim=-1)
-        return o.to(torch.bfloat16).view(t, self.o_groups, nh // self.o_groups * d)
+        cos, sin = self.rope_tables(kv_cache.shape[1], kv_cache.device)
+        q = impl.rope_qkv(q, kv, cos, sin, kv_cache, slots, positions, self.eps)
+        o = impl.mqa_attention(q, kv_cache, slots, positions, self.attn_sink, self.softmax_scale, cos, sin)
+        return o.view(q.shape[0], self.o_groups, -1)
+
+    @torch.compiler.disable
+    def rope_tables(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for positions ``0..length-1``, made once per cache length (at warmup,
+        before any graph capture) and reused."""
+        key = (length, str(device))
+        if key not in self._rope_tables:
+            self._rope_tables[key] = rope_tables(length, self.rope_dim, self.rope_theta, device)
+        return self._rope_tables[key]
 
     def forward(self, x: torch.Tensor, x_pair: QuantizedActivation | None, positions: torch.Tensor,
                 slots: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:

@@ -1,23 +1,58 @@
-"""Reference for fp8chain_kernel.attention: multi-query attention over a slotted KV cache."""
+"""Reference for fp8chain_kernel.attention: RoPE'd multi-query attention over a slotted KV cache.
+
+DSv4.1 attention keeps one ``D``-wide latent head (keys = values) shared by every query head;
+RoPE acts on the last ``rd`` dims as interleaved pairs ``(x[2i], x[2i+1])``, and the output's
+last ``rd`` dims are rotated back (inverse RoPE) before ``wo_a``.
+"""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["mqa_attention", "attention_with_sinks"]
+__all__ = ["rope_cos_sin", "apply_rope", "rope_tables", "rope_qkv", "mqa_attention", "attention_with_sinks"]
 
 
-def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                  sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """One latent head shared by every query head (keys = values), per-head attention sinks.
+def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(cos, sin)`` ``[T, rope_dim/2]`` for integer ``positions [T]`` (angles in fp64)."""
+    inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64, device=positions.device)
+                         / rope_dim)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cos(angles).float(), torch.sin(angles).float()
 
-    ``q [T, nh, D]`` fp32, ``kv_cache [S, L, D]`` bf16, ``slots``/``positions [T]`` int ->
-    ``o [T, nh, D]`` fp32: token ``t`` attends to ``kv_cache[slots[t], :positions[t] + 1]`` with
-    ``softmax([q.k * scale, sink]) @ [keys, 0]`` (the sink takes probability mass, adds no value).
-    """
-    keys = kv_cache[slots].float()
-    valid = torch.arange(keys.shape[1], device=q.device)[None, :] <= positions[:, None]
-    return attention_with_sinks(q.float(), keys, valid, sink, scale)
+
+def rope_tables(length: int, rope_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_cos_sin`` of positions ``0..length-1``: row ``p`` is position ``p``'s values."""
+    return rope_cos_sin(torch.arange(length, device=device), rope_dim, theta)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate interleaved pairs ``(x[2i], x[2i+1])`` of fp32 ``x [T, ..., R]`` by the angle of
+    each row's position (``inverse``: by minus it)."""
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c, s = cos.view(shape), sin.view(shape)
+    if inverse:
+        s = -s
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+
+
+def _rope_last(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    rd = 2 * cos.shape[-1]
+    d = x.shape[-1]
+    return torch.cat([x[..., :d - rd], apply_rope(x[..., d - rd:], cos, sin, inverse)], dim=-1)
+
+
+def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+             kv_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, eps: float) -> torch.Tensor:
+    """``q [T, nh*D]`` bf16 (wq_b's output) -> fp32 ``[T, nh, D]``: per-head RMS-normalized (no
+    weight), RoPE on the last ``rd`` dims. ``kv [T, D]`` bf16 (normed latent) gets the same RoPE
+    and is written to ``kv_cache[slots[t], positions[t]]`` in bf16."""
+    t, d = kv.shape
+    cos, sin = cos_table[positions], sin_table[positions]
+    q = q.float().view(t, -1, d)
+    q = q * torch.rsqrt(q.pow(2).mean(dim=-1, keepdim=True) + eps)
+    kv_cache[slots, positions] = _rope_last(kv.float(), cos, sin).to(kv_cache.dtype)
+    return _rope_last(q, cos, sin)
 
 
 def attention_with_sinks(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
@@ -31,3 +66,14 @@ def attention_with_sinks(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tenso
     probs = torch.exp(scores - peak)
     denom = probs.sum(dim=-1, keepdim=True) + torch.exp(sink - peak)
     return torch.einsum("thl,tld->thd", probs, keys) / denom
+
+
+def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                  sink: torch.Tensor, scale: float, cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
+    """``q [T, nh, D]`` fp32, ``kv_cache [S, L, D]`` bf16 -> bf16 ``[T, nh, D]``: token ``t``
+    attends to ``kv_cache[slots[t], :positions[t] + 1]`` (``attention_with_sinks``), then the
+    last ``rd`` dims are rotated back by the token's angle (inverse RoPE)."""
+    keys = kv_cache[slots].float()
+    valid = torch.arange(keys.shape[1], device=q.device)[None, :] <= positions[:, None]
+    o = attention_with_sinks(q.float(), keys, valid, sink, scale)
+    return _rope_last(o, cos_table[positions], sin_table[positions], inverse=True).to(torch.bfloat16)
