@@ -181,12 +181,6 @@ def run(args) -> tuple[dict, list[dict]]:
     meta["notes"] = ("fp8_us writes the pair only where fp8_returns_bf16 is false; compiled_peer_us is "
                      "torch.compile(reference producer + reference.quantize); wo_a peer: bf16 torch.einsum")
     producers = list(args.producers)
-    if "mhc_boundary" in producers:
-        try:
-            from fp8chain_kernel.mhc import mhc_mega_boundary  # noqa: F401
-        except ImportError as exc:
-            print(f"note: mHC boundary skipped (fp8chain_kernel.mhc.mhc_mega_boundary not importable: {exc})")
-            producers.remove("mhc_boundary")
     cases = [(p, ActFormat(f), t) for p in producers for f in args.formats for t in rows_list]
     records = []
     # Pass 1: the three kernel arms of every case; pass 2: the compiled peers (their compiles are

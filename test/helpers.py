@@ -62,3 +62,35 @@ def assert_captured_rest_untouched(big: QuantizedActivation, big_y: torch.Tensor
     captured = big.scale.shape[0]
     assert (big.scale.as_strided((big.scale.shape[1], captured), (captured, 1))[:, rows:] == -1).all()
     assert torch.isnan(big_y[rows:]).all() and torch.isnan(big_y[:rows, cols:]).all()
+
+
+class DerivingBackend:
+    """Wraps a GEMM backend: derives a transposed copy of the weight scales at load and runs the
+    GEMM on that copy only, so a derived tensor left stale by a reload shows in the output."""
+
+    name = "deriving"
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def rejection(self, fmt, weight_block, n, k):
+        return self.inner.rejection(fmt, weight_block, n, k)
+
+    def derive_weight_tensors(self, weight, weight_scale, weight_block):
+        return {"weight_scale_t": weight_scale.t().contiguous().clone()}  # never an alias of the raw scales
+
+    def gemm(self, pair, weight, weight_scale, derived, out=None):
+        return self.inner.gemm(pair, weight, derived["weight_scale_t"].t(), {}, out=out)
+
+
+def decode_errors_vs_reference(reference, prompts, run, new_tokens):
+    """Relative L2 error of each decode step's logits against an fp32 reference forward over the
+    same tokens, and how many steps agree on the top-1 token: ``(errors tensor, agreements)``."""
+    errors, agree = [], 0
+    for i, prompt in enumerate(prompts):
+        want_all = reference(prompt + run.tokens[i][:-1])
+        for step in range(new_tokens):
+            got, want = run.logits[step][i].double(), want_all[len(prompt) - 1 + step].double()
+            errors.append(((got - want).norm() / want.norm()).item())
+            agree += int(got.argmax() == want.argmax())
+    return torch.tensor(errors), agree

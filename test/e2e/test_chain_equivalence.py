@@ -22,6 +22,7 @@ import torch
 from fp8chain.models.checkpoint import load_checkpoint, load_state_dict, write_random_checkpoint
 from fp8chain.models.deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM, DeepseekV41Reference
 from fp8chain.runtime.engine import Engine
+from helpers import decode_errors_vs_reference
 
 pytestmark = pytest.mark.cpu
 
@@ -92,15 +93,7 @@ def test_logits_match_fp32_reference(setup):
     """Decode logits vs the fp32 reference with its own routing: top-1 agreement and median."""
     _, tensors = load_state_dict(setup["path"])
     reference = DeepseekV41Reference(setup["config"], tensors)
-    on = setup["runs"][True]
-    agree, errors = 0, []
-    for i, prompt in enumerate(setup["prompts"]):
-        ref = reference(prompt + on.tokens[i][:-1])
-        for step in range(NEW_TOKENS):
-            got, want = on.logits[step][i].double(), ref[len(prompt) - 1 + step].double()
-            errors.append(((got - want).norm() / want.norm()).item())
-            agree += int(got.argmax() == want.argmax())
-    errors = torch.tensor(errors)
+    errors, agree = decode_errors_vs_reference(reference, setup["prompts"], setup["runs"][True], NEW_TOKENS)
     assert torch.isfinite(errors).all(), "non-finite logits"
     print(f"fp32 reference (own routing): relative L2 error median {errors.median().item():.4f}, "
           f"max {errors.max().item():.4f}, {int((errors <= REL_BOUND).sum())}/{len(errors)} "

@@ -17,29 +17,11 @@ from fp8chain.layers.warmup import warmup
 from fp8chain_kernel import backends
 from fp8chain_kernel.formats import FP8_DTYPE, empty_pair
 from fp8chain_kernel.quant import quantize
+from helpers import DerivingBackend
 
 pytestmark = pytest.mark.gpu
 
 CAPACITY = 257  # static input buffers are allocated for this many rows and sliced, like a runner
-
-
-class DerivingBackend:
-    """Wraps the selected backend: derives a transposed copy of the weight scales at load and
-    runs the GEMM on that copy only, so a derived tensor left stale by a reload shows."""
-
-    name = "deriving"
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def rejection(self, fmt, weight_block, n, k):
-        return self.inner.rejection(fmt, weight_block, n, k)
-
-    def derive_weight_tensors(self, weight, weight_scale, weight_block):
-        return {"weight_scale_t": weight_scale.t().contiguous()}
-
-    def gemm(self, pair, weight, weight_scale, derived, out=None):
-        return self.inner.gemm(pair, weight, derived["weight_scale_t"].t(), {}, out=out)
 
 
 # (N, K, block, backend): DSv4.1 wqkv_a and wo_b (32x32 blocks) on the automatic choice, wqkv_a

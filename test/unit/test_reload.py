@@ -13,6 +13,7 @@ from fp8chain_kernel import backends
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import FP8_DTYPE, ActFormat
 from fp8chain_kernel.quant import quantize
+from helpers import DerivingBackend
 
 pytestmark = pytest.mark.cpu
 
@@ -26,25 +27,6 @@ def checkpoint(n=N, k=K, block=32, bias=False):
     if bias:
         ckpt["bias"] = torch.randn(n).to(torch.bfloat16)
     return ckpt
-
-
-class DerivingBackend:
-    """Wraps the selected backend; derives a transposed copy of the weight scales and runs the
-    GEMM on that copy only, so a stale derived tensor shows in the output."""
-
-    name = "deriving"
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def rejection(self, fmt, weight_block, n, k):
-        return self.inner.rejection(fmt, weight_block, n, k)
-
-    def derive_weight_tensors(self, weight, weight_scale, weight_block):
-        return {"weight_scale_t": weight_scale.t().contiguous() * 1.0}
-
-    def gemm(self, pair, weight, weight_scale, derived, out=None):
-        return self.inner.gemm(pair, weight, derived["weight_scale_t"].t(), {}, out=out)
 
 
 @pytest.fixture(params=["selected", "deriving"])
