@@ -35,8 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
 
 from fp8chain.bench import harness  # noqa: E402
 from fp8chain_kernel import act, einsum, norm, quant, reference  # noqa: E402
-from fp8chain_kernel.formats import ActFormat, align4, empty_pair  # noqa: E402
-from fp8chain_kernel.reference.quant import _quantize_groups  # noqa: E402
+from fp8chain_kernel.formats import ActFormat, empty_pair  # noqa: E402
 
 ROWS = [1, 4, 16, 64, 256, 2048]
 QUICK_ROWS = [1, 64, 2048]
@@ -62,31 +61,23 @@ def _pair_bytes(rows: int, cols: int, fmt: ActFormat) -> int:
     return rows * cols + rows * fmt.scale_shape(rows, cols)[1] * 4
 
 
-def peer_quantize(x: torch.Tensor, fmt: ActFormat):
-    """``reference.quantize`` composed so torch.compile can trace it (the reference zeroes its
-    scale padding through ``as_strided``, which functionalization rejects): the same group math
-    (``reference.quant._quantize_groups``), the same layout; returns ``(data, scale)``."""
-    data, scale, exponent = _quantize_groups(x, fmt)
-    if fmt.packed:
-        return data, reference.pack_ue8m0(exponent)
-    rows = x.shape[0]
-    out = torch.zeros(scale.shape[1], align4(rows), dtype=torch.float32, device=x.device).t()[:rows]
-    out.copy_(scale)
-    return data, out
+def _peer_quantize(x: torch.Tensor, fmt: ActFormat):
+    """``reference.quantize`` as a plain ``(data, scale)`` tuple, what the compiled peer returns."""
+    return tuple(reference.quantize(x, fmt))
 
 
 def peer_function(name: str, fmt: ActFormat):
     """The compiled peer's eager body: torch reference producer + reference quantize."""
     if name in ("rms_norm", "q_norm"):
-        return lambda x, w, res: peer_quantize(reference.rms_norm(x, w, EPS, residual=res), fmt)
+        return lambda x, w, res: _peer_quantize(reference.rms_norm(x, w, EPS, residual=res), fmt)
     if name == "silu_mul":
-        return lambda gu: peer_quantize(reference.silu_mul(gu, limit=SWIGLU_LIMIT), fmt)
+        return lambda gu: _peer_quantize(reference.silu_mul(gu, limit=SWIGLU_LIMIT), fmt)
     if name.startswith("wo_a"):
-        return lambda o, wo_a: peer_quantize(torch.einsum("tgd,grd->tgr", o, wo_a).flatten(1), fmt)
+        return lambda o, wo_a: _peer_quantize(torch.einsum("tgd,grd->tgr", o, wo_a).flatten(1), fmt)
     if name == "mhc_boundary":
         def boundary(*a):
             new_residual, x, _ = reference.mhc_mega_boundary(*a, EPS)
-            return new_residual, x, peer_quantize(x, fmt)
+            return new_residual, x, _peer_quantize(x, fmt)
         return boundary
     raise ValueError(name)
 
