@@ -67,23 +67,23 @@ def _rope_qkv_kernel(q_ptr, kv_ptr, cos_ptr, sin_ptr, out_ptr, cache_ptr, slot_p
         q = tl.load(row + offs_d[None, :], mask=h_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt_rn(tl.sum(q * q, axis=1) / D + eps)
         pair_mask = h_ok[:, None] & i_ok[None, :]
-        even = tl.load(row + even_d[None, :], mask=pair_mask, other=0.0).to(tl.float32) * rstd[:, None]
-        odd = tl.load(row + even_d[None, :] + 1, mask=pair_mask, other=0.0).to(tl.float32) * rstd[:, None]
-        even, odd = _rotate_pairs(even, odd, cos[None, :], sin[None, :], False)
+        q_even = tl.load(row + even_d[None, :], mask=pair_mask, other=0.0).to(tl.float32) * rstd[:, None]
+        q_odd = tl.load(row + even_d[None, :] + 1, mask=pair_mask, other=0.0).to(tl.float32) * rstd[:, None]
+        q_even, q_odd = _rotate_pairs(q_even, q_odd, cos[None, :], sin[None, :], False)
         out = out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
         tl.store(out + offs_d[None, :], q * rstd[:, None], mask=h_ok[:, None] & (offs_d[None, :] < nope))
-        tl.store(out + even_d[None, :], even, mask=pair_mask)
-        tl.store(out + even_d[None, :] + 1, odd, mask=pair_mask)
+        tl.store(out + even_d[None, :], q_even, mask=pair_mask)
+        tl.store(out + even_d[None, :] + 1, q_odd, mask=pair_mask)
     else:
         src = kv_ptr + t.to(tl.int64) * stride_kvt
         dst = cache_ptr + tl.load(slot_ptr + t).to(tl.int64) * stride_cs + pos * stride_cl
         kv = tl.load(src + offs_d, mask=offs_d < nope, other=0.0)
         tl.store(dst + offs_d, kv, mask=offs_d < nope)
-        even = tl.load(src + even_d, mask=i_ok, other=0.0).to(tl.float32)
-        odd = tl.load(src + even_d + 1, mask=i_ok, other=0.0).to(tl.float32)
-        even, odd = _rotate_pairs(even, odd, cos, sin, False)
-        tl.store(dst + even_d, round_bf16(even, EXACT_CAST), mask=i_ok)
-        tl.store(dst + even_d + 1, round_bf16(odd, EXACT_CAST), mask=i_ok)
+        kv_even = tl.load(src + even_d, mask=i_ok, other=0.0).to(tl.float32)
+        kv_odd = tl.load(src + even_d + 1, mask=i_ok, other=0.0).to(tl.float32)
+        kv_even, kv_odd = _rotate_pairs(kv_even, kv_odd, cos, sin, False)
+        tl.store(dst + even_d, round_bf16(kv_even, EXACT_CAST), mask=i_ok)
+        tl.store(dst + even_d + 1, round_bf16(kv_odd, EXACT_CAST), mask=i_ok)
 
 
 @triton.jit
