@@ -1,4 +1,4 @@
-"""Compile Triton kernels for Hopper (sm_90) without a GPU and print each one's resource usage.
+"""Compile Triton kernels (attention, the mHC boundary) for Hopper (sm_90) without a GPU and print each one's resource usage.
 
 Run as a script in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit):
 ``python test/kernels/sm90_compile.py`` prints ``name REG:.. STACK:.. LOCAL:..`` per kernel and
@@ -18,6 +18,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import fp8chain_kernel.attention as attention  # noqa: E402
+import fp8chain_kernel.mhc as mhc  # noqa: E402
 
 PTR, I32, F32, CX = "*fp32", "i32", "fp32", "constexpr"
 
@@ -40,14 +41,31 @@ KERNELS = [
           BLOCK_D=CX, BLOCK_HALF=CX, EXACT_CAST=CX),
      dict(SPLITS=16, HALF=32, BLOCK_H=16, BLOCK_D=512, BLOCK_HALF=32, EXACT_CAST=False), 8),
 ]
+_BOUNDARY_SIGNATURE = dict(
+    y_ptr="*bf16", r_ptr="*bf16", pre_ptr=PTR, post_ptr=PTR, comb_ptr=PTR, w_ptr="*bf16", rout_ptr="*bf16",
+    x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*i32", T=I32, H=I32, eps=F32,
+    **{name: I32 for name in ("stride_yt", "stride_rt", "stride_rs", "stride_et", "stride_ek", "stride_pt",
+                              "stride_pk", "stride_ct", "stride_ci", "stride_cj", "stride_ot", "stride_os",
+                              "stride_xt", "stride_qt", "stride_sm", "stride_sg")},
+    **{name: CX for name in ("DO_POST", "DO_NORM", "STORE_X", "QUANT", "BM", "SLICE", "BLOCK", "BLOCK1",
+                             "CHUNKS1", "GROUP", "POW2", "PACKED", "EXACT_CAST")})
+# The mHC boundary as configured on a GPU (one row per program) at T = 1 (40 slices of 128
+# columns) and T = 2048 (whole 5120-column rows), H = 5120, writing the packed Blackwell pair.
+for slice_, block in ((128, 128), (5120, 1024)):
+    KERNELS.append((mhc._boundary_kernel, _BOUNDARY_SIGNATURE,
+                    dict(DO_POST=True, DO_NORM=True, STORE_X=True, QUANT=True, BM=1, SLICE=slice_, BLOCK=block,
+                         BLOCK1=1024, CHUNKS1=5, GROUP=32, POW2=True, PACKED=True, EXACT_CAST=False), 4))
 
 
 def main() -> int:
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     target = GPUTarget("cuda", 90, 32)
     for kernel, signature, constexprs, warps in KERNELS:
+        options = {"num_warps": warps}
+        if kernel is mhc._boundary_kernel:
+            options["enable_fp_fusion"] = False  # as launched: sums in the reference's order
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                                  target=target, options={"num_warps": warps})
+                                  target=target, options=options)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
             cubin.write(compiled.asm["cubin"])
             cubin.flush()
