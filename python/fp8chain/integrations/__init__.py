@@ -1,1 +1,0 @@
-"""fp8chain integrations."""
