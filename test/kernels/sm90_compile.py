@@ -1,9 +1,13 @@
-"""Compile Triton kernels (attention, the mHC boundary) for Hopper (sm_90) without a GPU and print each one's resource usage.
+"""Compile fp8chain's Triton kernels for Hopper (sm_90) without a GPU; print resource usage.
 
 Run as a script in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit):
-``python test/kernels/sm90_compile.py`` prints ``name REG:.. STACK:.. LOCAL:..`` per kernel and
-exits non-zero on a compile error. It catches what the CPU interpreter accepts but the compiler
-rejects (branch-local shapes, dot shapes, layouts), and register spills (LOCAL > 0).
+``python test/kernels/sm90_compile.py`` calls the public kernel functions on CPU tensors at
+DSv4.1-Flash shapes with launching replaced by recording, compiles every recorded launch for
+sm_90 with Triton's own ptxas, and prints ``kernel REG:.. STACK:.. LOCAL:..`` per launch; a
+compile error exits non-zero. It catches what the CPU interpreter accepts but the compiler
+rejects (branch-local shapes, dot shapes, layouts) and register spills (STACK/LOCAL > 0).
+Kernels whose launch configuration depends on the GPU they run on (the mHC boundary) are
+listed with their GPU configuration explicitly.
 """
 
 import os
@@ -13,57 +17,94 @@ import tempfile
 
 assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
 
-import fp8chain_kernel.attention as attention  # noqa: E402
-import fp8chain_kernel.mhc as mhc  # noqa: E402
+from fp8chain_kernel import act, attention, einsum, gemm, mhc, norm, quant, reference  # noqa: E402
+from fp8chain_kernel.formats import FP8_DTYPE, ActFormat  # noqa: E402
 
-PTR, I32, F32, CX = "*fp32", "i32", "fp32", "constexpr"
+TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv", torch.int32: "i32",
+         torch.int64: "i64", torch.uint8: "u8"}
+OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+launches = []
 
-# (kernel, signature, constexpr values, num_warps) at DSv4.1-Flash shapes (D = 512, rd = 64).
-KERNELS = [
-    (attention._rope_qkv_kernel,
-     dict(q_ptr="*bf16", kv_ptr="*bf16", cos_ptr=PTR, sin_ptr=PTR, out_ptr=PTR, cache_ptr="*bf16",
-          slot_ptr="*i64", pos_ptr="*i64", NH=I32, D=I32, eps=F32, stride_qt=I32, stride_kvt=I32,
-          stride_ot=I32, stride_oh=I32, stride_cs=I32, stride_cl=I32, HALF=CX, BLOCK_H=CX, BLOCK_D=CX,
-          BLOCK_HALF=CX, EXACT_CAST=CX),
-     dict(HALF=32, BLOCK_H=16, BLOCK_D=512, BLOCK_HALF=32, EXACT_CAST=False), 8),
-    (attention._mqa_split_kernel,
-     dict(q_ptr=PTR, kv_ptr="*bf16", slot_ptr="*i64", pos_ptr="*i64", part_o_ptr=PTR, part_ml_ptr=PTR,
-          NH=I32, D=I32, L=I32, scale=F32, stride_qt=I32, stride_qh=I32, stride_ks=I32, stride_kl=I32,
-          SPLITS=CX, STEPS=CX, BLOCK_H=CX, BLOCK_L=CX, BLOCK_D=CX),
-     dict(SPLITS=16, STEPS=4, BLOCK_H=16, BLOCK_L=16, BLOCK_D=512), 8),
-    (attention._mqa_merge_kernel,
-     dict(part_o_ptr=PTR, part_ml_ptr=PTR, sink_ptr=PTR, cos_ptr=PTR, sin_ptr=PTR, pos_ptr="*i64",
-          o_ptr="*bf16", NH=I32, D=I32, stride_ot=I32, stride_oh=I32, SPLITS=CX, HALF=CX, BLOCK_H=CX,
-          BLOCK_D=CX, BLOCK_HALF=CX, EXACT_CAST=CX),
-     dict(SPLITS=16, HALF=32, BLOCK_H=16, BLOCK_D=512, BLOCK_HALF=32, EXACT_CAST=False), 8),
-]
-_BOUNDARY_SIGNATURE = dict(
-    y_ptr="*bf16", r_ptr="*bf16", pre_ptr=PTR, post_ptr=PTR, comb_ptr=PTR, w_ptr="*bf16", rout_ptr="*bf16",
-    x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*i32", T=I32, H=I32, eps=F32,
-    **{name: I32 for name in ("stride_yt", "stride_rt", "stride_rs", "stride_et", "stride_ek", "stride_pt",
-                              "stride_pk", "stride_ct", "stride_ci", "stride_cj", "stride_ot", "stride_os",
-                              "stride_xt", "stride_qt", "stride_sm", "stride_sg")},
-    **{name: CX for name in ("DO_POST", "DO_NORM", "STORE_X", "QUANT", "BM", "SLICE", "BLOCK", "BLOCK1",
-                             "CHUNKS1", "GROUP", "POW2", "PACKED", "EXACT_CAST")})
-# The mHC boundary as configured on a GPU (one row per program) at T = 1 (40 slices of 128
-# columns) and T = 2048 (whole 5120-column rows), H = 5120, writing the packed Blackwell pair.
-for slice_, block in ((128, 128), (5120, 1024)):
-    KERNELS.append((mhc._boundary_kernel, _BOUNDARY_SIGNATURE,
-                    dict(DO_POST=True, DO_NORM=True, STORE_X=True, QUANT=True, BM=1, SLICE=slice_, BLOCK=block,
-                         BLOCK1=1024, CHUNKS1=5, GROUP=32, POW2=True, PACKED=True, EXACT_CAST=False), 4))
+
+def _record(self, *args, grid, warmup, **kwargs):
+    launches.append((self, args, kwargs))
+
+
+def _signature(kernel, args, kwargs):
+    values = dict(zip(kernel.arg_names, args))
+    values.update({k: v for k, v in kwargs.items() if k not in OPTIONS})
+    signature, constexprs = {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        value = values[name]
+        if index in kernel.constexprs:
+            signature[name], constexprs[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i64" if abs(value) >= 2**31 else "i32"
+        else:
+            signature[name] = "fp32"
+    return signature, constexprs
+
+
+def record_launches() -> None:
+    """Call every kernel family at DSv4.1-Flash shapes; the launches are recorded, not run."""
+    bf16 = lambda *shape: torch.randn(*shape).bfloat16()  # noqa: E731
+    for fmt in ActFormat:
+        quant.quantize(bf16(64, 5120), fmt)
+    for fmt in (ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN):
+        for rows in (1, 2048):
+            norm.rms_norm(bf16(rows, 5120), bf16(5120), 1e-6, out_format=fmt)
+            act.silu_mul(bf16(rows, 4608), limit=10.0, out_format=fmt)
+        for rows, groups in ((4, 8), (64, 2), (2048, 8)):
+            einsum.wo_a_einsum(bf16(rows, groups, 4096), bf16(groups, 1024, 4096), out_format=fmt)
+    for block, fmt in ((32, ActFormat.SM90_G32_FP32_MN), (128, ActFormat.SM90_G128_FP32_MN)):
+        weight = torch.zeros(1792, 5120, dtype=FP8_DTYPE)
+        scale = torch.ones(1792 // block, 5120 // block)
+        for rows in (1, 64, 2048):
+            gemm.fp8_gemm(quant.quantize(bf16(rows, 5120), fmt), weight, scale, weight_block=block)
+    cos, sin = reference.rope_tables(1024, 64, 10000.0)
+    cache = torch.zeros(64, 1024, 512, dtype=torch.bfloat16)
+    for rows in (1, 64):
+        slots, positions = torch.arange(rows), torch.full((rows,), 1023)
+        q = attention.rope_qkv(bf16(rows, 64 * 512), bf16(rows, 512), cos, sin, cache, slots, positions, 1e-6)
+        attention.mqa_attention(q, cache, slots, positions, torch.zeros(64), 512 ** -0.5, cos, sin)
+
+
+def boundary_launches():
+    """The mHC boundary as configured on a GPU (one row per program): T = 1 (40 slices of 128
+    columns) and T = 2048 (whole 5120-column rows), H = 5120, writing the packed pair."""
+    strides = ("stride_yt", "stride_rt", "stride_rs", "stride_et", "stride_ek", "stride_pt", "stride_pk",
+               "stride_ct", "stride_ci", "stride_cj", "stride_ot", "stride_os", "stride_xt", "stride_qt",
+               "stride_sm", "stride_sg")
+    signature = dict(y_ptr="*bf16", r_ptr="*bf16", pre_ptr="*fp32", post_ptr="*fp32", comb_ptr="*fp32",
+                     w_ptr="*bf16", rout_ptr="*bf16", x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*i32",
+                     T="i32", H="i32", eps="fp32", **{name: "i32" for name in strides})
+    for slice_, block in ((128, 128), (5120, 1024)):
+        constexprs = dict(DO_POST=True, DO_NORM=True, STORE_X=True, QUANT=True, BM=1, SLICE=slice_,
+                          BLOCK=block, BLOCK1=1024, CHUNKS1=5, GROUP=32, POW2=True, PACKED=True,
+                          EXACT_CAST=False)
+        yield mhc._boundary_kernel, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs, \
+            {"num_warps": 4, "enable_fp_fusion": False}
 
 
 def main() -> int:
+    JITFunction.run = _record
+    with torch.no_grad():
+        record_launches()
+    jobs = [(k, *_signature(k, a, kw), {o: kw[o] for o in OPTIONS if o in kw}) for k, a, kw in launches]
+    jobs += list(boundary_launches())
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     target = GPUTarget("cuda", 90, 32)
-    for kernel, signature, constexprs, warps in KERNELS:
-        options = {"num_warps": warps}
-        if kernel is mhc._boundary_kernel:
-            options["enable_fp_fusion"] = False  # as launched: sums in the reference's order
+    for kernel, signature, constexprs, options in jobs:
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                                   target=target, options=options)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -71,8 +112,7 @@ def main() -> int:
             cubin.flush()
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True,
                                    text=True, check=True).stdout
-        line = next(l.strip() for l in usage.splitlines() if "REG:" in l)
-        print(kernel.__name__, line)
+        print(kernel.__name__, next(line.strip() for line in usage.splitlines() if "REG:" in line))
     return 0
 
 
