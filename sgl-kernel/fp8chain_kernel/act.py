@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation
-from .fp8_tile import quantize_tile, round_bf16, store_scale_tile
+from .fp8_tile import round_bf16, store_pair_tile
 from .norm import check_tensor, launch_args, producer_result, resolve_outputs
 
 __all__ = ["silu_mul"]
@@ -48,11 +48,9 @@ def _silu_mul_kernel(gu_ptr, y_ptr, data_ptr, scale_ptr, M, I, limit,
     if STORE_BF16:
         tl.store(y_ptr + rows * stride_ym + offs_n[None, :], yb, mask=mask)
     if QUANT:
-        y = tl.where(mask, yb.to(tl.float32), 0.0)
-        data, scale = quantize_tile(y, BLOCK_M, BLOCK_N, GROUP, POW2, EXACT_CAST)
-        tl.store(data_ptr + rows * stride_dm + offs_n[None, :], data, mask=mask)
-        store_scale_tile(scale_ptr, scale, offs_m, tl.program_id(0) * (BLOCK_N // GROUP), M,
-                         tl.cdiv(I, GROUP), stride_sm, stride_sg, BLOCK_N // GROUP, PACKED)
+        store_pair_tile(data_ptr + rows * stride_dm + offs_n[None, :], scale_ptr, yb.to(tl.float32), mask,
+                        offs_m, tl.program_id(0) * (BLOCK_N // GROUP), M, tl.cdiv(I, GROUP), stride_sm,
+                        stride_sg, BLOCK_M, BLOCK_N, GROUP, POW2, PACKED, EXACT_CAST)
 
 
 def _launch_config(rows: int, cols: int) -> tuple[int, int, int]:

@@ -30,30 +30,10 @@ import triton
 import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation
-from .fp8_tile import quantize_tile, round_bf16, store_scale_tile
+from .fp8_tile import round_bf16, store_pair_tile
 from .norm import check_tensor, launch_args, producer_result, resolve_outputs
 
 __all__ = ["wo_a_einsum"]
-
-
-@triton.jit
-def _store_ue8m0_bytes(scale_ptr, scale, offs_m, group0, M, num_groups, stride_sm, stride_sg,
-                       GROUPS: tl.constexpr):
-    """Packed UE8M0 scales of ``GROUPS`` groups starting at ``group0`` stored byte by byte into the
-    int32 words (byte ``j % 4`` of word ``j // 4``, little-endian); the program holding the last
-    group also zeroes the tail bytes of the last word."""
-    byte_ptr = scale_ptr.to(tl.pointer_type(tl.uint8))
-    row_ok = offs_m[:, None] < M
-    words_m = offs_m.to(tl.int64)[:, None] * stride_sm
-    offs_g = group0 + tl.arange(0, GROUPS)
-    exponent = (scale.to(tl.int32, bitcast=True) >> 23).to(tl.uint8)
-    addr = (words_m + (offs_g // 4)[None, :] * stride_sg) * 4 + (offs_g % 4)[None, :]
-    tl.store(byte_ptr + addr, exponent, mask=row_ok & (offs_g[None, :] < num_groups))
-    tail = num_groups + tl.arange(0, 4)
-    is_last = group0 + GROUPS >= num_groups
-    tail_ok = row_ok & (tail[None, :] < ((num_groups + 3) // 4) * 4) & is_last
-    tail_addr = (words_m + (tail // 4)[None, :] * stride_sg) * 4 + (tail % 4)[None, :]
-    tl.store(byte_ptr + tail_addr, tl.zeros((offs_m.shape[0], 4), tl.uint8), mask=tail_ok)
 
 
 @triton.jit
@@ -62,7 +42,7 @@ def _wo_a_kernel(o_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, G, R, D,
                  stride_ym, stride_dm, stride_sm, stride_sg,
                  STORE_BF16: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                  POW2: tl.constexpr, PACKED: tl.constexpr, EXACT_CAST: tl.constexpr,
-                 BYTE_SCALES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                  K_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # Axis 0 walks the tiles of one group (M fastest), axis 1 the groups: a group's o rows and
     # weights stay in L2 while its tiles run.
@@ -109,17 +89,9 @@ def _wo_a_kernel(o_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, G, R, D,
     if STORE_BF16:
         tl.store(y_ptr + rows * stride_ym + cols[None, :], yb, mask=mask)
     if QUANT:
-        y = tl.where(mask, yb.to(tl.float32), 0.0)
-        data, scale = quantize_tile(y, BLOCK_M, BLOCK_N, GROUP, POW2, EXACT_CAST)
-        tl.store(data_ptr + rows * stride_dm + cols[None, :], data, mask=mask)
-        group0 = (g * R + pid_n * BLOCK_N) // GROUP
-        num_groups = tl.cdiv(G * R, GROUP)
-        if BYTE_SCALES:
-            _store_ue8m0_bytes(scale_ptr, scale, offs_m, group0, M, num_groups, stride_sm, stride_sg,
-                               BLOCK_N // GROUP)
-        else:
-            store_scale_tile(scale_ptr, scale, offs_m, group0, M, num_groups, stride_sm, stride_sg,
-                             BLOCK_N // GROUP, PACKED)
+        store_pair_tile(data_ptr + rows * stride_dm + cols[None, :], scale_ptr, yb.to(tl.float32), mask,
+                        offs_m, (g * R + pid_n * BLOCK_N) // GROUP, M, tl.cdiv(G * R, GROUP), stride_sm,
+                        stride_sg, BLOCK_M, BLOCK_N, GROUP, POW2, PACKED, EXACT_CAST)
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,13 +168,12 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, out_format: ActFormat | 
     min_n = fmt.group_size if fmt is not None else 16
     cfg = _launch_config(rows, groups, r, d, min_n, _num_sms(o.device))
     block_n = cfg["BLOCK_N"]
-    byte_scales = fmt is not None and fmt.packed and block_n % 128 != 0
     grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(r, block_n), groups)
     _wo_a_kernel[grid](
         o, wo_a, a["y"], a["data"], a["scale"], rows, groups, r, d,
         o.stride(0), o.stride(1), o.stride(2), wo_a.stride(0), wo_a.stride(1), wo_a.stride(2),
         a["y_stride"], *a["strides"],
-        STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"], BYTE_SCALES=byte_scales,
+        STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"],
         EVEN_K=d % cfg["BLOCK_K"] == 0, K_TILES=triton.cdiv(d, cfg["BLOCK_K"]), EVEN_N=r % block_n == 0, **cfg, **a["consts"],
     )
     return producer_result(y, pair)

@@ -106,22 +106,49 @@ def store_scale_tile(scale_ptr, scale, offs_m, group0, M, num_groups, stride_sm,
                      GROUPS: tl.constexpr, PACKED: tl.constexpr):
     """Store a ``[BLOCK_M, GROUPS]`` scale tile whose first group is ``group0``.
 
-    fp32 formats: one float per group at ``m * stride_sm + j * stride_sg``. Packed UE8M0: four
-    exponent bytes per int32 word (``GROUPS`` and ``group0`` multiples of 4); exponents of groups
-    at or past ``num_groups`` are written as zero bytes.
+    fp32 formats: one float per group at ``m * stride_sm + j * stride_sg``. Packed UE8M0: byte
+    ``j % 4`` of int32 word ``j // 4`` holds group ``j``'s exponent; bytes of groups at or past
+    ``num_groups`` (the tail of the last word) are written as zero. Tiles of whole words (``GROUPS``
+    and ``group0`` multiples of 4) store words; narrower tiles store bytes, and the program holding
+    the last group zeroes the tail bytes.
     """
     offs_g = group0 + tl.arange(0, GROUPS)
     row_ok = offs_m[:, None] < M
     if PACKED:
         exponent = scale.to(tl.int32, bitcast=True) >> 23
-        exponent = tl.where(offs_g[None, :] < num_groups, exponent, 0)
-        shifted = tl.reshape(exponent, (exponent.shape[0], GROUPS // 4, 4)) << (tl.arange(0, 4) * 8)[None, None, :]
-        words = tl.sum(shifted, axis=2)  # disjoint bytes: the sum is their bitwise or
-        offs_w = group0 // 4 + tl.arange(0, GROUPS // 4)
-        mask = row_ok & (offs_w[None, :] < (num_groups + 3) // 4)
-        tl.store(scale_ptr + offs_m[:, None] * stride_sm + offs_w[None, :] * stride_sg,
-                 words.to(tl.int32), mask=mask)
+        if GROUPS % 4 == 0:
+            exponent = tl.where(offs_g[None, :] < num_groups, exponent, 0)
+            shifted = tl.reshape(exponent, (exponent.shape[0], GROUPS // 4, 4)) << (tl.arange(0, 4) * 8)[None, None, :]
+            words = tl.sum(shifted, axis=2)  # disjoint bytes: the sum is their bitwise or
+            offs_w = group0 // 4 + tl.arange(0, GROUPS // 4)
+            mask = row_ok & (offs_w[None, :] < (num_groups + 3) // 4)
+            tl.store(scale_ptr + offs_m[:, None] * stride_sm + offs_w[None, :] * stride_sg,
+                     words.to(tl.int32), mask=mask)
+        else:
+            byte_ptr = scale_ptr.to(tl.pointer_type(tl.uint8))
+            words_m = offs_m.to(tl.int64)[:, None] * stride_sm
+            addr = (words_m + (offs_g // 4)[None, :] * stride_sg) * 4 + (offs_g % 4)[None, :]
+            tl.store(byte_ptr + addr, exponent.to(tl.uint8), mask=row_ok & (offs_g[None, :] < num_groups))
+            tail = num_groups + tl.arange(0, 4)
+            tail_ok = row_ok & (tail[None, :] < ((num_groups + 3) // 4) * 4) & (group0 + GROUPS >= num_groups)
+            tail_addr = (words_m + (tail // 4)[None, :] * stride_sg) * 4 + (tail % 4)[None, :]
+            tl.store(byte_ptr + tail_addr, tl.zeros((offs_m.shape[0], 4), tl.uint8), mask=tail_ok)
     else:
         mask = row_ok & (offs_g[None, :] < num_groups)
         tl.store(scale_ptr + offs_m[:, None] * stride_sm + offs_g[None, :] * stride_sg,
                  scale, mask=mask)
+
+
+@triton.jit
+def store_pair_tile(data_ptrs, scale_ptr, y, mask, offs_m, group0, M, num_groups, stride_sm, stride_sg,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, POW2: tl.constexpr,
+                    PACKED: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """The FP8 epilogue every producer shares: quantize the fp32 tile ``y`` (elements outside
+    ``mask`` ignored) and store its data at ``data_ptrs`` and its scales (first group ``group0``).
+
+    The standalone quantize calls ``quantize_tile`` directly: its masked loads are already zero,
+    and the select here would cost it registers."""
+    data, scale = quantize_tile(tl.where(mask, y, 0.0), BLOCK_M, BLOCK_N, GROUP, POW2, EXACT_CAST)
+    tl.store(data_ptrs, data, mask=mask)
+    store_scale_tile(scale_ptr, scale, offs_m, group0, M, num_groups, stride_sm, stride_sg,
+                     BLOCK_N // GROUP, PACKED)

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation, cdiv
-from .fp8_tile import format_constexprs, interpreting, quantize_tile, round_bf16, store_scale_tile
+from .fp8_tile import format_constexprs, interpreting, round_bf16, store_pair_tile
 from .quant import prepare_out
 
 __all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary"]
@@ -316,11 +316,9 @@ def _boundary_kernel(
                 tl.store(x_ptr + rows[:, None] * stride_xt + offs_h[None, :], x.to(tl.bfloat16),
                          mask=mask)
             if QUANT:
-                xf = tl.where(mask, x, 0.0)
-                data, scale = quantize_tile(xf, BM, BLOCK, GROUP, POW2, EXACT_CAST)
-                tl.store(q_ptr + rows[:, None] * stride_qt + offs_h[None, :], data, mask=mask)
-                store_scale_tile(s_ptr, scale, offs_m, h0 // GROUP, T, tl.cdiv(H, GROUP),
-                                 stride_sm, stride_sg, BLOCK // GROUP, PACKED)
+                store_pair_tile(q_ptr + rows[:, None] * stride_qt + offs_h[None, :], s_ptr, x, mask, offs_m,
+                                h0 // GROUP, T, tl.cdiv(H, GROUP), stride_sm, stride_sg,
+                                BM, BLOCK, GROUP, POW2, PACKED, EXACT_CAST)
 
 
 # ------------------------------------------------------------------------------ host side

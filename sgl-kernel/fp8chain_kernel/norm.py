@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation
-from .fp8_tile import format_constexprs, interpreting, quantize_tile, round_bf16, store_scale_tile
+from .fp8_tile import format_constexprs, interpreting, round_bf16, store_pair_tile
 from .quant import prepare_out
 
 __all__ = ["rms_norm"]
@@ -147,11 +147,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, H, ep
     if STORE_BF16:
         tl.store(y_ptr + rows * stride_ym + offs_h[None, :], yb, mask=mask)
     if QUANT:
-        y = tl.where(mask, yb.to(tl.float32), 0.0)
-        data, scale = quantize_tile(y, BLOCK_M, BLOCK_H, GROUP, POW2, EXACT_CAST)
-        tl.store(data_ptr + rows * stride_dm + offs_h[None, :], data, mask=mask)
-        store_scale_tile(scale_ptr, scale, offs_m, 0, M, tl.cdiv(H, GROUP), stride_sm, stride_sg,
-                         BLOCK_H // GROUP, PACKED)
+        store_pair_tile(data_ptr + rows * stride_dm + offs_h[None, :], scale_ptr, yb.to(tl.float32), mask,
+                        offs_m, 0, M, tl.cdiv(H, GROUP), stride_sm, stride_sg,
+                        BLOCK_M, BLOCK_H, GROUP, POW2, PACKED, EXACT_CAST)
 
 
 def _launch_config(rows: int, cols: int) -> tuple[int, int, int]:
