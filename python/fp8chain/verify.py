@@ -87,6 +87,30 @@ def check_wo_a_and_mhc(device, quick) -> str:
     return f"wo_a_einsum G={groups}, mhc_mega_boundary H={hidden}: {len(ActFormat)} formats bitwise"
 
 
+def check_attention(device, quick) -> str:
+    from fp8chain_kernel import attention
+
+    heads, dim, length = (64, 512, 1024) if device.type == "cuda" else (4, 128, 64)
+    cos, sin = ref.rope_tables(length, 64, 10000.0, device)
+    worst = 0.0
+    for rows in (1, 3) if quick else (1, 3, 64):
+        q_in = torch.randn(rows, heads * dim, device=device).bfloat16()
+        kv = torch.randn(rows, dim, device=device).bfloat16()
+        cache = torch.randn(rows, length, dim, device=device).bfloat16()
+        want_cache = cache.clone()
+        slots, positions = torch.arange(rows, device=device), torch.randint(0, length, (rows,), device=device)
+        q = attention.rope_qkv(q_in, kv, cos, sin, cache, slots, positions, 1e-6)
+        want_q = ref.rope_qkv(q_in, kv, cos, sin, want_cache, slots, positions, 1e-6)
+        sink = torch.randn(heads, device=device)
+        o = attention.mqa_attention(q, cache, slots, positions, sink, dim ** -0.5, cos, sin).float()
+        want = ref.mqa_attention(want_q, want_cache, slots, positions, sink, dim ** -0.5, cos, sin).float()
+        _require(bool(torch.isfinite(o).all()), f"non-finite attention output T={rows}")
+        err = ((o.double() - want.double()).norm() / want.double().norm()).item()
+        _require(err < 1e-2, f"attention T={rows}: relative error {err:.2e}")
+        worst = max(worst, err)
+    return f"rope_qkv + mqa_attention {heads} heads x {dim}, context {length}: worst relative error {worst:.1e}"
+
+
 def check_gemm(device, quick) -> str:
     from fp8chain_kernel import gemm, quant
     from fp8chain_kernel.formats import FP8_DTYPE
@@ -112,6 +136,7 @@ CHECKS: dict[str, Check] = {
     "quantize": check_quantize,
     "producers": check_producers,
     "wo_a + mhc": check_wo_a_and_mhc,
+    "attention": check_attention,
     "gemm": check_gemm,
 }
 
