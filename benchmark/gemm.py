@@ -32,7 +32,7 @@ for _p in (_ROOT / "python", _ROOT / "sgl-kernel"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from fp8chain_kernel import gemm, quant  # noqa: E402
+from fp8chain_kernel import gemm, quant, reference  # noqa: E402
 from fp8chain_kernel.formats import ActFormat, cdiv  # noqa: E402
 
 SHAPES = {
@@ -70,16 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------------------------
 
 def _weights(n, k, block, device, copies):
-    out = []
-    for _ in range(copies):
-        w = (torch.randn(n, k, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-        shape = (cdiv(n, block), cdiv(k, block))
-        if block == 32:
-            s = torch.exp2(torch.randint(-14, -6, shape, device=device).float())
-        else:
-            s = torch.rand(shape, device=device) * 3e-3 + 1e-4
-        out.append((w, s))
-    return out
+    return [reference.random_fp8_weight(n, k, block, device) for _ in range(copies)]
 
 
 def _copies(n, k):
@@ -232,9 +223,8 @@ def run_sweep(args, device, copy_bw):
         out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
         heur = gemm.select_config(m, n, k, group, device)
         results = []
-        from fp8chain_kernel import reference as ref
 
-        want = ref.fp8_gemm(pair, ws[0][0], ws[0][1], group)
+        want = reference.fp8_gemm(pair, ws[0][0], ws[0][1], group)
         for cfg in sweep_candidates(m, n, k, group) + [None]:
             got = gemm.fp8_gemm(pair, ws[0][0], ws[0][1], weight_block=group, config=cfg)
             err = ((got.double() - want).norm() / want.norm()).item()
@@ -263,14 +253,13 @@ def run_sweep(args, device, copy_bw):
 
 def check_blockwise_views(device):
     """Which 128x128 scale_b view torch._scaled_mm takes (K/128 = 10 and 40), and its error."""
-    from fp8chain_kernel import reference as ref
     from fp8chain_kernel.backends.torch_blockwise import TorchBlockwiseBackend
 
     for n, k in ((32768, 1280), (5120, 2304), (1792, 5120)):
         (w, s), = _weights(n, k, 128, device, 1)
         padded = TorchBlockwiseBackend().derive_weight_tensors(w, s, 128)["weight_scale_blockwise"]
         pair = quant.quantize(torch.randn(8, k, device=device).bfloat16(), G128)
-        want = ref.fp8_gemm(pair, w, s, 128)
+        want = reference.fp8_gemm(pair, w, s, 128)
         for view in ("contig", "exact", "padded"):
             try:
                 got = torch._scaled_mm(pair.data, w.t(), scale_a=pair.scale,

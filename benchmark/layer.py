@@ -56,16 +56,6 @@ def layer_config(shapes: str, tiny: bool = False) -> DeepseekV41Config:
     return DeepseekV41Config.tiny(**overrides) if tiny else DeepseekV41Config.flash(**overrides)
 
 
-def _random_fp8(n: int, k: int, block: int, device, pow2: bool):
-    weight = (torch.randn(n, k, device=device) * 96).clamp(-448, 448).to(FP8_DTYPE)
-    blocks = (-(-n // block), -(-k // block))
-    if pow2:
-        scale = torch.exp2(torch.randint(-16, -12, blocks, device=device).float())
-    else:
-        scale = (torch.rand(blocks, device=device) + 0.5) * 2.0 ** -14
-    return weight, scale
-
-
 def build_layer(config: DeepseekV41Config, device) -> DeepseekV41DecoderLayer:
     """The decoder layer with random weights in the checkpoint's format, processed for serving."""
     quant_config = Fp8Config.from_config(config.quantization_config)
@@ -74,7 +64,7 @@ def build_layer(config: DeepseekV41Config, device) -> DeepseekV41DecoderLayer:
     with torch.no_grad():
         for module in layer.modules():
             if hasattr(module, "quant_method") and hasattr(module, "weight_scale_inv"):
-                w, s = _random_fp8(*module.weight.shape, block, device, pow2=True)
+                w, s = reference.random_fp8_weight(*module.weight.shape, block, device, log2_scale=-14)
                 module.weight.copy_(w)
                 module.weight_scale_inv.copy_(s)
                 module.quant_method.process_weights_after_loading(module)
@@ -150,7 +140,7 @@ class CompiledPeer:
                              ("down", layer.ffn.shared_experts.down)):
             n, k = module.weight.shape
             padded_k = -(-k // 512) * 512
-            w, s = _random_fp8(n, padded_k, 128, device, pow2=False)
+            w, s = reference.random_fp8_weight(n, padded_k, 128, device, log2_scale=-14)
             w[:, k:] = 0
             # the [K/128, N/128] view of the checkpoint scales that torch 2.11's blockwise
             # _scaled_mm takes for K/128 % 4 == 0 (what the backend calibrated)

@@ -113,14 +113,11 @@ def check_attention(device, quick) -> str:
 
 def check_gemm(device, quick) -> str:
     from fp8chain_kernel import gemm, quant
-    from fp8chain_kernel.formats import FP8_DTYPE
 
     n, k = (1792, 5120) if device.type == "cuda" else (128, 256)
     worst = 0.0
     for fmt, block in ((ActFormat.SM90_G32_FP32_MN, 32), (ActFormat.SM90_G128_FP32_MN, 128)):
-        weight = (torch.randn(n, k, device=device) * 64).clamp(-448, 448).to(FP8_DTYPE)
-        exps = torch.randint(-12, -4, (-(-n // block), -(-k // block)), device=device).float()
-        scale = torch.exp2(exps)
+        weight, scale = ref.random_fp8_weight(n, k, block, device, log2_scale=-8)
         for rows in (1, 3, 64):
             pair = quant.quantize(_random_rows(rows, k, device), fmt)
             out = gemm.fp8_gemm(pair, weight, scale, weight_block=block)

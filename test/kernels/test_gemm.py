@@ -9,7 +9,7 @@ import torch
 
 from fp8chain_kernel import gemm, quant
 from fp8chain_kernel import reference as ref
-from fp8chain_kernel.formats import ActFormat, cdiv, empty_pair
+from fp8chain_kernel.formats import ActFormat, empty_pair
 from helpers import rel_error
 
 G32, G128 = ActFormat.SM90_G32_FP32_MN, ActFormat.SM90_G128_FP32_MN
@@ -19,18 +19,6 @@ TOL = 5e-3
 # DSv4.1 dense FP8 linears (N, K): wqkv_a, wq_b, wo_b (TP1, TP4), shared gate_up, shared down.
 DSV41_SHAPES = [(1792, 5120), (32768, 1280), (5120, 8192), (5120, 2048), (4608, 5120), (5120, 2304)]
 GPU_MS = [1, 2, 3, 4, 16, 64, 127, 256, 2048]
-
-
-def make_weight(n, k, block, device):
-    """Fresh e4m3 weights and block scales: power-of-two for 32x32 (DSv4.1 checkpoints),
-    arbitrary positive fp32 for 128x128 (V3/V4 checkpoints)."""
-    w = (torch.randn(n, k, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-    shape = (cdiv(n, block), cdiv(k, block))
-    if block == 32:
-        scale = torch.exp2(torch.randint(-14, -6, shape, device=device).float())
-    else:
-        scale = torch.rand(shape, device=device) * 3e-3 + 1e-4
-    return w, scale
 
 
 def make_activation(m, k, device):
@@ -70,7 +58,7 @@ SPLIT_CFG = gemm.GemmConfig(block_n=64, block_m=16, block_k=128, split=2, stages
     (5, 192, 512, gemm.GemmConfig(64, 16, 256, 2, 2, 4, 8, dequant=True)),  # bf16-dequantized operands
 ])
 def test_fp8_gemm_matches_reference_cpu(fmt, block, m, n, k, config, device):
-    w, scale = make_weight(n, k, block, device)
+    w, scale = ref.random_fp8_weight(n, k, block, device)
     pair = ref.quantize(make_activation(m, k, device), fmt)
     out = gemm.fp8_gemm(pair, w, scale, weight_block=block, out=poisoned_out(m, n, device), config=config)
     check_against_reference(out, pair, w, scale, block)
@@ -80,7 +68,7 @@ def test_fp8_gemm_matches_reference_cpu(fmt, block, m, n, k, config, device):
 @pytest.mark.parametrize("fmt,block", FORMATS, ids=["g32", "g128"])
 def test_pair_path_equals_bf16_path_bitwise(fmt, block, device):
     m, n, k = 5, 128, 256
-    w, scale = make_weight(n, k, block, device)
+    w, scale = ref.random_fp8_weight(n, k, block, device)
     x = make_activation(m, k, device)
     chained = gemm.fp8_gemm(quant.quantize(x, fmt), w, scale, weight_block=block)
     unchained = gemm.fp8_gemm(x, w, scale, weight_block=block, fmt=fmt)
@@ -90,7 +78,7 @@ def test_pair_path_equals_bf16_path_bitwise(fmt, block, device):
 @pytest.mark.cpu
 def test_split_k_is_deterministic_and_rearms(device):
     m, n, k = 4, 128, 512
-    w, scale = make_weight(n, k, 32, device)
+    w, scale = ref.random_fp8_weight(n, k, 32, device)
     pairs = [ref.quantize(make_activation(m, k, device), G32) for _ in range(2)]
     first = gemm.fp8_gemm(pairs[0], w, scale, weight_block=32, config=SPLIT_CFG)
     other = gemm.fp8_gemm(pairs[1], w, scale, weight_block=32, config=SPLIT_CFG)  # counters re-armed
@@ -105,7 +93,7 @@ def test_split_k_is_deterministic_and_rearms(device):
 @pytest.mark.parametrize("config", [None, SPLIT_CFG], ids=["direct", "splitk"])
 def test_nan_row_stays_in_its_row(config, device):
     m, n, k = 6, 128, 256
-    w, scale = make_weight(n, k, 32, device)
+    w, scale = ref.random_fp8_weight(n, k, 32, device)
     x = make_activation(m, k, device)
     x[4, 77] = float("nan")
     out = gemm.fp8_gemm(x, w, scale, weight_block=32, fmt=G32, config=config)
@@ -116,8 +104,8 @@ def test_nan_row_stays_in_its_row(config, device):
 
 @pytest.mark.cpu
 def test_mismatched_format_raises_type_error_naming_both(device):
-    w32, s32 = make_weight(128, 256, 32, device)
-    w128, s128 = make_weight(128, 256, 128, device)
+    w32, s32 = ref.random_fp8_weight(128, 256, 32, device)
+    w128, s128 = ref.random_fp8_weight(128, 256, 128, device)
     x = make_activation(2, 256, device)
     with pytest.raises(TypeError, match="sm90_g32_fp32_mn.*sm90_g128_fp32_mn"):
         gemm.fp8_gemm(ref.quantize(x, G128), w32, s32, weight_block=32)
@@ -133,7 +121,7 @@ def test_mismatched_format_raises_type_error_naming_both(device):
 
 @pytest.mark.cpu
 def test_bad_weights_and_out_are_rejected(device):
-    w, s = make_weight(128, 256, 32, device)
+    w, s = ref.random_fp8_weight(128, 256, 32, device)
     pair = ref.quantize(make_activation(2, 256, device), G32)
     with pytest.raises(ValueError, match="needs scales"):
         gemm.fp8_gemm(pair, w, s[:, :-1], weight_block=32)
@@ -148,7 +136,7 @@ def test_bad_weights_and_out_are_rejected(device):
 @pytest.mark.cpu
 def test_zero_rows_and_caller_buffers(device):
     n, k = 128, 256
-    w, s = make_weight(n, k, 32, device)
+    w, s = ref.random_fp8_weight(n, k, 32, device)
     empty = gemm.fp8_gemm(empty_pair(0, k, G32, device), w, s, weight_block=32)
     assert empty.shape == (0, n)
     # A pair that is a row slice of a buffer captured for more rows (scale column stride 12 > 8),
@@ -168,7 +156,7 @@ def test_zero_rows_and_caller_buffers(device):
 @pytest.mark.parametrize("dequant", [False, True])
 def test_w8a16_matches_reference_cpu(block, dequant, device):
     m, n, k = 3, 192, 256
-    w, s = make_weight(n, k, block, device)
+    w, s = ref.random_fp8_weight(n, k, block, device)
     x = make_activation(m, k, device)
     cfg = gemm.GemmConfig(64, 16, 128, 1, 2, 4, 8, dequant=dequant)
     out = gemm.w8a16_gemm(x, w, s, weight_block=block, out=poisoned_out(m, n, device), config=cfg)
@@ -189,7 +177,7 @@ def _gpu_weight(n, k, block):
     key = (n, k, block)
     if key not in _weights_cache:
         _weights_cache.clear()
-        w, s = make_weight(n, k, block, "cuda")
+        w, s = ref.random_fp8_weight(n, k, block, "cuda")
         _weights_cache[key] = (w, s, ref.dequantize_weight(w, s, block).double())
     return _weights_cache[key]
 

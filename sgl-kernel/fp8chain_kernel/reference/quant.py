@@ -22,7 +22,7 @@ from ..formats import (
 
 __all__ = [
     "group_amax", "ue8m0_exponent", "quantize", "dequantize", "pack_ue8m0", "unpack_ue8m0",
-    "dequantize_weight", "pack_weight_scale_for_deepgemm", "scales_as_float",
+    "dequantize_weight", "random_fp8_weight", "pack_weight_scale_for_deepgemm", "scales_as_float",
 ]
 
 _MANTISSA_1_75 = 0x600000  # fp32 mantissa bits of 1.75 = 448 / 2^8
@@ -146,6 +146,19 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, block: int | tu
         )
     full = scale.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
     return weight.float() * full
+
+
+def random_fp8_weight(n: int, k: int, block: int, device=None, log2_scale: int = -10):
+    """A random e4m3 ``[n, k]`` weight with block scales as checkpoints store them, for tests and
+    benchmarks: power-of-two scales for 32x32 blocks (DSv4.1), arbitrary positive fp32 ones for
+    128x128 blocks (V3/V4), both around ``2^log2_scale``."""
+    weight = (torch.randn(n, k, device=device) * 64).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    blocks = (cdiv(n, block), cdiv(k, block))
+    if block == 32:
+        scale = torch.exp2(torch.randint(log2_scale - 4, log2_scale + 4, blocks, device=device).float())
+    else:
+        scale = (torch.rand(blocks, device=device) + 0.5) * 2.0 ** log2_scale
+    return weight, scale
 
 
 def pack_weight_scale_for_deepgemm(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
