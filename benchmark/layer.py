@@ -32,7 +32,7 @@ from fp8chain.models.deepseek_v41 import (  # noqa: E402
     DeepseekV41Config, DeepseekV41DecoderLayer, _chain_format,
 )
 from fp8chain_kernel import quant, reference  # noqa: E402
-from fp8chain_kernel.formats import FP8_DTYPE, FP8_MAX, align4  # noqa: E402
+from fp8chain_kernel.formats import ActFormat, align4  # noqa: E402
 
 ROWS = [1, 4, 16, 64, 256]
 PREFILL = 2048
@@ -152,10 +152,8 @@ class CompiledPeer:
         w_t, scale_b = self.weights[name]
         rows, cols = x.shape
         x = torch.nn.functional.pad(x, (0, w_t.shape[0] - cols, 0, align4(rows) - rows))
-        amax = reference.group_amax(x, 128)
-        fp8_max = torch.full_like(amax, FP8_MAX)
-        data = (x.float() * (fp8_max / amax).repeat_interleave(128, 1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        scale_a = (amax / fp8_max).t().contiguous().t()  # MN-major [M, K/128], strides (1, M)
+        data, scale, _ = reference.quantize_groups(x, ActFormat.SM90_G128_FP32_MN)
+        scale_a = scale.t().contiguous().t()  # MN-major [M, K/128], strides (1, M)
         out = torch._scaled_mm(data, w_t, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
         return out[:rows]
 

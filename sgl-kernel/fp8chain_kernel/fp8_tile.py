@@ -1,6 +1,6 @@
 """Triton device functions every FP8 producer shares: quantize a tile, store its scales.
 
-These are the Triton twin of ``reference._quantize_groups`` (same amax, same exponent bit
+These are the Triton twin of ``reference.quantize_groups`` (same amax, same exponent bit
 arithmetic, same two fp32 divisions, same clamp), so any kernel that calls ``quantize_tile`` on
 its bf16-rounded output writes bytes and scales equal to ``reference.quantize`` of that output.
 

@@ -21,7 +21,7 @@ from ..formats import (
 )
 
 __all__ = [
-    "group_amax", "ue8m0_exponent", "quantize", "dequantize", "pack_ue8m0", "unpack_ue8m0",
+    "group_amax", "ue8m0_exponent", "quantize_groups", "quantize", "dequantize", "pack_ue8m0", "unpack_ue8m0",
     "dequantize_weight", "random_fp8_weight", "pack_weight_scale_for_deepgemm", "scales_as_float",
 ]
 
@@ -52,8 +52,9 @@ def _pow2_from_exponent(biased: torch.Tensor) -> torch.Tensor:
     return (biased.to(torch.int32) << 23).view(torch.float32)
 
 
-def _quantize_groups(x: torch.Tensor, fmt: ActFormat):
-    """Returns (fp8 data [rows, cols], fp32 scales [rows, G], UE8M0 exponents or None)."""
+def quantize_groups(x: torch.Tensor, fmt: ActFormat):
+    """The group math of ``quantize`` without the scale layout: ``(fp8 data [rows, cols], fp32
+    scales [rows, G] contiguous, UE8M0 exponents or None)``."""
     rows, cols = x.shape
     g = fmt.group_size
     amax = group_amax(x, g)
@@ -107,7 +108,7 @@ def quantize(x: torch.Tensor, fmt: ActFormat | str) -> QuantizedActivation:
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"quantize expects bfloat16 or float32, got {x.dtype}")
     rows, cols = x.shape
-    data, scale, exponent = _quantize_groups(x, fmt)
+    data, scale, exponent = quantize_groups(x, fmt)
     # A zeroed [scale_cols, align4(M)] buffer viewed transposed: the layout of empty_scale, with
     # padding rows M..align4(M)-1 reading zero (and traceable by torch.compile).
     out_scale = torch.zeros((fmt.scale_shape(rows, cols)[1], align4(rows)), dtype=fmt.scale_dtype,
