@@ -109,12 +109,12 @@ class QuantizedActivation(_DataScale):
         return QuantizedActivation(self.data[:count], self.scale[:count], self.fmt)
 
 
-def empty_scale(rows: int, cols: int, fmt: ActFormat, device) -> torch.Tensor:
+def empty_scale(rows: int, cols: int, fmt: ActFormat, device, zero: bool = False) -> torch.Tensor:
     """Scale buffer of ``fmt``: a row-major ``[cols_of_scales, align4(rows)]`` allocation viewed
-    transposed, so the padding rows are part of the storage."""
+    transposed, so the padding rows are part of the storage (all zero with ``zero``)."""
     scale_cols = fmt.scale_shape(rows, cols)[1]
-    backing = torch.empty((scale_cols, align4(rows)), dtype=fmt.scale_dtype, device=device)
-    return backing.t()[:rows]
+    allocate = torch.zeros if zero else torch.empty
+    return allocate((scale_cols, align4(rows)), dtype=fmt.scale_dtype, device=device).t()[:rows]
 
 
 def empty_pair(rows: int, cols: int, fmt: ActFormat | str, device=None) -> QuantizedActivation:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import (
-    AMAX_FLOOR, FP8_DTYPE, FP8_MAX, ActFormat, QuantizedActivation, align4, cdiv,
+    AMAX_FLOOR, FP8_DTYPE, FP8_MAX, ActFormat, QuantizedActivation, align4, cdiv, empty_scale,
 )
 
 __all__ = [
@@ -109,10 +109,7 @@ def quantize(x: torch.Tensor, fmt: ActFormat | str) -> QuantizedActivation:
         raise TypeError(f"quantize expects bfloat16 or float32, got {x.dtype}")
     rows, cols = x.shape
     data, scale, exponent = quantize_groups(x, fmt)
-    # A zeroed [scale_cols, align4(M)] buffer viewed transposed: the layout of empty_scale, with
-    # padding rows M..align4(M)-1 reading zero (and traceable by torch.compile).
-    out_scale = torch.zeros((fmt.scale_shape(rows, cols)[1], align4(rows)), dtype=fmt.scale_dtype,
-                            device=x.device).t()[:rows]
+    out_scale = empty_scale(rows, cols, fmt, x.device, zero=True)  # padding rows read zero
     if fmt.packed:
         pack_ue8m0(exponent, out=out_scale)
     else:
