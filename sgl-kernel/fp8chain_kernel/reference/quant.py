@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import (
-    AMAX_FLOOR, FP8_DTYPE, FP8_MAX, ActFormat, QuantizedActivation, align4, cdiv, empty_scale,
+    AMAX_FLOOR, FP8_DTYPE, FP8_MAX, ActFormat, QuantizedActivation, cdiv, empty_scale,
 )
 
 __all__ = [
@@ -87,7 +87,7 @@ def pack_ue8m0(exponent: torch.Tensor, out: torch.Tensor | None = None) -> torch
     packed = (padded.view(rows, words, 4) << shifts).sum(-1)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
     if out is None:
-        out = torch.zeros((words, align4(rows)), dtype=torch.int32, device=exponent.device).t()[:rows]
+        out = empty_scale(rows, groups * 32, ActFormat.SM100_G32_UE8M0_PACKED_MN, exponent.device, zero=True)
     out.copy_(packed)
     return out
 
