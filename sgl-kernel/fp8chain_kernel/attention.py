@@ -1,21 +1,24 @@
 """DSv4.1 attention between ``wq_b`` and ``wo_a``: RoPE, MQA over a slotted KV cache, inverse RoPE.
 
 ``rope_qkv(q, kv, cos_table, sin_table, kv_cache, slots, positions, eps) -> q_roped``
-    ``q`` bf16 ``[T, nh*D]`` (wq_b's output) -> fp32 ``[T, nh, D]``, each head RMS-normalized
-    (no weight) and RoPE'd on its last ``rd`` dims; ``kv`` bf16 ``[T, D]`` is RoPE'd the same way
-    and written to ``kv_cache[slots[t], positions[t]]``. One launch.
+    ``q`` bf16 ``[T, nh*D]`` (wq_b's output) -> bf16 ``[T, nh, D]``, each head RMS-normalized
+    (no weight) and RoPE'd on its last ``rd`` dims in fp32, rounded once; ``kv`` bf16 ``[T, D]``
+    is RoPE'd the same way and written to ``kv_cache[slots[t], positions[t]]``. One launch.
 
 ``mqa_attention(q, kv_cache, slots, positions, sink, scale, cos_table, sin_table, *, out=None) -> o``
-    ``q`` fp32 ``[T, nh, D]``, ``kv_cache`` bf16 ``[S, L, D]`` contiguous (one latent head, keys =
+    ``q`` bf16 ``[T, nh, D]``, ``kv_cache`` bf16 ``[S, L, D]`` contiguous (one latent head, keys =
     values), ``sink`` fp32 ``[nh]`` -> ``o`` bf16 ``[T, nh, D]``: token ``t`` attends to
     ``kv_cache[slots[t], 0..positions[t]]`` with per-head sinks, then the last ``rd`` dims are
     rotated back (inverse RoPE). Launch 1 spreads (token, head block, key split) over the GPU,
-    each program an online softmax over its share of the keys, fp32 throughout (IEEE dots);
-    launch 2 merges the splits and the sink and applies the inverse RoPE.
+    each program an online softmax over its share of the keys on the tensor cores: ``q.k`` from
+    bf16 operands into fp32 (exact products), the probabilities rounded to bf16 for ``p @ v``
+    (relative error <= 2^-9 per term, as in FlashAttention), softmax statistics in fp32.
+    Launch 2 merges the fp32 partials and the sink and applies the inverse RoPE.
 
 RoPE acts on interleaved pairs ``(x[2i], x[2i+1])``; ``cos_table``/``sin_table`` are fp32
 ``[L, rd/2]`` rows per position (``reference.rope_tables``). Both functions equal their
-``fp8chain_kernel.reference`` namesakes up to fp32 rounding order. Decode and prefill alike: each
+``fp8chain_kernel.reference`` namesakes up to that rounding (``rope_qkv`` within one bf16 ulp).
+Decode and prefill alike: each
 token reads only its own slot's keys up to its own position, straight from the cache.
 """
 
@@ -25,14 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_tile import interpreting, round_bf16
+from .fp8_tile import dot_bf16, interpreting, round_bf16
 
 __all__ = ["rope_qkv", "mqa_attention"]
 
-_BLOCK_H = 16  # heads per program (tl.dot needs >= 16 rows; fewer heads are masked)
-_BLOCK_L = 16  # keys per step
+_BLOCK_H = 16  # query heads per program (tl.dot needs >= 16 rows; 32 spills registers at D = 512)
+_BLOCK_L = 32  # keys per step
 _TARGET_PROGRAMS = 264  # ~2 waves on 132 SMs
-_MIN_STEPS_PER_SPLIT = 4  # a split reads >= 64 keys: fewer, larger fp32 partials to merge
+_MIN_STEPS_PER_SPLIT = 2  # a split reads >= 64 keys: fewer, larger fp32 partials to merge
 
 
 @triton.jit
@@ -71,9 +74,10 @@ def _rope_qkv_kernel(q_ptr, kv_ptr, cos_ptr, sin_ptr, out_ptr, cache_ptr, slot_p
         q_odd = tl.load(row + even_d[None, :] + 1, mask=pair_mask, other=0.0).to(tl.float32) * rstd[:, None]
         q_even, q_odd = _rotate_pairs(q_even, q_odd, cos[None, :], sin[None, :], False)
         out = out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
-        tl.store(out + offs_d[None, :], q * rstd[:, None], mask=h_ok[:, None] & (offs_d[None, :] < nope))
-        tl.store(out + even_d[None, :], q_even, mask=pair_mask)
-        tl.store(out + even_d[None, :] + 1, q_odd, mask=pair_mask)
+        tl.store(out + offs_d[None, :], round_bf16(q * rstd[:, None], EXACT_CAST),
+                 mask=h_ok[:, None] & (offs_d[None, :] < nope))
+        tl.store(out + even_d[None, :], round_bf16(q_even, EXACT_CAST), mask=pair_mask)
+        tl.store(out + even_d[None, :] + 1, round_bf16(q_odd, EXACT_CAST), mask=pair_mask)
     else:
         src = kv_ptr + t.to(tl.int64) * stride_kvt
         dst = cache_ptr + tl.load(slot_ptr + t).to(tl.int64) * stride_cs + pos * stride_cl
@@ -90,7 +94,7 @@ def _rope_qkv_kernel(q_ptr, kv_ptr, cos_ptr, sin_ptr, out_ptr, cache_ptr, slot_p
 def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr, NH, D, L, scale,
                       stride_qt, stride_qh, stride_ks, stride_kl,
                       SPLITS: tl.constexpr, STEPS: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+                      BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EXACT_CAST: tl.constexpr):
     t = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -106,21 +110,25 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     start = split * (STEPS * BLOCK_L)
-    for step in range(STEPS):
-        offs_l = start + step * BLOCK_L + tl.arange(0, BLOCK_L)
-        l_ok = (offs_l <= last) & (offs_l < L)
-        k = tl.load(kv_ptr + slot * stride_ks + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :],
-                    mask=l_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        s = tl.where(l_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # rows with no valid key yet keep m = -inf: use 0 as the shift so exp() stays 0, not NaN
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - shift[:, None])
-        alpha = tl.exp(m_i - shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, k, input_precision="ieee")
-        m_i = m_new
+    # only keys 0..last: a causal prefill split past its token's position does no work
+    end = tl.minimum(last + 1, L)
+    for step in range(STEPS):  # constant trip count (the interpreter needs it), uniform branch
+        first = start + step * BLOCK_L
+        if first < end:
+            offs_l = first + tl.arange(0, BLOCK_L)
+            l_ok = (offs_l <= last) & (offs_l < L)
+            k = tl.load(kv_ptr + slot * stride_ks + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :],
+                        mask=l_ok[:, None] & d_ok[None, :], other=0.0)
+            s = dot_bf16(q, tl.trans(k), tl.zeros((BLOCK_H, BLOCK_L), tl.float32), EXACT_CAST) * scale
+            s = tl.where(l_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # rows with no valid key yet keep m = -inf: use 0 as the shift so exp() stays 0, not NaN
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - shift[:, None])
+            alpha = tl.exp(m_i - shift)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = dot_bf16(round_bf16(p, EXACT_CAST), k, acc * alpha[:, None], EXACT_CAST)
+            m_i = m_new
     base = (t * SPLITS + split).to(tl.int64) * NH
     tl.store(part_o_ptr + (base + offs_h[:, None]) * D + offs_d[None, :], acc,
              mask=h_ok[:, None] & d_ok[None, :])
@@ -219,7 +227,7 @@ def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_tab
     _check_index(positions, "positions", tokens)
     half = _check_tables(cos_table, sin_table, dim, q.device)
     heads = q.shape[1] // dim if dim else 0
-    out = torch.empty((tokens, heads, dim), dtype=torch.float32, device=q.device)
+    out = torch.empty((tokens, heads, dim), dtype=torch.bfloat16, device=q.device)
     if tokens == 0 or heads == 0:
         return out
     _rope_qkv_kernel[(tokens, triton.cdiv(heads, _BLOCK_H) + 1)](
@@ -236,8 +244,8 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
                   sink: torch.Tensor, scale: float, cos_table: torch.Tensor, sin_table: torch.Tensor, *,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring for shapes, dtypes and numerics."""
-    if q.dtype != torch.float32 or q.dim() != 3 or (q.numel() and q.stride(2) != 1):
-        raise TypeError(f"q must be float32 [T, nh, D] with unit last stride, got {q.dtype} "
+    if q.dtype != torch.bfloat16 or q.dim() != 3 or (q.numel() and q.stride(2) != 1):
+        raise TypeError(f"q must be bfloat16 [T, nh, D] with unit last stride, got {q.dtype} "
                         f"{tuple(q.shape)} strides {q.stride()}")
     tokens, heads, dim = q.shape
     _check_cache(kv_cache, dim)
@@ -266,7 +274,8 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     _mqa_split_kernel[(tokens, head_blocks, splits)](
         q, kv_cache, slots, positions, part_o, part_ml, heads, dim, length, float(scale),
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-        SPLITS=splits, STEPS=steps, BLOCK_H=_BLOCK_H, BLOCK_L=_BLOCK_L, BLOCK_D=block_d, num_warps=warps,
+        SPLITS=splits, STEPS=steps, BLOCK_H=_BLOCK_H, BLOCK_L=_BLOCK_L, BLOCK_D=block_d,
+        EXACT_CAST=interpreting(), num_warps=warps,
     )
     _mqa_merge_kernel[(tokens, head_blocks)](
         part_o, part_ml, sink, cos_table, sin_table, positions, out, heads, dim, out.stride(0), out.stride(1),

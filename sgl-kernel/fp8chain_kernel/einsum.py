@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation
-from .fp8_tile import round_bf16, store_pair_tile
+from .fp8_tile import dot_bf16, round_bf16, store_pair_tile
 from .norm import check_tensor, launch_args, producer_result, resolve_outputs
 
 __all__ = ["wo_a_einsum"]
@@ -74,12 +74,7 @@ def _wo_a_kernel(o_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, G, R, D,
             k_ok = (k0 + offs_k) < D
             a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if EXACT_CAST:
-            # Triton CPU interpreter: its bf16 tl.dot is wrong (operands taken as raw 16-bit
-            # integers); the fp32 product of the upcast bf16 operands is the same math.
-            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc)
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
+        acc = dot_bf16(a, tl.trans(b), acc, EXACT_CAST)
         a_ptrs += BLOCK_K * stride_od
         b_ptrs += BLOCK_K * stride_wd
     yb = round_bf16(acc, EXACT_CAST)

@@ -57,6 +57,20 @@ def cast_to_e4m3(x, EXACT_CAST: tl.constexpr):
 
 
 @triton.jit
+def dot_bf16(a, b, acc, EXACT_CAST: tl.constexpr):
+    """``acc + a @ b`` for bf16 tiles, fp32 accumulation on the tensor cores.
+
+    The Triton CPU interpreter's bf16 ``tl.dot`` is wrong (it takes the operands as raw 16-bit
+    integers); there the operands are upcast first, which is the same math (bf16 products are
+    exact in fp32).
+    """
+    if EXACT_CAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
 def round_bf16(x, EXACT_CAST: tl.constexpr):
     """fp32 tile -> bf16 tile, round to nearest even (NaN kept, overflow to inf).
 

@@ -44,15 +44,15 @@ def _rope_last(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
 
 def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
              kv_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, eps: float) -> torch.Tensor:
-    """``q [T, nh*D]`` bf16 (wq_b's output) -> fp32 ``[T, nh, D]``: per-head RMS-normalized (no
-    weight), RoPE on the last ``rd`` dims. ``kv [T, D]`` bf16 (normed latent) gets the same RoPE
+    """``q [T, nh*D]`` bf16 (wq_b's output) -> bf16 ``[T, nh, D]``: per-head RMS-normalized (no
+    weight), RoPE on the last ``rd`` dims, in fp32, rounded once. ``kv [T, D]`` bf16 (normed latent) gets the same RoPE
     and is written to ``kv_cache[slots[t], positions[t]]`` in bf16."""
     t, d = kv.shape
     cos, sin = cos_table[positions], sin_table[positions]
     q = q.float().view(t, -1, d)
     q = q * torch.rsqrt(q.pow(2).mean(dim=-1, keepdim=True) + eps)
     kv_cache[slots, positions] = _rope_last(kv.float(), cos, sin).to(kv_cache.dtype)
-    return _rope_last(q, cos, sin)
+    return _rope_last(q, cos, sin).to(torch.bfloat16)
 
 
 def attention_with_sinks(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
@@ -70,7 +70,7 @@ def attention_with_sinks(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tenso
 
 def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                   sink: torch.Tensor, scale: float, cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
-    """``q [T, nh, D]`` fp32, ``kv_cache [S, L, D]`` bf16 -> bf16 ``[T, nh, D]``: token ``t``
+    """``q [T, nh, D]`` bf16, ``kv_cache [S, L, D]`` bf16 -> bf16 ``[T, nh, D]``: token ``t``
     attends to ``kv_cache[slots[t], :positions[t] + 1]`` (``attention_with_sinks``), then the
     last ``rd`` dims are rotated back by the token's angle (inverse RoPE)."""
     keys = kv_cache[slots].float()
