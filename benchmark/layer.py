@@ -211,9 +211,11 @@ def run(args) -> tuple[dict, list[dict]]:
             for arm, on in (("chained", True), ("unchained", False)):
                 unit.set_chain(on)
                 record[f"{arm}_us"] = harness.graph_time_us(unit.step, iters=args.iters, repeats=5)
-                launches = harness.count_launches(unit.step)
+                kernels = harness.kernel_profile(unit.step)
+                launches = {name: int(entry["launches"]) for name, entry in kernels.items()}
                 record[f"{arm}_launches"] = sum(launches.values())
                 record[f"{arm}_quantize_launches"] = harness.quantize_launches(launches)
+                record[f"{arm}_kernels"] = kernels
             if peer is not None:
                 inputs = (unit.residual, unit.x, unit.positions, unit.slots, unit.kv_cache)
                 try:
@@ -242,7 +244,18 @@ def report(meta: dict, records: list[dict], results_dir=None) -> str:
     decode = [dict(r, panel=f"{r['shapes']} decode, context {meta['context']}") for r in records if r["phase"] == "decode"]
     harness.plot_records("layer", decode, "M", ["chained_us", "unchained_us", "compiled_peer_us", "floor_us"],
                          "us per decode step (attention + shared expert)", group="panel", results_dir=results_dir)
-    return f"{path}\n" + harness.markdown_table(records, COLUMNS)
+    return f"{path}\n" + harness.markdown_table(records, COLUMNS) + "\n" + kernel_breakdown(records)
+
+
+def kernel_breakdown(records: list[dict], top: int = 8) -> str:
+    """The chained step's most expensive kernels per case (eager profile, GPU us)."""
+    lines = []
+    for r in records:
+        kernels = sorted(r["chained_kernels"].items(), key=lambda item: -item[1]["us"])
+        total = sum(entry["us"] for _, entry in kernels)
+        parts = [f"{name[:40]} {entry['us']:.1f} ({int(entry['launches'])})" for name, entry in kernels[:top]]
+        lines.append(f"- {r['shapes']} {r['phase']} M={r['M']}: kernels {total:.1f} us: " + "; ".join(parts))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -39,3 +39,12 @@ def test_unit_chain_on_equals_off(shapes, rows):
     assert pair_off is None
     assert_pairs_equal(pair_on, reference.quantize(x_on, layer.attn.wqkv_a.input_format))
     assert bench.weight_bytes(layer) > 0
+
+
+def test_kernel_breakdown_lists_the_costliest_kernels_first():
+    bench = _layer_benchmark()
+    kernels = {"_quantize_kernel": {"launches": 5, "us": 7.5}, "gemm_kernel": {"launches": 2, "us": 30.0},
+               "tiny": {"launches": 1, "us": 0.5}}
+    line = bench.kernel_breakdown([{"shapes": "tp1", "phase": "decode", "M": 4, "chained_kernels": kernels}], top=2)
+    assert line.startswith("- tp1 decode M=4: kernels 38.0 us: gemm_kernel 30.0 (2); _quantize_kernel 7.5 (5)")
+    assert "tiny" not in line

@@ -69,8 +69,9 @@ def copy_bandwidth(device=None, nbytes: int = 1 << 31) -> float:
     return 2 * nbytes / (us * 1e-6)
 
 
-def count_launches(fn: Callable[[], object]) -> dict[str, int]:
-    """Kernel name -> launches during one call of ``fn`` (torch.profiler, CUDA activity)."""
+def kernel_profile(fn: Callable[[], object]) -> dict[str, dict[str, float]]:
+    """Kernel name -> ``{"launches": n, "us": total GPU time}`` during one eager call of ``fn``
+    (torch.profiler, CUDA activity), after one warm-up call."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -78,11 +79,18 @@ def count_launches(fn: Callable[[], object]) -> dict[str, int]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    counts: Counter[str] = Counter()
+    kernels: dict[str, dict[str, float]] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            counts[event.name] += 1
-    return dict(counts)
+            entry = kernels.setdefault(event.name, {"launches": 0, "us": 0.0})
+            entry["launches"] += 1
+            entry["us"] += event.time_range.elapsed_us()
+    return kernels
+
+
+def count_launches(fn: Callable[[], object]) -> dict[str, int]:
+    """Kernel name -> launches during one call of ``fn`` (``kernel_profile``)."""
+    return {name: int(entry["launches"]) for name, entry in kernel_profile(fn).items()}
 
 
 def quantize_launches(launches: dict[str, int]) -> int:
