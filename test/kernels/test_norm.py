@@ -7,7 +7,9 @@ Bounds and identities checked:
 * the bf16 output is within 1 bf16 ulp (``|ref| * 2^-7``) elementwise of the fp32 reference
   ``h * rsqrt(mean(h^2) + eps) * weight`` (the rounding alone is <= 0.5 ulp; the rest is fp32
   reduction order and rsqrt);
-* with ``residual``: the residual is updated in place to ``bf16(x + residual)`` bit for bit.
+* with ``residual``: the residual is updated in place to ``bf16(x + residual)`` bit for bit;
+* rows split over column slices (forced configurations on CPU, the heuristic's own on GPU) give
+  the same bytes as whole rows, and the bf16-only and FP8-emitting launches the same ``y``.
 """
 
 import pytest
@@ -224,3 +226,175 @@ def test_rms_norm_bad_inputs(device):
         norm.rms_norm(x, w, EPS, out_format="sm90_g64_nonsense")
     with pytest.raises(ValueError):
         norm.rms_norm(x, w, -1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch configurations: rows split over column slices, whole rows, the heuristic's choices
+# ----------------------------------------------------------------------------------------------
+
+def _forced_config(monkeypatch, block_m, slice_, block=None):
+    """Make ``rms_norm`` launch with ``block_m`` rows per program and column slices of ``slice_``
+    (0: whole rows), chunks of ``block`` columns; the row tiles are the production ones."""
+    def config(rows, cols, split_ok, device):
+        head, tail = norm._row_tiles(cols)
+        splits = -(-cols // slice_) if slice_ else 1
+        return dict(grid=(-(-rows // block_m), splits), BLOCK_M=block_m, HEAD=head, TAIL=tail, SLICE=slice_,
+                    BLOCK=(block or slice_) if slice_ else head, num_warps=4)
+    monkeypatch.setattr(norm, "_launch_config", config)
+
+
+def check_split_against_whole(rows, cols, fmt, device, monkeypatch, block_m, slice_, block):
+    """A split launch (poisoned outputs) equals the reference identities and, bit for bit, a
+    whole-row launch of the same rows (the sum of squares is taken in the same order)."""
+    x, w, _ = _inputs(rows, cols, device, False)
+    _forced_config(monkeypatch, block_m, slice_, block)
+    out = poisoned_pair(rows, cols, fmt, device)
+    y, pair = norm.rms_norm(x, w, EPS, out_format=fmt, out=out, out_bf16=_nan_bf16(rows, cols, device))
+    assert pair is out
+    assert_close_bf16(y, rms_norm_fp32(x, w, EPS), ulps=1.0)
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+    only = norm.rms_norm(x, w, EPS, out_format=fmt, out=poisoned_pair(rows, cols, fmt, device), return_bf16=False)
+    assert_pairs_equal(only, pair)
+    assert torch.equal(norm.rms_norm(x, w, EPS), y)  # bf16 only, same configuration
+    _forced_config(monkeypatch, block_m, 0)
+    whole_y, whole_pair = norm.rms_norm(x, w, EPS, out_format=fmt)
+    assert torch.equal(whole_y, y)
+    assert_pairs_equal(whole_pair, pair)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+@pytest.mark.parametrize("rows, block_m", [(1, 1), (3, 1), (5, 4), (7, 8)])
+@pytest.mark.parametrize("cols, slice_, block", [
+    (320, 128, 128),   # three slices, the last one 64 columns (half a packed word group past H)
+    (320, 256, 128),   # two chunks per slice, the second slice's second chunk entirely past H
+    (1280, 384, 128),  # q_norm width: head 1024 + tail 256, slices not a power of two
+    (96, 128, 128),    # a single slice wider than the row
+])
+def test_rms_norm_split_rows_cpu(rows, block_m, cols, slice_, block, fmt, device, monkeypatch):
+    check_split_against_whole(rows, cols, fmt, device, monkeypatch, block_m, slice_, block)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_rms_norm_split_zero_and_nan_rows_cpu(fmt, device, monkeypatch):
+    _forced_config(monkeypatch, 2, 128)
+    check_special_rows(5, 320, fmt, device)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_rms_norm_split_captured_buffers_cpu(fmt, device, monkeypatch):
+    """Split rows writing into buffers captured for more rows: strides honoured, rest untouched.
+    (``check_captured_buffers`` uses a residual, so this forces a split without one.)"""
+    _forced_config(monkeypatch, 1, 128)
+    big = poisoned_pair(64, 320, fmt, device)
+    big_y = _nan_bf16(8, 320 + 64, device)
+    x, w, _ = _inputs(3, 320, device, False)
+    y, pair = norm.rms_norm(x, w, EPS, out_format=fmt, out=big.rows(3), out_bf16=big_y[:3, :320])
+    assert_close_bf16(y, rms_norm_fp32(x, w, EPS))
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+    assert_captured_rest_untouched(big, big_y, 3, 320)
+
+
+def _recorded_configs(monkeypatch):
+    configs = []
+    real = norm._launch_config
+
+    def record(rows, cols, split_ok, device):
+        cfg = real(rows, cols, split_ok, device)
+        configs.append((split_ok, cfg))
+        return cfg
+    monkeypatch.setattr(norm, "_launch_config", record)
+    return configs
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("rows", [1, 2, 16])
+def test_rms_norm_no_split_in_place(rows, device, monkeypatch):
+    """Rows that would be split are not when the residual is updated in place or an output
+    overlaps x (other programs of the row still read it); the results are still right."""
+    configs = _recorded_configs(monkeypatch)
+    fmt = ActFormat.SM90_G32_FP32_MN
+    x, w, r = _inputs(rows, 320, device, True)
+    x = x.contiguous()
+    norm.rms_norm(x, w, EPS, out_format=fmt)
+    assert configs[-1][1]["SLICE"] > 0, "these rows should split without a residual"
+    r_kernel = r.clone()
+    y, pair = norm.rms_norm(x, w, EPS, residual=r_kernel, out_format=fmt)
+    assert configs[-1][1]["SLICE"] == 0
+    h = add_residual(x, r)
+    assert torch.equal(r_kernel, h)
+    assert_close_bf16(y, rms_norm_fp32(h, w, EPS))
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+    assert torch.equal(norm.rms_norm(h, w, EPS), y)  # split launch without the residual: same y
+    # y written over x itself
+    want = norm.rms_norm(x, w, EPS)
+    x_alias = x.clone()
+    got = norm.rms_norm(x_alias, w, EPS, out_bf16=x_alias)
+    split_ok, cfg = configs[-1]
+    assert not split_ok and cfg["SLICE"] == 0
+    assert got.data_ptr() == x_alias.data_ptr() and torch.equal(got, want)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_rms_norm_bf16_and_fp8_launches_agree(fmt, device):
+    """The configuration never depends on the format: y of the bf16-only and the FP8-emitting
+    launch of the same rows are equal bit for bit (split and whole rows)."""
+    for rows, residual in ((1, False), (3, True), (6, False), (127, False)):
+        x, w, r = _inputs(rows, 320, device, residual)
+        plain = norm.rms_norm(x, w, EPS, residual=r.clone() if residual else None)
+        y, _ = norm.rms_norm(x, w, EPS, residual=r.clone() if residual else None, out_format=fmt)
+        assert torch.equal(plain, y)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("cols", [1280, 5120])
+@pytest.mark.parametrize("rows", [1, 4, 16, 64, 127, 131, 132, 256, 2048])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_gpu_launch_config(rows, cols, residual, monkeypatch):
+    """The configurations an H200 gets (132 SMs) at DSv4.1 widths: whole rows held without idle
+    lanes, stored tiles at <= 8 values per thread (one register layout for bf16 and FP8 stores),
+    slices of whole 128-column blocks covering the row, ~2 programs per SM at decode, and no
+    split with an in-place residual."""
+    monkeypatch.setattr(norm, "interpreting", lambda: False)
+    cfg = norm._launch_config(rows, cols, not residual, torch.device("cpu"))
+    head, tail = cfg["HEAD"], cfg["TAIL"]
+    assert head + tail == cols  # 4096 + 1024, 1024 + 256: no padded lanes
+    assert cfg["BLOCK_M"] == 1 and cfg["grid"][0] == rows
+    threads = 32 * cfg["num_warps"]
+    row_blocks, splits = cfg["grid"]
+    if cfg["SLICE"]:
+        assert not residual and rows < norm.H200_SMS
+        assert cfg["SLICE"] % 128 == 0 and cfg["SLICE"] % cfg["BLOCK"] == 0
+        assert cfg["BLOCK"] <= 8 * threads
+        assert (splits - 1) * cfg["SLICE"] < cols <= splits * cfg["SLICE"]
+        assert row_blocks * splits >= norm.H200_SMS or splits == cols // 128
+        assert (head + tail) // threads <= 40  # the whole-row read for the sum of squares
+    else:
+        assert splits == 1
+        assert residual or rows >= norm.H200_SMS
+        assert head <= 8 * threads and tail <= 8 * threads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", GPU_T)
+@pytest.mark.parametrize("cols", [5120, 1280])
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_rms_norm_gpu_other_residual(rows, cols, fmt):
+    """The configurations ``test_rms_norm_gpu`` does not reach: H = 5120 without a residual (split
+    at decode sizes) and q_norm's H = 1280 with one (whole rows)."""
+    check_rms_norm(rows, cols, fmt, torch.device("cuda"), residual=cols != 5120)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_rms_norm_bf16_and_fp8_launches_agree_gpu(fmt):
+    device = torch.device("cuda")
+    for rows in GPU_T:
+        for cols, residual in ((5120, True), (5120, False), (1280, False)):
+            x, w, r = _inputs(rows, cols, device, residual)
+            plain = norm.rms_norm(x, w, EPS, residual=r.clone() if residual else None)
+            y, _ = norm.rms_norm(x, w, EPS, residual=r.clone() if residual else None, out_format=fmt)
+            assert torch.equal(plain, y), (rows, cols, residual)
