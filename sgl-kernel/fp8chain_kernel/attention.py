@@ -33,7 +33,8 @@ from .fp8_tile import dot_bf16, interpreting, round_bf16
 __all__ = ["rope_qkv", "mqa_attention"]
 
 _BLOCK_H = 16  # query heads per program (tl.dot needs >= 16 rows; 32 spills registers at D = 512)
-_BLOCK_L = 32  # keys per step
+_BLOCK_L = 64  # keys per step
+_MERGE_PAIRS = 16  # column pairs per merge program: decode's few (token, head block)s still fill the GPU
 _TARGET_PROGRAMS = 264  # ~2 waves on 132 SMs
 _MIN_STEPS_PER_SPLIT = 2  # a split reads >= 64 keys: fewer, larger fp32 partials to merge
 
@@ -91,6 +92,26 @@ def _rope_qkv_kernel(q_ptr, kv_ptr, cos_ptr, sin_ptr, out_ptr, cache_ptr, slot_p
 
 
 @triton.jit
+def _attend_block(q, kv_ptr, slot, first, last, L, m_i, l_i, acc, scale, stride_kl, offs_d, d_ok,
+                  BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """One online-softmax step over keys ``first .. first + BLOCK_L - 1`` (those <= ``last``)."""
+    offs_l = first + tl.arange(0, BLOCK_L)
+    l_ok = (offs_l <= last) & (offs_l < L)
+    k = tl.load(kv_ptr + slot + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :],
+                mask=l_ok[:, None] & d_ok[None, :], other=0.0)
+    s = dot_bf16(q, tl.trans(k), tl.zeros((BLOCK_H, BLOCK_L), tl.float32), EXACT_CAST) * scale
+    s = tl.where(l_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # rows with no valid key yet keep m = -inf: use 0 as the shift so exp() stays 0, not NaN
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - shift[:, None])
+    alpha = tl.exp(m_i - shift)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = dot_bf16(round_bf16(p, EXACT_CAST), k, acc * alpha[:, None], EXACT_CAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr, NH, D, L, scale,
                       stride_qt, stride_qh, stride_ks, stride_kl,
                       SPLITS: tl.constexpr, STEPS: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -104,31 +125,23 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
     d_ok = offs_d < D
     q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64) * stride_ks
     last = tl.load(pos_ptr + t)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     start = split * (STEPS * BLOCK_L)
     # only keys 0..last: a causal prefill split past its token's position does no work
-    end = tl.minimum(last + 1, L)
-    for step in range(STEPS):  # constant trip count (the interpreter needs it), uniform branch
-        first = start + step * BLOCK_L
-        if first < end:
-            offs_l = first + tl.arange(0, BLOCK_L)
-            l_ok = (offs_l <= last) & (offs_l < L)
-            k = tl.load(kv_ptr + slot * stride_ks + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :],
-                        mask=l_ok[:, None] & d_ok[None, :], other=0.0)
-            s = dot_bf16(q, tl.trans(k), tl.zeros((BLOCK_H, BLOCK_L), tl.float32), EXACT_CAST) * scale
-            s = tl.where(l_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # rows with no valid key yet keep m = -inf: use 0 as the shift so exp() stays 0, not NaN
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - shift[:, None])
-            alpha = tl.exp(m_i - shift)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = dot_bf16(round_bf16(p, EXACT_CAST), k, acc * alpha[:, None], EXACT_CAST)
-            m_i = m_new
+    end = tl.minimum(tl.minimum(last + 1, L), start + STEPS * BLOCK_L)
+    if EXACT_CAST:  # the interpreter needs constant trip counts
+        for step in range(STEPS):
+            if start + step * BLOCK_L < end:
+                m_i, l_i, acc = _attend_block(q, kv_ptr, slot, start + step * BLOCK_L, last, L, m_i, l_i, acc,
+                                              scale, stride_kl, offs_d, d_ok, BLOCK_H, BLOCK_L, EXACT_CAST)
+    else:
+        for first in range(start, end, BLOCK_L):
+            m_i, l_i, acc = _attend_block(q, kv_ptr, slot, first, last, L, m_i, l_i, acc,
+                                          scale, stride_kl, offs_d, d_ok, BLOCK_H, BLOCK_L, EXACT_CAST)
     base = (t * SPLITS + split).to(tl.int64) * NH
     tl.store(part_o_ptr + (base + offs_h[:, None]) * D + offs_d[None, :], acc,
              mask=h_ok[:, None] & d_ok[None, :])
@@ -139,45 +152,40 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
 @triton.jit
 def _mqa_merge_kernel(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, pos_ptr, o_ptr, NH, D,
                       stride_ot, stride_oh, SPLITS: tl.constexpr, HALF: tl.constexpr,
-                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                      EXACT_CAST: tl.constexpr):
+                      BLOCK_H: tl.constexpr, BLOCK_PAIRS: tl.constexpr, EXACT_CAST: tl.constexpr):
+    # Program (t, head block, column chunk): BLOCK_PAIRS column pairs (2i, 2i+1) of BLOCK_H heads.
+    # Pairs in the RoPE'd tail are rotated back; the others rotate by angle 0 (cos 1, sin 0).
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_i = tl.arange(0, BLOCK_HALF)
+    even_d = 2 * (tl.program_id(2) * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS))
     h_ok = offs_h < NH
-    i_ok = offs_i < HALF
-    nope = D - 2 * HALF
-    even_d = nope + 2 * offs_i
-    nope_mask = h_ok[:, None] & (offs_d[None, :] < nope)
-    pair_mask = h_ok[:, None] & i_ok[None, :]
+    mask = h_ok[:, None] & (even_d < D)[None, :]
     sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
     peak = sink
     for split in range(SPLITS):
         base = (t * SPLITS + split).to(tl.int64) * NH
         peak = tl.maximum(peak, tl.load(part_ml_ptr + (base + offs_h) * 2, mask=h_ok, other=float("-inf")))
     denom = tl.exp(sink - peak)
-    acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
-    even = tl.zeros((BLOCK_H, BLOCK_HALF), tl.float32)
-    odd = tl.zeros((BLOCK_H, BLOCK_HALF), tl.float32)
+    even = tl.zeros((BLOCK_H, BLOCK_PAIRS), tl.float32)
+    odd = tl.zeros((BLOCK_H, BLOCK_PAIRS), tl.float32)
     for split in range(SPLITS):
         base = (t * SPLITS + split).to(tl.int64) * NH
         m_s = tl.load(part_ml_ptr + (base + offs_h) * 2, mask=h_ok, other=float("-inf"))
         l_s = tl.load(part_ml_ptr + (base + offs_h) * 2 + 1, mask=h_ok, other=0.0)
-        weight = tl.exp(m_s - peak)[:, None]  # 0 for a split that saw no key (m_s = -inf)
-        denom += l_s * tl.exp(m_s - peak)
-        part = part_o_ptr + (base + offs_h[:, None]) * D
-        acc += tl.load(part + offs_d[None, :], mask=nope_mask, other=0.0) * weight
-        even += tl.load(part + even_d[None, :], mask=pair_mask, other=0.0) * weight
-        odd += tl.load(part + even_d[None, :] + 1, mask=pair_mask, other=0.0) * weight
+        weight = tl.exp(m_s - peak)  # 0 for a split that saw no key (m_s = -inf)
+        denom += l_s * weight
+        part = part_o_ptr + (base + offs_h[:, None]) * D + even_d[None, :]
+        even += tl.load(part, mask=mask, other=0.0) * weight[:, None]
+        odd += tl.load(part + 1, mask=mask, other=0.0) * weight[:, None]
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cos_ptr + pos * HALF + offs_i, mask=i_ok, other=1.0)[None, :]
-    sin = tl.load(sin_ptr + pos * HALF + offs_i, mask=i_ok, other=0.0)[None, :]
+    pair = (even_d - (D - 2 * HALF)) // 2  # RoPE pair index, negative outside the tail
+    rope = (pair >= 0) & (even_d < D)
+    cos = tl.load(cos_ptr + pos * HALF + pair, mask=rope, other=1.0)[None, :]
+    sin = tl.load(sin_ptr + pos * HALF + pair, mask=rope, other=0.0)[None, :]
     even, odd = _rotate_pairs(even / denom[:, None], odd / denom[:, None], cos, sin, True)
-    out = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
-    tl.store(out + offs_d[None, :], round_bf16(acc / denom[:, None], EXACT_CAST), mask=nope_mask)
-    tl.store(out + even_d[None, :], round_bf16(even, EXACT_CAST), mask=pair_mask)
-    tl.store(out + even_d[None, :] + 1, round_bf16(odd, EXACT_CAST), mask=pair_mask)
+    out = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + even_d[None, :]
+    tl.store(out, round_bf16(even, EXACT_CAST), mask=mask)
+    tl.store(out + 1, round_bf16(odd, EXACT_CAST), mask=mask)
 
 
 def _splits(tokens: int, head_blocks: int, key_steps: int) -> int:
@@ -256,6 +264,8 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     if len({t.device for t in (q, kv_cache, slots, positions, sink)}) != 1:
         raise ValueError("q, kv_cache, slots, positions and sink must be on one device")
     half = _check_tables(cos_table, sin_table, dim, q.device)
+    if dim % 2:
+        raise ValueError(f"head dim must be even (column pairs), got {dim}")
     if out is None:
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     elif out.dtype != torch.bfloat16 or out.shape != q.shape or out.stride(2) != 1:
@@ -270,16 +280,16 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     block_d = triton.next_power_of_2(dim)
     part_o = torch.empty((tokens, splits, heads, dim), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((tokens, splits, heads, 2), dtype=torch.float32, device=q.device)
-    warps = 8 if block_d >= 512 else 4
+    warps = 8 if block_d >= 512 else 4  # 64 keys x 512 columns: 4 warps spill registers
     _mqa_split_kernel[(tokens, head_blocks, splits)](
         q, kv_cache, slots, positions, part_o, part_ml, heads, dim, length, float(scale),
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         SPLITS=splits, STEPS=steps, BLOCK_H=_BLOCK_H, BLOCK_L=_BLOCK_L, BLOCK_D=block_d,
         EXACT_CAST=interpreting(), num_warps=warps,
     )
-    _mqa_merge_kernel[(tokens, head_blocks)](
+    _mqa_merge_kernel[(tokens, head_blocks, triton.cdiv(dim // 2, _MERGE_PAIRS))](
         part_o, part_ml, sink, cos_table, sin_table, positions, out, heads, dim, out.stride(0), out.stride(1),
-        SPLITS=splits, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_D=block_d,
-        BLOCK_HALF=triton.next_power_of_2(max(half, 1)), EXACT_CAST=interpreting(), num_warps=warps,
+        SPLITS=splits, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_PAIRS=_MERGE_PAIRS, EXACT_CAST=interpreting(),
+        num_warps=1,
     )
     return out

@@ -134,7 +134,8 @@ def test_logits_close_to_fp32_reference(setup):
 
 
 def test_logits_close_to_fp32_reference_same_routing(setup):
-    """With the FP8 model's expert choices, every position is within 0.08 of the reference."""
+    """With the FP8 model's expert choices, every position is within 0.10 of the fp32 reference
+    (FP8 activations and weights, plus the attention's bf16 q and probabilities, as in FlashMLA)."""
     model, config = setup["model"], setup["config"]
     sequences = [p + t[:-1] for p, t in zip(setup["prompts"], setup["runs"][True].tokens)]
     ids = torch.tensor([t for s in sequences for t in s], device="cuda")
@@ -161,7 +162,7 @@ def test_logits_close_to_fp32_reference_same_routing(setup):
     print(f"fp32 reference (same routing), {len(errors)} positions: median "
           f"{errors.median().item():.4f}, max {errors.max().item():.4f}")
     assert torch.isfinite(errors).all()
-    assert errors.max().item() <= 0.08
+    assert errors.max().item() <= 0.10
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])

@@ -6,7 +6,6 @@ import triton
 
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.attention import _splits, mqa_attention, rope_qkv
-from helpers import assert_close_bf16
 
 ROPE_DIM = 64
 THETA = 10000.0
@@ -85,6 +84,16 @@ def test_prefill_positions_and_a_heavy_sink():
     _check_attention(tuple(problem))
 
 
+def _assert_rounded_alike(got, want):
+    """Two bf16 roundings of one fp32 computation done in different orders: within 1 bf16 ulp of
+    ``want``, or 2^-16 of the head's largest value where a rotation cancels (fp32 reordering)."""
+    got, want = got.float(), want.float()
+    assert torch.isfinite(got).all(), "non-finite values in output"
+    allowed = want.abs() * 2.0**-7 + want.abs().amax(dim=-1, keepdim=True) * 2.0**-16
+    worst = ((got - want).abs() / allowed).max().item()
+    assert worst <= 1.0, f"error {worst:.2f}x the allowed bound"
+
+
 def _check_rope(tokens, heads, dim, length, device):
     q = torch.randn(tokens, heads * dim, device=device).bfloat16()
     kv = torch.randn(tokens, dim, device=device).bfloat16()
@@ -96,9 +105,8 @@ def _check_rope(tokens, heads, dim, length, device):
     got = rope_qkv(q, kv, cos, sin, cache, slots, positions, 1e-6)
     want = ref.rope_qkv(q, kv, cos, sin, want_cache, slots, positions, 1e-6)
     assert got.shape == (tokens, heads, dim) and got.dtype == torch.bfloat16
-    assert_close_bf16(got, want.float(), ulps=1.0)
-    written = cache[slots, positions]
-    assert_close_bf16(written, want_cache[slots, positions].float(), ulps=1.0)
+    _assert_rounded_alike(got, want)
+    _assert_rounded_alike(cache[slots, positions], want_cache[slots, positions])
     untouched = torch.ones(cache.shape[:2], dtype=torch.bool, device=device)
     untouched[slots, positions] = False
     assert torch.equal(cache[untouched], want_cache[untouched])
@@ -125,6 +133,8 @@ def test_zero_tokens_and_bad_input():
         mqa_attention(q, kv_cache, slots, positions, sink[:2], scale, cos, sin)
     with pytest.raises(TypeError, match="cos_table"):
         mqa_attention(q, kv_cache, slots, positions, sink, scale, cos.double(), sin)
+    with pytest.raises(ValueError, match="even"):
+        mqa_attention(q[..., :127], kv_cache[..., :127].contiguous(), slots, positions, sink, scale, cos, sin)
     with pytest.raises(TypeError, match="q must be bfloat16"):
         rope_qkv(q.float().reshape(2, -1), kv_cache[0, :2], cos, sin, kv_cache, slots, positions, 1e-6)
 
