@@ -2,7 +2,10 @@
 
 For each format, M and K: median microseconds per call under CUDA-graph replay, the bytes the
 quantize must move (bf16 in, fp8 + scales out), the floor those bytes give at the copy bandwidth
-measured in this run, and the fraction of that bandwidth the kernel reaches.
+measured in this run, and the fraction of that bandwidth the kernel reaches. Small problems are
+launch-latency bound, so each case also times a plain elementwise copy moving the same bytes
+(``copy_us``): ``copy_fraction = copy_us / triton_us`` is the quantize's speed relative to the
+fastest kernel that moves those bytes at that size.
 """
 
 from __future__ import annotations
@@ -54,15 +57,18 @@ def run(args) -> tuple[dict, list[dict]]:
         torch_us = harness.graph_time_us(lambda: reference.quantize(x, fmt), iters=args.iters)
         nbytes = quantize_bytes(rows, cols, fmt)
         floor_us = nbytes / bandwidth * 1e6
+        copy_us = harness.copy_time_us(nbytes, iters=args.iters)
         records.append({
             "format": fmt.value, "M": rows, "K": cols, "triton_us": triton_us, "torch_us": torch_us,
             "floor_us": floor_us, "bytes": nbytes, "bw_fraction": floor_us / triton_us,
+            "copy_us": copy_us, "copy_fraction": copy_us / triton_us,
             "speedup_vs_torch": torch_us / triton_us,
         })
     return meta, records
 
 
-COLUMNS = ["format", "M", "K", "triton_us", "torch_us", "floor_us", "bw_fraction", "speedup_vs_torch"]
+COLUMNS = ["format", "M", "K", "triton_us", "torch_us", "floor_us", "bw_fraction", "copy_us", "copy_fraction",
+           "speedup_vs_torch"]
 
 
 def report(meta: dict, records: list[dict], results_dir=None) -> str:

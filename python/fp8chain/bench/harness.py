@@ -56,17 +56,22 @@ def graph_time_us(fn: Callable[[], object], iters: int = 100, repeats: int = 7) 
     return statistics.median(samples)
 
 
-def copy_bandwidth(device=None, nbytes: int = 1 << 31) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written.
+def copy_time_us(moved_bytes: int, device=None, iters: int = 100) -> float:
+    """Graph-replay time of an elementwise copy that reads ``moved_bytes / 2`` and writes as many:
+    what moving that many bytes costs at that size, launch latency included.
 
     An elementwise kernel does the copy: a ``copy_`` captured in a graph becomes a memcpy node
     served by the copy engines, which are slower than what kernels reach.
     """
     device = torch.device(device or "cuda")
-    src = torch.randn(nbytes // 4, device=device)
+    src = torch.randn(max(1, moved_bytes // 4), device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    us = graph_time_us(lambda: torch.neg(src, out=dst), iters=10, repeats=7)
-    return 2 * nbytes / (us * 1e-6)
+    return graph_time_us(lambda: torch.neg(src, out=dst), iters=iters, repeats=7)
+
+
+def copy_bandwidth(device=None, nbytes: int = 1 << 31) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read plus bytes written) of a large copy."""
+    return 2 * nbytes / (copy_time_us(2 * nbytes, device, iters=10) * 1e-6)
 
 
 def kernel_profile(fn: Callable[[], object]) -> dict[str, dict[str, float]]:
