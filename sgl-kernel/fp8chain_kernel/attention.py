@@ -34,7 +34,10 @@ __all__ = ["rope_qkv", "mqa_attention"]
 
 _BLOCK_H = 16  # query heads per program (tl.dot needs >= 16 rows; 32 spills registers at D = 512)
 _BLOCK_L = 64  # keys per step
-_MERGE_PAIRS = 16  # column pairs per merge program: decode's few (token, head block)s still fill the GPU
+# column pairs per merge program: few (token, head block)s -> narrow one-warp programs that still
+# fill the GPU; once those alone fill the SMs, wider four-warp programs read longer rows
+_MERGE_PAIRS = (16, 64)
+_SMS = 132  # H200
 _TARGET_PROGRAMS = 264  # ~2 waves on 132 SMs
 _MIN_STEPS_PER_SPLIT = 2  # a split reads >= 64 keys: fewer, larger fp32 partials to merge
 
@@ -287,9 +290,11 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
         SPLITS=splits, STEPS=steps, BLOCK_H=_BLOCK_H, BLOCK_L=_BLOCK_L, BLOCK_D=block_d,
         EXACT_CAST=interpreting(), num_warps=warps,
     )
-    _mqa_merge_kernel[(tokens, head_blocks, triton.cdiv(dim // 2, _MERGE_PAIRS))](
+    wide = tokens * head_blocks >= _SMS
+    pairs = _MERGE_PAIRS[wide]
+    _mqa_merge_kernel[(tokens, head_blocks, triton.cdiv(dim // 2, pairs))](
         part_o, part_ml, sink, cos_table, sin_table, positions, out, heads, dim, out.stride(0), out.stride(1),
-        SPLITS=splits, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_PAIRS=_MERGE_PAIRS, EXACT_CAST=interpreting(),
-        num_warps=1,
+        SPLITS=splits, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_PAIRS=pairs, EXACT_CAST=interpreting(),
+        num_warps=4 if wide else 1,
     )
     return out

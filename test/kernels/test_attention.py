@@ -67,6 +67,13 @@ def test_attention_matches_reference_cpu(tokens, heads, dim, length):
 
 
 @pytest.mark.cpu
+def test_many_tokens_use_wide_merge_programs():
+    """33 tokens x 4 head blocks fill 132 SMs: the merge runs 64-pair programs (80 column pairs:
+    the second chunk is partly masked)."""
+    _check_attention(_problem(33, 64, 160, 16, 4, "cpu"))
+
+
+@pytest.mark.cpu
 def test_key_splits_are_merged():
     """A shape whose keys are split over several programs (merge path, empty splits included)."""
     assert _splits(1, 1, triton.cdiv(256, 16)) > 1
