@@ -145,6 +145,9 @@ class CompiledPeer:
             # the [K/128, N/128] view of the checkpoint scales that torch 2.11's blockwise
             # _scaled_mm takes for K/128 % 4 == 0 (what the backend calibrated)
             self.weights[name] = (w.t(), s.contiguous().t())
+        # One static-shape compile per (shapes, M): raise dynamo's default limit of 8 recompiles
+        # per function, past which it silently falls back to eager for the remaining cases.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.step = torch.compile(self._step, dynamic=False)
 
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
