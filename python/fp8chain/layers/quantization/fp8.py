@@ -31,7 +31,7 @@ from ..parameter import copy_or_rebind_param, set_param_attrs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Fp8Config", "Fp8LinearMethod"]
+__all__ = ["Fp8Config", "Fp8LinearMethod", "prepare_consumer", "check_pair_input", "consumer_gemm"]
 
 _BLOCK_SIZES = (32, 128)
 _SCALE_FMTS = (None, "ue8m0")
@@ -105,16 +105,9 @@ class Fp8Config:
 
 
 class Fp8LinearMethod(LinearMethodBase):
-    """Block-FP8 weights; FP8 activations in the format of the selected GEMM backend.
-
-    After ``process_weights_after_loading`` the layer carries:
-
-    * ``gemm_backend``: the backend serving this shape, or None (none can: the layer then runs a
-      torch fallback GEMM on the same FP8 numerics, slow but correct);
-    * ``act_format``: the activation format the layer quantizes bf16 input into;
-    * ``derived_weight_names``: names of the derived parameters handed to the backend;
-    * ``input_format``: ``act_format`` if the pre-quantized input was requested and honoured.
-    """
+    """Block-FP8 weights; FP8 activations in the format of the selected GEMM backend. After
+    ``process_weights_after_loading`` the layer carries the consumer state ``prepare_consumer``
+    sets (``gemm_backend``, ``act_format``, ``derived_weight_names``, ``input_format``)."""
 
     def __init__(self, quant_config: Fp8Config):
         self.quant_config = quant_config
@@ -165,7 +158,8 @@ class Fp8LinearMethod(LinearMethodBase):
                              f"first at {idx}: {scale[tuple(idx)].item()!r}")
 
     def process_weights_after_loading(self, layer) -> None:
-        """Select the backend, derive its weight tensors in place, honour or refuse the request.
+        """Select the backend, derive its weight tensors in place, honour or refuse the request
+        (``prepare_consumer``).
 
         Always recomputes from the raw ``weight``/``weight_scale_inv`` (nothing is latched), so
         running it again after a reload, or twice, gives the same result in the same storage.
@@ -173,34 +167,7 @@ class Fp8LinearMethod(LinearMethodBase):
         from ..warmup import linear_warmup, register_warmup
 
         self._check_scales(layer)
-        requested = bool(layer.deepgemm_mxfp8_input)
-        n, k = layer.weight.shape
-        block = self.quant_config.block
-        backend, fmt, derived, reason = None, None, {}, None
-        try:
-            fmt = gemm_backends.input_format_for(block)
-            backend = gemm_backends.select_backend(fmt, block, n, k, prefer=self.quant_config.backend)
-            derived = backend.derive_weight_tensors(layer.weight, layer.weight_scale_inv, block)
-        except ValueError as exc:
-            reason = str(exc).strip() or type(exc).__name__
-            if backend is not None:  # selected, but could not derive its weight tensors
-                reason = f"{backend.name}: {reason}"
-            backend, derived = None, {}
-        if fmt is None:  # no format for this block on this arch: the fallback still needs one
-            fmt = ActFormat.SM90_G32_FP32_MN if block == 32 else ActFormat.SM90_G128_FP32_MN
-        names = []
-        for key, tensor in derived.items():
-            copy_or_rebind_param(layer, key, tensor)
-            names.append(key)
-        layer.gemm_backend = backend
-        layer.act_format = fmt
-        layer.derived_weight_names = tuple(names)
-        honoured = requested and backend is not None
-        layer.deepgemm_mxfp8_input = honoured
-        layer.input_format = fmt if honoured else None
-        if backend is None:
-            logger.warning("%s: %s; %susing the torch fallback GEMM", layer.display_name, reason,
-                           "keeping bf16 input, " if requested else "")
+        prepare_consumer(layer, self.quant_config.block, prefer=self.quant_config.backend)
         register_warmup(layer, linear_warmup)
 
     # ---- forward ----------------------------------------------------------------------------
@@ -208,17 +175,8 @@ class Fp8LinearMethod(LinearMethodBase):
         n = layer.weight.shape[0]
         k = layer.weight.shape[1]
         if isinstance(x, QuantizedActivation):
-            want = layer.input_format
-            if want is None:
-                raise TypeError(f"{layer.display_name} reads bf16 input (no pre-quantized input "
-                                f"was requested and honoured), got a pair in {x.fmt.value}")
-            if x.fmt is not want:
-                raise TypeError(f"{layer.display_name} reads {want.value}, got a pair in "
-                                f"{x.fmt.value}")
+            check_pair_input(layer, x, layer.display_name)
             pair, lead = x, x.data.shape[:-1]
-            if x.data.shape[-1] != k:
-                raise ValueError(f"{layer.display_name}: input has {x.data.shape[-1]} columns, "
-                                 f"weight expects K={k}")
         else:
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{layer.display_name}: expected a tensor or a QuantizedActivation, "
@@ -243,19 +201,78 @@ class Fp8LinearMethod(LinearMethodBase):
             device = x.data.device if isinstance(x, QuantizedActivation) else x.device
             out = torch.empty(0, n, dtype=torch.bfloat16, device=device)
         else:
-            out = self._gemm(layer, pair)
+            out = consumer_gemm(layer, pair, self.quant_config.block)
         bias = layer.forward_bias
         if bias is not None:
             out.add_(bias)  # ``out`` is the GEMM's fresh result
         return out.reshape(*lead, n)
 
-    def _gemm(self, layer, pair: QuantizedActivation) -> torch.Tensor:
-        backend = layer.gemm_backend
-        if backend is None:
-            return _fallback_gemm(pair, layer.weight, layer.weight_scale_inv,
-                                  self.quant_config.block)
-        derived = {name: getattr(layer, name) for name in layer.derived_weight_names}
-        return backend.gemm(pair, layer.weight, layer.weight_scale_inv, derived)
+
+
+def prepare_consumer(layer, block: int, prefer: str | None = None, name: str | None = None) -> None:
+    """Make ``layer`` (any module with ``weight`` e4m3 ``[N, K]``, ``weight_scale_inv`` fp32 block
+    scales and a ``deepgemm_mxfp8_input`` request flag) an FP8 consumer: select the backend for
+    this arch and shape, write its derived weight tensors through ``copy_or_rebind_param`` and set
+
+    * ``gemm_backend``: the backend, or None (none can serve: ``consumer_gemm`` then runs a torch
+      fallback on the same FP8 numerics);
+    * ``act_format``: the activation format bf16 input is quantized into;
+    * ``derived_weight_names``: the derived parameters handed to the backend;
+    * ``input_format`` and ``deepgemm_mxfp8_input``: the pair format if the request was made and a
+      backend honours it, else None / False (with a logged reason).
+    """
+    name = name or getattr(layer, "display_name", type(layer).__name__)
+    requested = bool(getattr(layer, "deepgemm_mxfp8_input", False))
+    n, k = layer.weight.shape
+    backend, fmt, derived, reason = None, None, {}, None
+    try:
+        fmt = gemm_backends.input_format_for(block)
+        backend = gemm_backends.select_backend(fmt, block, n, k, prefer=prefer)
+        derived = backend.derive_weight_tensors(layer.weight, layer.weight_scale_inv, block)
+    except ValueError as exc:
+        reason = str(exc).strip() or type(exc).__name__
+        if backend is not None:  # selected, but could not derive its weight tensors
+            reason = f"{backend.name}: {reason}"
+        backend, derived = None, {}
+    if fmt is None:  # no format for this block on this arch: the fallback still needs one
+        fmt = ActFormat.SM90_G32_FP32_MN if block == 32 else ActFormat.SM90_G128_FP32_MN
+    names = []
+    for key, tensor in derived.items():
+        copy_or_rebind_param(layer, key, tensor)
+        names.append(key)
+    layer.gemm_backend = backend
+    layer.act_format = fmt
+    layer.derived_weight_names = tuple(names)
+    honoured = requested and backend is not None
+    layer.deepgemm_mxfp8_input = honoured
+    layer.input_format = fmt if honoured else None
+    if backend is None:
+        logger.warning("%s: %s; %susing the torch fallback GEMM", name, reason,
+                       "keeping bf16 input, " if requested else "")
+
+
+def check_pair_input(layer, pair: QuantizedActivation, name: str) -> None:
+    """A pair may only reach a layer whose request was honoured, in the format it reads, with K
+    columns (``TypeError`` / ``ValueError`` otherwise)."""
+    want = getattr(layer, "input_format", None)
+    if want is None:
+        raise TypeError(f"{name} reads bf16 input (no pre-quantized input was requested and "
+                        f"honoured), got a pair in {pair.fmt.value}")
+    if pair.fmt is not want:
+        raise TypeError(f"{name} reads {want.value}, got a pair in {pair.fmt.value}")
+    k = layer.weight.shape[1]
+    if pair.data.shape[-1] != k:
+        raise ValueError(f"{name}: input has {pair.data.shape[-1]} columns, weight expects K={k}")
+
+
+def consumer_gemm(layer, pair: QuantizedActivation, block: int) -> torch.Tensor:
+    """``pair`` times the layer's FP8 weight on the backend ``prepare_consumer`` chose, bf16
+    ``[M, N]``."""
+    backend = layer.gemm_backend
+    if backend is None:
+        return _fallback_gemm(pair, layer.weight, layer.weight_scale_inv, block)
+    derived = {name: getattr(layer, name) for name in layer.derived_weight_names}
+    return backend.gemm(pair, layer.weight, layer.weight_scale_inv, derived)
 
 
 def _fallback_gemm(pair: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
