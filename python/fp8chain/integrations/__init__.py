@@ -1,0 +1,1 @@
+"""Integrations of fp8chain into serving engines."""

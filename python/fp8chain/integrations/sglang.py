@@ -1,0 +1,92 @@
+"""The SGLang plugin: on Hopper, SGLang's FP8 linears read the pairs fp8chain's producers write.
+
+SGLang discovers general plugins through the entry point group ``sglang.srt.plugins`` in every
+process, calls each plugin's function, then applies the hooks it registered
+(``sglang.srt.plugins.hook_registry.HookRegistry``). fp8chain registers itself there as
+``fp8chain`` (pyproject.toml); with ``SGLANG_PLUGINS`` set, name it in that list.
+
+``install()`` registers two hooks on ``sglang.srt.layers.quantization.fp8.Fp8LinearMethod``:
+
+* after ``process_weights_after_loading(layer)``: a layer whose model asked for a pre-quantized
+  input (``LinearBase.deepgemm_mxfp8_input = True``, as DSv4.1's attention sets on ``wqkv_a``,
+  ``wq_b`` and ``wo_b``) on a GPU where upstream has no such path (anything before Blackwell)
+  becomes an fp8chain consumer (``prepare_consumer``): backend chosen for the arch and shape,
+  derived weight tensors written in place, ``layer.input_format`` set; or the request is
+  refused (flag False, reason logged) and the layer keeps upstream's bf16 path.
+* around ``apply(layer, x, bias=None)``: a ``QuantizedActivation`` goes to that backend's GEMM,
+  never re-quantized (a pair in another format, or for a layer that did not ask for one, raises
+  ``TypeError``); any other input runs upstream's ``apply`` unchanged.
+
+Upstream's weights stay where they are: the hook reads ``weight`` (e4m3 ``[N, K]``) and
+``weight_scale_inv`` (fp32 block scales) as upstream's block-FP8 method leaves them, with the
+method's square ``weight_block_size`` (32 or 128).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fp8chain_kernel.formats import QuantizedActivation
+
+from ..layers.quantization.fp8 import check_pair_input, consumer_gemm, prepare_consumer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["install", "after_process_weights", "around_apply", "FP8_LINEAR_METHOD"]
+
+FP8_LINEAR_METHOD = "sglang.srt.layers.quantization.fp8.Fp8LinearMethod"
+_BLOCK_SIZES = (32, 128)
+
+
+def install() -> None:
+    """The entry point SGLang calls: register the two hooks (applied by SGLang afterwards)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(f"{FP8_LINEAR_METHOD}.process_weights_after_loading", after_process_weights,
+                          HookType.AFTER)
+    HookRegistry.register(f"{FP8_LINEAR_METHOD}.apply", around_apply, HookType.AROUND)
+
+
+def _upstream_serves_request(device: torch.device) -> bool:
+    """Blackwell and later: upstream's own producers and DeepGEMM path handle the request."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+
+
+def _block_size(method) -> int | None:
+    block = getattr(getattr(method, "quant_config", None), "weight_block_size", None)
+    if block is None or len(block) != 2 or block[0] != block[1] or int(block[0]) not in _BLOCK_SIZES:
+        return None
+    return int(block[0])
+
+
+def after_process_weights(result, method, layer, *args, **kwargs):
+    """AFTER hook of ``Fp8LinearMethod.process_weights_after_loading``: see the module docstring."""
+    if not getattr(layer, "deepgemm_mxfp8_input", False):
+        return None
+    name = getattr(layer, "prefix", None) or type(layer).__name__
+    if _upstream_serves_request(layer.weight.device):
+        return None
+    block = _block_size(method)
+    if block is None or layer.weight.dim() != 2:
+        logger.warning("%s: no fp8chain consumer for weight block %s; keeping bf16 input", name,
+                       getattr(getattr(method, "quant_config", None), "weight_block_size", None))
+        layer.deepgemm_mxfp8_input = False
+        layer.input_format = None
+        return None
+    layer.fp8chain_block = block
+    prepare_consumer(layer, block, name=name)
+    return None
+
+
+def around_apply(original, method, layer, x, bias=None, *args, **kwargs):
+    """AROUND hook of ``Fp8LinearMethod.apply``: pairs to fp8chain's GEMM, the rest upstream."""
+    if not isinstance(x, QuantizedActivation):
+        return original(method, layer, x, bias, *args, **kwargs)
+    name = getattr(layer, "prefix", None) or type(layer).__name__
+    check_pair_input(layer, x, name)
+    out = consumer_gemm(layer, x, layer.fp8chain_block)
+    if bias is not None:
+        out.add_(bias)  # ``out`` is the GEMM's fresh result
+    return out

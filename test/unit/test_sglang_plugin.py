@@ -1,0 +1,150 @@
+"""The SGLang plugin: entry point, hook registration, and the hooks on an SGLang-shaped FP8
+linear (a module carrying upstream's ``weight`` / ``weight_scale_inv`` and the request flag)."""
+
+import enum
+import importlib.metadata
+import logging
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from fp8chain.integrations import sglang as plugin
+from fp8chain.layers.linear import ReplicatedLinear
+from fp8chain.layers.loading import load_weights
+from fp8chain.layers.quantization.fp8 import Fp8Config
+from fp8chain_kernel import backends
+from fp8chain_kernel import reference as ref
+from fp8chain_kernel.formats import FP8_DTYPE, ActFormat
+from fp8chain_kernel.quant import quantize
+from helpers import rel_error
+
+pytestmark = pytest.mark.cpu
+
+
+class UpstreamLinear(nn.Module):
+    """What SGLang's block-FP8 method leaves on a linear layer after loading."""
+
+    def __init__(self, weight, scale, request=True, prefix="model.layers.0.self_attn.wq_b"):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+        self.deepgemm_mxfp8_input = request
+        self.prefix = prefix
+
+
+def upstream_method(block=32):
+    return types.SimpleNamespace(quant_config=types.SimpleNamespace(weight_block_size=[block, block]))
+
+
+def checkpoint(n, k, block):
+    weight = (torch.randn(n, k) * 96).clamp(-448, 448).to(FP8_DTYPE)
+    scale = torch.exp2(torch.randint(-10, -5, (-(-n // block), -(-k // block))).float())
+    return weight, scale
+
+
+def upstream_apply(method, layer, x, bias=None):
+    """Stands for upstream's bf16 path: records that it ran."""
+    upstream_apply.calls += 1
+    return torch.zeros(x.shape[0], layer.weight.shape[0], dtype=torch.bfloat16)
+
+
+def test_entry_point_names_install():
+    found = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")}
+    assert found.get("fp8chain") == "fp8chain.integrations.sglang:install"
+
+
+def test_install_registers_both_hooks(monkeypatch):
+    registered = []
+    hook_type = enum.Enum("HookType", ["BEFORE", "AFTER", "AROUND", "REPLACE"])
+    registry = types.SimpleNamespace(register=lambda target, hook, kind: registered.append((target, hook, kind)))
+    module = types.ModuleType("sglang.srt.plugins.hook_registry")
+    module.HookRegistry, module.HookType = registry, hook_type
+    for name in ("sglang", "sglang.srt", "sglang.srt.plugins"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", module)
+    plugin.install()
+    method = "sglang.srt.layers.quantization.fp8.Fp8LinearMethod"
+    assert registered == [
+        (f"{method}.process_weights_after_loading", plugin.after_process_weights, hook_type.AFTER),
+        (f"{method}.apply", plugin.around_apply, hook_type.AROUND),
+    ]
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_requested_layer_reads_pairs_like_fp8chains_own_linear(rows):
+    n, k = 128, 256
+    weight, scale = checkpoint(n, k, 32)
+    layer = UpstreamLinear(weight.clone(), scale.clone())
+    assert plugin.after_process_weights(None, upstream_method(), layer) is None
+    fmt = backends.input_format_for(32)
+    assert layer.input_format is fmt and layer.deepgemm_mxfp8_input is True
+    own = ReplicatedLinear(k, n, quant_config=Fp8Config(weight_block_size=(32, 32), scale_fmt="ue8m0"))
+    own.deepgemm_mxfp8_input = True
+    load_weights(own, [("weight", weight), ("weight_scale_inv", scale)])
+    pair = quantize(torch.randn(rows, k).bfloat16(), fmt)
+    bias = torch.randn(n).bfloat16()
+    upstream_apply.calls = 0
+    out = plugin.around_apply(upstream_apply, upstream_method(), layer, pair, bias)
+    assert upstream_apply.calls == 0
+    want = own(pair) + bias
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    assert rel_error(out - bias, ref.fp8_gemm(pair, weight, scale, 32)) < 5e-3
+
+
+def test_bf16_input_runs_upstream():
+    weight, scale = checkpoint(64, 128, 32)
+    layer = UpstreamLinear(weight, scale)
+    plugin.after_process_weights(None, upstream_method(), layer)
+    upstream_apply.calls = 0
+    out = plugin.around_apply(upstream_apply, upstream_method(), layer, torch.randn(3, 128).bfloat16())
+    assert upstream_apply.calls == 1 and out.shape == (3, 64)
+
+
+def test_layer_without_request_is_left_to_upstream():
+    weight, scale = checkpoint(64, 128, 32)
+    layer = UpstreamLinear(weight, scale, request=False)
+    plugin.after_process_weights(None, upstream_method(), layer)
+    assert not hasattr(layer, "input_format")
+    pair = quantize(torch.randn(2, 128).bfloat16(), backends.input_format_for(32))
+    with pytest.raises(TypeError, match="reads bf16 input"):
+        plugin.around_apply(upstream_apply, upstream_method(), layer, pair)
+
+
+def test_pair_in_another_format_raises_naming_both():
+    weight, scale = checkpoint(64, 128, 32)
+    layer = UpstreamLinear(weight, scale)
+    plugin.after_process_weights(None, upstream_method(), layer)
+    other = next(f for f in ActFormat if f is not layer.input_format)
+    with pytest.raises(TypeError, match=f"reads {layer.input_format.value}, got a pair in {other.value}"):
+        plugin.around_apply(upstream_apply, upstream_method(), layer, quantize(torch.randn(2, 128).bfloat16(), other))
+
+
+def test_unsupported_block_refuses_the_request(caplog):
+    weight, scale = checkpoint(64, 128, 32)
+    layer = UpstreamLinear(weight, scale)
+    with caplog.at_level(logging.WARNING, logger="fp8chain.integrations.sglang"):
+        plugin.after_process_weights(None, upstream_method(block=64), layer)
+    assert layer.deepgemm_mxfp8_input is False and layer.input_format is None
+    assert "no fp8chain consumer for weight block [64, 64]" in caplog.text
+
+
+def test_blackwell_is_left_to_upstream(monkeypatch):
+    weight, scale = checkpoint(64, 128, 32)
+    layer = UpstreamLinear(weight, scale)
+    monkeypatch.setattr(plugin, "_upstream_serves_request", lambda device: True)
+    plugin.after_process_weights(None, upstream_method(), layer)
+    assert layer.deepgemm_mxfp8_input is True and not hasattr(layer, "input_format")
+
+
+def test_reprocessing_after_a_reload_keeps_derived_storage():
+    weight, scale = checkpoint(128, 256, 32)
+    layer = UpstreamLinear(weight, scale)
+    plugin.after_process_weights(None, upstream_method(), layer)
+    before = {name: getattr(layer, name).data_ptr() for name in layer.derived_weight_names}
+    layer.weight.data.copy_(checkpoint(128, 256, 32)[0])
+    layer.deepgemm_mxfp8_input = True
+    plugin.after_process_weights(None, upstream_method(), layer)
+    assert {name: getattr(layer, name).data_ptr() for name in layer.derived_weight_names} == before
