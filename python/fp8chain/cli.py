@@ -144,7 +144,21 @@ def _cmd_info(args) -> int:
             for name in backends.BACKEND_NAMES:
                 reason = backends.get_backend(name).rejection(fmt, block, n, k)
                 print(f"  {name:16s} {'usable' if reason is None else 'rejected: ' + reason}")
+    print(_sglang_plugin_status())
     return 0
+
+
+def _sglang_plugin_status() -> str:
+    """Whether SGLang would find fp8chain's plugin, and whether SGLang itself is importable."""
+    import importlib.metadata
+    import importlib.util
+
+    from fp8chain.integrations.sglang import PLUGIN_GROUP
+
+    entries = [ep.value for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP) if ep.name == "fp8chain"]
+    registered = f"registered ({entries[0]})" if entries else "not registered (reinstall fp8chain)"
+    sglang = "importable" if importlib.util.find_spec("sglang") else "not installed"
+    return f"SGLang plugin: {PLUGIN_GROUP} entry point {registered}; sglang {sglang}"
 
 
 def build_parser() -> argparse.ArgumentParser:

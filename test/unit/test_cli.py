@@ -39,3 +39,4 @@ def test_info_lists_backends(capsys):
     out = capsys.readouterr().out
     for name in ("triton", "torch_blockwise", "deep_gemm"):
         assert name in out
+    assert "SGLang plugin: sglang.srt.plugins entry point registered (fp8chain.integrations.sglang:install)" in out

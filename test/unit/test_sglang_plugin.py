@@ -52,7 +52,7 @@ def upstream_apply(method, layer, x, bias=None):
 
 
 def test_entry_point_names_install():
-    found = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")}
+    found = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=plugin.PLUGIN_GROUP)}
     assert found.get("fp8chain") == "fp8chain.integrations.sglang:install"
 
 

@@ -34,8 +34,9 @@ from ..layers.quantization.fp8 import check_pair_input, consumer_gemm, prepare_c
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["install", "after_process_weights", "around_apply", "FP8_LINEAR_METHOD"]
+__all__ = ["install", "after_process_weights", "around_apply", "FP8_LINEAR_METHOD", "PLUGIN_GROUP"]
 
+PLUGIN_GROUP = "sglang.srt.plugins"  # SGLang's entry point group of general plugins
 FP8_LINEAR_METHOD = "sglang.srt.layers.quantization.fp8.Fp8LinearMethod"
 _BLOCK_SIZES = (32, 128)
 
