@@ -18,8 +18,8 @@
 RoPE acts on interleaved pairs ``(x[2i], x[2i+1])``; ``cos_table``/``sin_table`` are fp32
 ``[L, rd/2]`` rows per position (``reference.rope_tables``). Both functions equal their
 ``fp8chain_kernel.reference`` namesakes up to that rounding (``rope_qkv`` within one bf16 ulp).
-Decode and prefill alike: each
-token reads only its own slot's keys up to its own position, straight from the cache.
+Decode and prefill alike: each token reads only its own slot's keys up to its own position,
+straight from the cache.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ _BLOCK_L = 64  # keys per step
 # fill the GPU; once those alone fill the SMs, wider four-warp programs read longer rows
 _MERGE_PAIRS = (16, 64)
 _SMS = 132  # H200
-_TARGET_PROGRAMS = 264  # ~2 waves on 132 SMs
-_MIN_STEPS_PER_SPLIT = 2  # a split reads >= 64 keys: fewer, larger fp32 partials to merge
+_TARGET_PROGRAMS = 2 * _SMS  # key splits aim at ~2 waves
+_MIN_STEPS_PER_SPLIT = 2  # a split reads >= 128 keys: fewer, larger fp32 partials to merge
 
 
 @triton.jit
