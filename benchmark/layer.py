@@ -215,7 +215,7 @@ def run(args) -> tuple[dict, list[dict]]:
                 unit.set_chain(on)
                 record[f"{arm}_us"] = harness.graph_time_us(unit.step, iters=args.iters, repeats=5)
                 kernels = harness.kernel_profile(unit.step)
-                launches = {name: int(entry["launches"]) for name, entry in kernels.items()}
+                launches = harness.launch_counts(kernels)
                 record[f"{arm}_launches"] = sum(launches.values())
                 record[f"{arm}_quantize_launches"] = harness.quantize_launches(launches)
                 record[f"{arm}_kernels"] = kernels

@@ -17,7 +17,7 @@ from fp8chain.layers.loading import load_weights
 from fp8chain.layers.quantization.fp8 import Fp8Config
 from fp8chain_kernel import backends
 from fp8chain_kernel import reference as ref
-from fp8chain_kernel.formats import FP8_DTYPE, ActFormat
+from fp8chain_kernel.formats import ActFormat
 from fp8chain_kernel.quant import quantize
 from helpers import rel_error
 
@@ -37,12 +37,6 @@ class UpstreamLinear(nn.Module):
 
 def upstream_method(block=32):
     return types.SimpleNamespace(quant_config=types.SimpleNamespace(weight_block_size=[block, block]))
-
-
-def checkpoint(n, k, block):
-    weight = (torch.randn(n, k) * 96).clamp(-448, 448).to(FP8_DTYPE)
-    scale = torch.exp2(torch.randint(-10, -5, (-(-n // block), -(-k // block))).float())
-    return weight, scale
 
 
 def upstream_apply(method, layer, x, bias=None):
@@ -76,7 +70,7 @@ def test_install_registers_both_hooks(monkeypatch):
 @pytest.mark.parametrize("rows", [1, 5])
 def test_requested_layer_reads_pairs_like_fp8chains_own_linear(rows):
     n, k = 128, 256
-    weight, scale = checkpoint(n, k, 32)
+    weight, scale = ref.random_fp8_weight(n, k, 32)
     layer = UpstreamLinear(weight.clone(), scale.clone())
     assert plugin.after_process_weights(None, upstream_method(), layer) is None
     fmt = backends.input_format_for(32)
@@ -95,7 +89,7 @@ def test_requested_layer_reads_pairs_like_fp8chains_own_linear(rows):
 
 
 def test_bf16_input_runs_upstream():
-    weight, scale = checkpoint(64, 128, 32)
+    weight, scale = ref.random_fp8_weight(64, 128, 32)
     layer = UpstreamLinear(weight, scale)
     plugin.after_process_weights(None, upstream_method(), layer)
     upstream_apply.calls = 0
@@ -104,7 +98,7 @@ def test_bf16_input_runs_upstream():
 
 
 def test_layer_without_request_is_left_to_upstream():
-    weight, scale = checkpoint(64, 128, 32)
+    weight, scale = ref.random_fp8_weight(64, 128, 32)
     layer = UpstreamLinear(weight, scale, request=False)
     plugin.after_process_weights(None, upstream_method(), layer)
     assert not hasattr(layer, "input_format")
@@ -114,7 +108,7 @@ def test_layer_without_request_is_left_to_upstream():
 
 
 def test_pair_in_another_format_raises_naming_both():
-    weight, scale = checkpoint(64, 128, 32)
+    weight, scale = ref.random_fp8_weight(64, 128, 32)
     layer = UpstreamLinear(weight, scale)
     plugin.after_process_weights(None, upstream_method(), layer)
     other = next(f for f in ActFormat if f is not layer.input_format)
@@ -123,7 +117,7 @@ def test_pair_in_another_format_raises_naming_both():
 
 
 def test_unsupported_block_refuses_the_request(caplog):
-    weight, scale = checkpoint(64, 128, 32)
+    weight, scale = ref.random_fp8_weight(64, 128, 32)
     layer = UpstreamLinear(weight, scale)
     with caplog.at_level(logging.WARNING, logger="fp8chain.integrations.sglang"):
         plugin.after_process_weights(None, upstream_method(block=64), layer)
@@ -132,7 +126,7 @@ def test_unsupported_block_refuses_the_request(caplog):
 
 
 def test_blackwell_is_left_to_upstream(monkeypatch):
-    weight, scale = checkpoint(64, 128, 32)
+    weight, scale = ref.random_fp8_weight(64, 128, 32)
     layer = UpstreamLinear(weight, scale)
     monkeypatch.setattr(plugin, "_upstream_serves_request", lambda device: True)
     plugin.after_process_weights(None, upstream_method(), layer)
@@ -140,11 +134,11 @@ def test_blackwell_is_left_to_upstream(monkeypatch):
 
 
 def test_reprocessing_after_a_reload_keeps_derived_storage():
-    weight, scale = checkpoint(128, 256, 32)
+    weight, scale = ref.random_fp8_weight(128, 256, 32)
     layer = UpstreamLinear(weight, scale)
     plugin.after_process_weights(None, upstream_method(), layer)
     before = {name: getattr(layer, name).data_ptr() for name in layer.derived_weight_names}
-    layer.weight.data.copy_(checkpoint(128, 256, 32)[0])
+    layer.weight.data.copy_(ref.random_fp8_weight(128, 256, 32)[0])
     layer.deepgemm_mxfp8_input = True
     plugin.after_process_weights(None, upstream_method(), layer)
     assert {name: getattr(layer, name).data_ptr() for name in layer.derived_weight_names} == before

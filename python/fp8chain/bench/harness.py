@@ -93,9 +93,14 @@ def kernel_profile(fn: Callable[[], object]) -> dict[str, dict[str, float]]:
     return kernels
 
 
+def launch_counts(kernels: dict[str, dict[str, float]]) -> dict[str, int]:
+    """Kernel name -> launches, from a ``kernel_profile`` result."""
+    return {name: int(entry["launches"]) for name, entry in kernels.items()}
+
+
 def count_launches(fn: Callable[[], object]) -> dict[str, int]:
     """Kernel name -> launches during one call of ``fn`` (``kernel_profile``)."""
-    return {name: int(entry["launches"]) for name, entry in kernel_profile(fn).items()}
+    return launch_counts(kernel_profile(fn))
 
 
 def quantize_launches(launches: dict[str, int]) -> int:

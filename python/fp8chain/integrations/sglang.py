@@ -55,6 +55,10 @@ def _upstream_serves_request(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
 
 
+def _layer_name(layer) -> str:
+    return getattr(layer, "prefix", None) or type(layer).__name__
+
+
 def _block_size(method) -> int | None:
     block = getattr(getattr(method, "quant_config", None), "weight_block_size", None)
     if block is None or len(block) != 2 or block[0] != block[1] or int(block[0]) not in _BLOCK_SIZES:
@@ -66,7 +70,7 @@ def after_process_weights(result, method, layer, *args, **kwargs):
     """AFTER hook of ``Fp8LinearMethod.process_weights_after_loading``: see the module docstring."""
     if not getattr(layer, "deepgemm_mxfp8_input", False):
         return None
-    name = getattr(layer, "prefix", None) or type(layer).__name__
+    name = _layer_name(layer)
     if _upstream_serves_request(layer.weight.device):
         return None
     block = _block_size(method)
@@ -76,7 +80,6 @@ def after_process_weights(result, method, layer, *args, **kwargs):
         layer.deepgemm_mxfp8_input = False
         layer.input_format = None
         return None
-    layer.fp8chain_block = block
     prepare_consumer(layer, block, name=name)
     return None
 
@@ -85,9 +88,8 @@ def around_apply(original, method, layer, x, bias=None, *args, **kwargs):
     """AROUND hook of ``Fp8LinearMethod.apply``: pairs to fp8chain's GEMM, the rest upstream."""
     if not isinstance(x, QuantizedActivation):
         return original(method, layer, x, bias, *args, **kwargs)
-    name = getattr(layer, "prefix", None) or type(layer).__name__
-    check_pair_input(layer, x, name)
-    out = consumer_gemm(layer, x, layer.fp8chain_block)
+    check_pair_input(layer, x, _layer_name(layer))
+    out = consumer_gemm(layer, x, _block_size(method))
     if bias is not None:
         out.add_(bias)  # ``out`` is the GEMM's fresh result
     return out
