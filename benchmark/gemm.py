@@ -55,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ms", default=None, help="comma-separated M values")
     parser.add_argument("--iters", type=int, default=None, help="calls per captured graph")
     parser.add_argument("--sweep", action="store_true", help="time candidate configs, print the best")
+    parser.add_argument("--groups", default="32,128", help="weight block sizes the sweep covers")
     parser.add_argument("--sweep-budget-s", type=float, default=150.0, help="stop the sweep's timing after this")
     parser.add_argument("--precompile", type=int, default=0,
                         help="compile the planned kernels in this many worker processes first")
@@ -96,16 +97,19 @@ def sweep_candidates(m: int, n: int, k: int, group: int) -> list[gemm.GemmConfig
     """Launch configs worth timing for one (M bucket, N, K, group); bf16-dequantized operands
     only for 32-groups (power-of-two scales: exact)."""
     cands = []
-    dequant_modes = (False, True) if group == 32 else (False,)
+    # (dequant, block_diag) operand modes; both alternatives to the per-group FP8 dot need 32-groups
+    modes = ((False, False), (True, False), (False, True)) if group == 32 else ((False, False),)
     if m <= 64:
         bm = max(16, 1 << (m - 1).bit_length())
-        for dequant in dequant_modes:
-            for bn in (64, 128):
-                for bk in (128, 256):
-                    if k % bk:
-                        continue
-                    for split in _splits(k // bk)[-4:] if len(_splits(k // bk)) > 4 else _splits(k // bk):
-                        cands.append(gemm.GemmConfig(bn, bm, bk, split, 4, 4, 8, dequant))
+        for dequant, block_diag in modes:
+            # the block-diagonal token operand is SUB x wider: keep its accumulator <= 128 columns
+            for block_m in ((16, 32) if bm > 16 else (16,)) if block_diag else (bm,):
+                for bn in (64, 128):
+                    for bk in (128, 256):
+                        if k % bk or (block_diag and (bk // group) * block_m > 128):
+                            continue
+                        for split in _splits(k // bk)[-4:]:
+                            cands.append(gemm.GemmConfig(bn, block_m, bk, split, 4, 4, 8, dequant, block_diag))
         return cands
     if m <= 256:
         fp8 = [(128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4), (128, 128, 128, 1, 3, 8),
@@ -126,11 +130,14 @@ def sweep_candidates(m: int, n: int, k: int, group: int) -> list[gemm.GemmConfig
     return cands
 
 
-def _sweep_points(shapes, quick):
-    ms = [16, 64, 256, 2048] if not quick else [16, 64, 2048]  # one M per table bucket
+def _sweep_points(args):
+    shapes = [s for s in args.shapes.split(",") if s]
+    ms = [16, 64, 256, 2048] if not args.quick else [16, 64, 2048]  # one M per table bucket
+    if args.ms:
+        ms = [int(v) for v in args.ms.split(",")]
     for name in shapes:
         n, k = SHAPES[name]
-        for group in (32, 128):
+        for group in (int(g) for g in args.groups.split(",")):
             for m in ms:
                 yield name, n, k, group, m
 
@@ -140,7 +147,7 @@ def _plan(args):
     shapes = [s for s in args.shapes.split(",") if s]
     plan = []
     if args.sweep:
-        for name, n, k, group, m in _sweep_points(shapes, args.quick):
+        for name, n, k, group, m in _sweep_points(args):
             for cfg in sweep_candidates(m, n, k, group):
                 plan.append(("fp8", name, group, m, cfg))
     else:
@@ -191,6 +198,7 @@ def _precompile(args):
         argv.append("--sweep")
     if args.ms:
         argv += ["--ms", args.ms]
+    argv += ["--groups", args.groups]
     if args.table_from:
         argv += ["--table-from", args.table_from]
     procs = [subprocess.Popen([sys.executable, __file__, *argv, "--worker", f"{i}/{args.precompile}"])
@@ -207,11 +215,10 @@ def _time(fn, args):
 
 
 def run_sweep(args, device, copy_bw):
-    shapes = [s for s in args.shapes.split(",") if s]
     records = []
     start = time.time()
     weights = {}
-    for name, n, k, group, m in _sweep_points(shapes, args.quick):
+    for name, n, k, group, m in _sweep_points(args):
         if time.time() - start > args.sweep_budget_s:
             print(f"sweep budget spent, stopping before {name} g{group} M={m}", flush=True)
             break

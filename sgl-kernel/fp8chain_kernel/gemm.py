@@ -74,7 +74,8 @@ def _block_scaled_gemm_kernel(
     M, N, K,
     stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsk, stride_om,
     GROUP: tl.constexpr, A_FP8: tl.constexpr, SPLIT: tl.constexpr, ITERS: tl.constexpr,
-    DEQUANT: tl.constexpr, FP32_DOT: tl.constexpr,  # the CPU interpreter: fp32 dots and bit-exact bf16 rounding
+    DEQUANT: tl.constexpr, BLOCK_DIAG: tl.constexpr,
+    FP32_DOT: tl.constexpr,  # the CPU interpreter: fp32 dots and bit-exact bf16 rounding
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE_GROUP: tl.constexpr,
 ):
     """out[m, n] = sum_g (sum_{k in g} a[m, k] w[n, k]) * a_scale[m, g] * w_scale[n // GROUP, g].
@@ -144,6 +145,33 @@ def _block_scaled_gemm_kernel(
                 acc = tl.dot(wd.to(tl.float32), tl.trans(ad.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(wd, tl.trans(ad), acc)
+    elif BLOCK_DIAG:
+        # One FP8 dot per BLOCK_K for all its SUB groups: the token operand is block diagonal
+        # (column j * BLOCK_M + t holds token t's group j, zeros in the other groups' rows), so
+        # product column j * BLOCK_M + t is token t's group-j partial sum, scaled in fp32 like the
+        # per-group dots but with one wgmma and one wait per BLOCK_K instead of SUB.
+        SUB: tl.constexpr = BLOCK_K // GROUP
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_s = tl.arange(0, SUB)
+        offs_c = tl.arange(0, SUB * BLOCK_M)
+        c_row = pid_m * BLOCK_M + offs_c % BLOCK_M
+        b_tile = a_ptr + c_row.to(tl.int64)[None, :] * stride_am + offs_k[:, None]
+        b_mask = (c_row < M)[None, :] & ((offs_k // GROUP)[:, None] == (offs_c // BLOCK_M)[None, :])
+        w_tile = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
+        acc3 = tl.zeros((BLOCK_N, SUB, BLOCK_M), dtype=tl.float32)
+        for i in range(ITERS):
+            it = it_begin + i
+            g0 = it * SUB
+            w = tl.load(w_tile + it * BLOCK_K, mask=n_ok[:, None], other=0.0)
+            b = tl.load(b_tile + it * BLOCK_K, mask=b_mask, other=0.0)
+            if FP32_DOT:
+                part = tl.dot(_e4m3_to_f32_exact(w), _e4m3_to_f32_exact(b), input_precision="ieee")
+            else:
+                part = tl.dot(w, b)
+            w_s = tl.load(ws_rows[:, None] + (g0 + offs_s)[None, :] * stride_wsk, mask=n_ok[:, None], other=0.0)
+            a_s = tl.load(as_rows[None, :] + (g0 + offs_s)[:, None] * stride_asg, mask=m_ok[None, :], other=0.0)
+            acc3 += tl.reshape(part, (BLOCK_N, SUB, BLOCK_M)) * (w_s[:, :, None] * a_s[None, :, :])
+        acc = tl.sum(acc3, axis=1)
     else:
         for i in range(ITERS):
             it = it_begin + i
@@ -205,6 +233,7 @@ class GemmConfig(NamedTuple):
     warps: int = 4
     tile_group: int = 8
     dequant: bool = False  # bf16-dequantized operands, one dot per BLOCK_K (see the kernel)
+    block_diag: bool = False  # FP8 dot over a block-diagonal token operand, one per BLOCK_K
 
 
 # Static table, (M bucket, N, K, group) -> config, filled from H200 sweeps (benchmark/gemm.py
@@ -402,6 +431,8 @@ def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, conf
     cfg = config or select_config(m, n, k, group, a.device, a_fp8)
     if k % cfg.block_k or cfg.block_k % group:
         raise ValueError(f"config block_k={cfg.block_k} must divide K={k} and be a multiple of {group}")
+    if cfg.block_diag and (cfg.dequant or not a_fp8):
+        raise ValueError("a block_diag config runs FP8 dots on an FP8 pair: not with dequant=True or W8A16")
     tiles = cdiv(n, cfg.block_n) * cdiv(m, cfg.block_m)
     iters = k // cfg.block_k
     split = max(1, min(cfg.split, iters))
@@ -425,7 +456,8 @@ def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, conf
         m, n, k,
         a.stride(0), stride_asm, stride_asg, weight.stride(0),
         weight_scale.stride(0), weight_scale.stride(1), out.stride(0),
-        GROUP=group, A_FP8=a_fp8, SPLIT=split, ITERS=iters_per_split, DEQUANT=cfg.dequant, FP32_DOT=interpreting(),
+        GROUP=group, A_FP8=a_fp8, SPLIT=split, ITERS=iters_per_split, DEQUANT=cfg.dequant,
+        BLOCK_DIAG=cfg.block_diag, FP32_DOT=interpreting(),
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, TILE_GROUP=cfg.tile_group,
         num_warps=cfg.warps, **extra,
     )

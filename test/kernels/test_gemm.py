@@ -56,6 +56,8 @@ SPLIT_CFG = gemm.GemmConfig(block_n=64, block_m=16, block_k=128, split=2, stages
     (17, 128, 512, SPLIT_CFG),  # split-K: partials + last-arrival reduction
     (40, 256, 256, gemm.GemmConfig(64, 32, 128, 1, 2, 4, 2)),  # several M tiles, grouped order
     (5, 192, 512, gemm.GemmConfig(64, 16, 256, 2, 2, 4, 8, dequant=True)),  # bf16-dequantized operands
+    (19, 192, 512, gemm.GemmConfig(64, 16, 128, 2, 2, 4, 8, block_diag=True)),  # block-diagonal tokens
+    (3, 128, 512, gemm.GemmConfig(64, 16, 256, 1, 2, 4, 8, block_diag=True)),
 ])
 def test_fp8_gemm_matches_reference_cpu(fmt, block, m, n, k, config, device):
     w, scale = ref.random_fp8_weight(n, k, block, device)
@@ -131,6 +133,12 @@ def test_bad_weights_and_out_are_rejected(device):
         gemm.fp8_gemm(pair, w, s, weight_block=32, out=torch.empty(2, 127, dtype=torch.bfloat16, device=device))
     with pytest.raises(ValueError, match="K="):
         gemm.fp8_gemm(ref.quantize(make_activation(2, 128, device), G32), w, s, weight_block=32)
+    both_modes = gemm.GemmConfig(64, 16, 128, 1, 2, 4, 8, dequant=True, block_diag=True)
+    with pytest.raises(ValueError, match="block_diag"):
+        gemm.fp8_gemm(pair, w, s, weight_block=32, config=both_modes)
+    with pytest.raises(ValueError, match="block_diag"):
+        gemm.w8a16_gemm(make_activation(2, 256, device), w, s, weight_block=32,
+                        config=both_modes._replace(dequant=False))
 
 
 @pytest.mark.cpu
@@ -206,6 +214,9 @@ def test_fp8_gemm_dsv41_shapes_gpu(fmt, block, n, k):
             assert torch.equal(out.view(torch.int16), unchained.view(torch.int16)), f"M={m}"
 
 
+BLOCK_DIAG_CONFIGS = [gemm.GemmConfig(64, 16, 128, 5, 4, 4, 8, block_diag=True),
+                      gemm.GemmConfig(128, 16, 256, 1, 4, 4, 8, block_diag=True),
+                      gemm.GemmConfig(64, 32, 128, 2, 4, 4, 8, block_diag=True)]
 DEQUANT_CONFIGS = [gemm.GemmConfig(64, 16, 128, 4, 4, 4, 8, True), gemm.GemmConfig(128, 64, 128, 2, 4, 4, 8, True),
                    gemm.GemmConfig(128, 128, 128, 1, 3, 8, 8, True), gemm.GemmConfig(64, 128, 128, 1, 4, 4, 8, True)]
 
@@ -214,11 +225,13 @@ DEQUANT_CONFIGS = [gemm.GemmConfig(64, 16, 128, 4, 4, 4, 8, True), gemm.GemmConf
 @pytest.mark.parametrize("fmt,block", FORMATS, ids=["g32", "g128"])
 @pytest.mark.parametrize("n,k", [(1792, 5120), (32768, 1280), (5120, 2304)])
 def test_fp8_gemm_dequant_and_split_configs_gpu(fmt, block, n, k):
-    """Configs the sweep may pick beyond the table's: bf16-dequantized operands, splits."""
+    """Configs the sweep may pick beyond the table's: bf16-dequantized operands, block-diagonal
+    token operands, splits."""
     w, s, w_ref = _gpu_weight(n, k, block)
     for m, cfg in [(1, DEQUANT_CONFIGS[0]), (13, DEQUANT_CONFIGS[0]), (64, DEQUANT_CONFIGS[1]),
                    (300, DEQUANT_CONFIGS[2]), (2048, DEQUANT_CONFIGS[3]),
-                   (16, gemm.GemmConfig(64, 16, 256, 8, 4, 4, 8)), (64, gemm.GemmConfig(128, 64, 128, 5, 4, 4, 8))]:
+                   (16, gemm.GemmConfig(64, 16, 256, 8, 4, 4, 8)), (64, gemm.GemmConfig(128, 64, 128, 5, 4, 4, 8)),
+                   (1, BLOCK_DIAG_CONFIGS[0]), (13, BLOCK_DIAG_CONFIGS[1]), (64, BLOCK_DIAG_CONFIGS[2])]:
         x = make_activation(m, k, "cuda")
         pair = quant.quantize(x, fmt)
         out = gemm.fp8_gemm(pair, w, s, weight_block=block, out=poisoned_out(m, n, "cuda"), config=cfg)
