@@ -69,6 +69,19 @@ def _e4m3_to_f32_exact(x):
 
 
 @triton.jit
+def _scale_tiles(ws_rows, as_rows, g0, stride_wsk, stride_asg, n_ok, m_ok, SUB: tl.constexpr, A_FP8: tl.constexpr):
+    """The scales of scale groups ``g0 .. g0 + SUB``: weights ``[BLOCK_N, SUB]`` (one row per weight
+    row, repeating over its block) and tokens ``[BLOCK_M, SUB]`` (zeros without FP8 tokens)."""
+    offs_s = g0 + tl.arange(0, SUB)
+    w_s = tl.load(ws_rows[:, None] + offs_s[None, :] * stride_wsk, mask=n_ok[:, None], other=0.0)
+    if A_FP8:
+        a_s = tl.load(as_rows[:, None] + offs_s[None, :] * stride_asg, mask=m_ok[:, None], other=0.0)
+    else:
+        a_s = tl.zeros((as_rows.shape[0], SUB), tl.float32)
+    return w_s, a_s
+
+
+@triton.jit
 def _block_scaled_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K,
@@ -102,29 +115,31 @@ def _block_scaled_gemm_kernel(
     m_ok = offs_m < M
     rows_n = offs_n.to(tl.int64)
     rows_m = offs_m.to(tl.int64)
-    offs_g = tl.arange(0, GROUP)
-    w_rows = w_ptr + rows_n[:, None] * stride_wn + offs_g[None, :]
-    a_rows = a_ptr + rows_m[:, None] * stride_am + offs_g[None, :]
     ws_rows = w_scale_ptr + (offs_n // GROUP).to(tl.int64) * stride_wsn
     as_rows = a_scale_ptr + rows_m * stride_asm
+    SUB: tl.constexpr = BLOCK_K // GROUP  # scale groups per K iteration
+    offs_k = tl.arange(0, BLOCK_K)
+    w_tile = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
+    a_tile = a_ptr + rows_m[:, None] * stride_am + offs_k[None, :]
 
     it_begin = pid_k * ITERS
+    it_last = it_begin + ITERS - 1
+    # Scales are read one K iteration ahead: loaded where they are used, their L2 latency would
+    # stall every iteration (the pipeliner stages only the operand tiles).
+    w_s_next, a_s_next = _scale_tiles(ws_rows, as_rows, it_begin * SUB, stride_wsk, stride_asg, n_ok, m_ok,
+                                      SUB, A_FP8)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if DEQUANT:
         # Dequantize both operands to bf16 in registers (exact for power-of-two scales: an e4m3
         # value times 2^e is a bf16 value), then one bf16 dot over BLOCK_K with fp32
         # accumulation across all of K: no per-group promotion, no waits between small dots.
-        SUB: tl.constexpr = BLOCK_K // GROUP
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_s = tl.arange(0, SUB)
-        w_tile = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
-        a_tile = a_ptr + rows_m[:, None] * stride_am + offs_k[None, :]
         for i in range(ITERS):
             it = it_begin + i
-            g0 = it * SUB
+            w_s, a_s = w_s_next, a_s_next
+            w_s_next, a_s_next = _scale_tiles(ws_rows, as_rows, tl.minimum(it + 1, it_last) * SUB, stride_wsk,
+                                              stride_asg, n_ok, m_ok, SUB, A_FP8)
             w = tl.load(w_tile + it * BLOCK_K, mask=n_ok[:, None], other=0.0)
             a = tl.load(a_tile + it * BLOCK_K, mask=m_ok[:, None], other=0.0)
-            w_s = tl.load(ws_rows[:, None] + (g0 + offs_s)[None, :] * stride_wsk, mask=n_ok[:, None], other=0.0)
             if FP32_DOT:
                 wf = _e4m3_to_f32_exact(w)
             else:
@@ -132,7 +147,6 @@ def _block_scaled_gemm_kernel(
             wd = tl.reshape(tl.reshape(wf, (BLOCK_N, SUB, GROUP)) * w_s[:, :, None], (BLOCK_N, BLOCK_K))
             wd = _to_bf16(wd, FP32_DOT)
             if A_FP8:
-                a_s = tl.load(as_rows[:, None] + (g0 + offs_s)[None, :] * stride_asg, mask=m_ok[:, None], other=0.0)
                 if FP32_DOT:
                     af = _e4m3_to_f32_exact(a)
                 else:
@@ -150,51 +164,53 @@ def _block_scaled_gemm_kernel(
         # (column j * BLOCK_M + t holds token t's group j, zeros in the other groups' rows), so
         # product column j * BLOCK_M + t is token t's group-j partial sum, scaled in fp32 like the
         # per-group dots but with one wgmma and one wait per BLOCK_K instead of SUB.
-        SUB: tl.constexpr = BLOCK_K // GROUP
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_s = tl.arange(0, SUB)
         offs_c = tl.arange(0, SUB * BLOCK_M)
         c_row = pid_m * BLOCK_M + offs_c % BLOCK_M
         b_tile = a_ptr + c_row.to(tl.int64)[None, :] * stride_am + offs_k[:, None]
         b_mask = (c_row < M)[None, :] & ((offs_k // GROUP)[:, None] == (offs_c // BLOCK_M)[None, :])
-        w_tile = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
         acc3 = tl.zeros((BLOCK_N, SUB, BLOCK_M), dtype=tl.float32)
         for i in range(ITERS):
             it = it_begin + i
-            g0 = it * SUB
+            w_s, a_s = w_s_next, a_s_next
+            w_s_next, a_s_next = _scale_tiles(ws_rows, as_rows, tl.minimum(it + 1, it_last) * SUB, stride_wsk,
+                                              stride_asg, n_ok, m_ok, SUB, A_FP8)
             w = tl.load(w_tile + it * BLOCK_K, mask=n_ok[:, None], other=0.0)
             b = tl.load(b_tile + it * BLOCK_K, mask=b_mask, other=0.0)
             if FP32_DOT:
                 part = tl.dot(_e4m3_to_f32_exact(w), _e4m3_to_f32_exact(b), input_precision="ieee")
             else:
                 part = tl.dot(w, b)
-            w_s = tl.load(ws_rows[:, None] + (g0 + offs_s)[None, :] * stride_wsk, mask=n_ok[:, None], other=0.0)
-            a_s = tl.load(as_rows[None, :] + (g0 + offs_s)[:, None] * stride_asg, mask=m_ok[None, :], other=0.0)
-            acc3 += tl.reshape(part, (BLOCK_N, SUB, BLOCK_M)) * (w_s[:, :, None] * a_s[None, :, :])
+            acc3 += tl.reshape(part, (BLOCK_N, SUB, BLOCK_M)) * (w_s[:, :, None] * tl.trans(a_s)[None, :, :])
         acc = tl.sum(acc3, axis=1)
     else:
+        offs_s = tl.arange(0, SUB)
+        offs_g = tl.arange(0, GROUP)
+        w_rows = w_ptr + rows_n[:, None] * stride_wn + offs_g[None, :]
+        a_rows = a_ptr + rows_m[:, None] * stride_am + offs_g[None, :]
         for i in range(ITERS):
             it = it_begin + i
-            for sub in tl.static_range(BLOCK_K // GROUP):
-                g = it * (BLOCK_K // GROUP) + sub
-                k0 = g * GROUP
+            w_s, a_s = w_s_next, a_s_next
+            w_s_next, a_s_next = _scale_tiles(ws_rows, as_rows, tl.minimum(it + 1, it_last) * SUB, stride_wsk,
+                                              stride_asg, n_ok, m_ok, SUB, A_FP8)
+            for sub in tl.static_range(SUB):
+                k0 = (it * SUB + sub) * GROUP
                 w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)
                 a = tl.load(a_rows + k0, mask=m_ok[:, None], other=0.0)
-                w_s = tl.load(ws_rows + g * stride_wsk, mask=n_ok, other=0.0)
+                w_s_sub = tl.sum(tl.where(offs_s[None, :] == sub, w_s, 0.0), axis=1)
                 if A_FP8:
-                    a_s = tl.load(as_rows + g * stride_asg, mask=m_ok, other=0.0)
+                    a_s_sub = tl.sum(tl.where(offs_s[None, :] == sub, a_s, 0.0), axis=1)
                     if FP32_DOT:
                         part = tl.dot(_e4m3_to_f32_exact(w), tl.trans(_e4m3_to_f32_exact(a)),
                                       input_precision="ieee")
                     else:
                         part = tl.dot(w, tl.trans(a))
-                    acc += part * (w_s[:, None] * a_s[None, :])
+                    acc += part * (w_s_sub[:, None] * a_s_sub[None, :])
                 else:
                     if FP32_DOT:  # the interpreter's bf16 tl.dot is wrong; fp32 is exact there
                         part = tl.dot(_e4m3_to_f32_exact(w), tl.trans(a.to(tl.float32)), input_precision="ieee")
                     else:
                         part = tl.dot(w.to(tl.bfloat16), tl.trans(a))
-                    acc += part * w_s[:, None]
+                    acc += part * w_s_sub[:, None]
 
     out_ptrs = out_ptr + rows_m[None, :] * stride_om + rows_n[:, None]
     out_mask = n_ok[:, None] & m_ok[None, :]
