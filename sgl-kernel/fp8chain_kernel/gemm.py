@@ -13,13 +13,16 @@ One Triton kernel serves both, see docs/gemm.md:
 * swap-AB tiles: the accumulator is ``[BLOCK_N, BLOCK_M]`` (weights on the MMA's M side, at least
   64 rows, tokens on its N side, 16..256), so a decode step with one token still runs full-size
   wgmma instructions on Hopper and reads the weights once;
-* two operand modes per config. FP8 dot: per K group (32 or 128 columns) one ``tl.dot`` on the
-  e4m3 operands, then ``acc += partial * (weight_scale[n // block, g] * act_scale[m, g])`` in
-  fp32. Dequantized: both operands are scaled to bf16 in registers (exact when the scales are
-  powers of two, as DSv4.1's 32x32 blocks and ``sm90_g32_fp32_mn`` are: e4m3 x 2^e is a bf16
-  value) and one bf16 ``tl.dot`` covers BLOCK_K columns with fp32 accumulation over all of K. The
-  H200 sweep picks the dequantized mode for nearly every 32-group shape (per-32 FP8 dots pay one
-  wgmma wait and one promotion per 32 columns);
+* three operand modes per config. FP8 dot: per K group (32 or 128 columns) one ``tl.dot`` on
+  the e4m3 operands, then ``acc += partial * (weight_scale[n // block, g] * act_scale[m, g])`` in
+  fp32. Block-diagonal (32-groups, small M): one FP8 ``tl.dot`` per BLOCK_K against a token
+  operand that holds each group's columns in its own block of BLOCK_M columns (zeros elsewhere),
+  so the product holds every group's partial sum at once and is promoted the same way.
+  Dequantized: both operands are scaled to bf16 in registers (exact when the scales are powers of
+  two, as DSv4.1's 32x32 blocks and ``sm90_g32_fp32_mn`` are: e4m3 x 2^e is a bf16 value) and one
+  bf16 ``tl.dot`` covers BLOCK_K columns with fp32 accumulation over all of K. The H200 sweep picks
+  block-diagonal for 32-groups at M <= 16 and dequantized above (per-32 FP8 dots pay one wgmma
+  wait and one promotion per 32 columns);
 * split-K for decode shapes: each K slice stores its fp32 partial tile to a workspace and bumps a
   per-tile counter; the program that arrives last sums the partials in slice order (so the result
   is deterministic and independent of arrival order), writes bf16 and re-arms the counter;
@@ -119,15 +122,11 @@ def _block_scaled_gemm_kernel(
     as_rows = a_scale_ptr + rows_m * stride_asm
     SUB: tl.constexpr = BLOCK_K // GROUP  # scale groups per K iteration
     offs_k = tl.arange(0, BLOCK_K)
+    offs_s = tl.arange(0, SUB)
     w_tile = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
     a_tile = a_ptr + rows_m[:, None] * stride_am + offs_k[None, :]
 
     it_begin = pid_k * ITERS
-    it_last = it_begin + ITERS - 1
-    # Scales are read one K iteration ahead: loaded where they are used, their L2 latency would
-    # stall every iteration (the pipeliner stages only the operand tiles).
-    w_s_next, a_s_next = _scale_tiles(ws_rows, as_rows, it_begin * SUB, stride_wsk, stride_asg, n_ok, m_ok,
-                                      SUB, A_FP8)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if DEQUANT:
         # Dequantize both operands to bf16 in registers (exact for power-of-two scales: an e4m3
@@ -135,11 +134,10 @@ def _block_scaled_gemm_kernel(
         # accumulation across all of K: no per-group promotion, no waits between small dots.
         for i in range(ITERS):
             it = it_begin + i
-            w_s, a_s = w_s_next, a_s_next
-            w_s_next, a_s_next = _scale_tiles(ws_rows, as_rows, tl.minimum(it + 1, it_last) * SUB, stride_wsk,
-                                              stride_asg, n_ok, m_ok, SUB, A_FP8)
+            g0 = it * SUB
             w = tl.load(w_tile + it * BLOCK_K, mask=n_ok[:, None], other=0.0)
             a = tl.load(a_tile + it * BLOCK_K, mask=m_ok[:, None], other=0.0)
+            w_s = tl.load(ws_rows[:, None] + (g0 + offs_s)[None, :] * stride_wsk, mask=n_ok[:, None], other=0.0)
             if FP32_DOT:
                 wf = _e4m3_to_f32_exact(w)
             else:
@@ -147,6 +145,7 @@ def _block_scaled_gemm_kernel(
             wd = tl.reshape(tl.reshape(wf, (BLOCK_N, SUB, GROUP)) * w_s[:, :, None], (BLOCK_N, BLOCK_K))
             wd = _to_bf16(wd, FP32_DOT)
             if A_FP8:
+                a_s = tl.load(as_rows[:, None] + (g0 + offs_s)[None, :] * stride_asg, mask=m_ok[:, None], other=0.0)
                 if FP32_DOT:
                     af = _e4m3_to_f32_exact(a)
                 else:
@@ -169,6 +168,12 @@ def _block_scaled_gemm_kernel(
         b_tile = a_ptr + c_row.to(tl.int64)[None, :] * stride_am + offs_k[:, None]
         b_mask = (c_row < M)[None, :] & ((offs_k // GROUP)[:, None] == (offs_c // BLOCK_M)[None, :])
         acc3 = tl.zeros((BLOCK_N, SUB, BLOCK_M), dtype=tl.float32)
+        # The scales are read one K iteration ahead: loaded where they are used, their L2 latency
+        # stalls every iteration (the pipeliner stages only the operand tiles). Measured on the
+        # H200, this helps this mode only; the other modes' registers are better spent elsewhere.
+        it_last = it_begin + ITERS - 1
+        w_s_next, a_s_next = _scale_tiles(ws_rows, as_rows, it_begin * SUB, stride_wsk, stride_asg, n_ok, m_ok,
+                                          SUB, A_FP8)
         for i in range(ITERS):
             it = it_begin + i
             w_s, a_s = w_s_next, a_s_next
@@ -183,34 +188,31 @@ def _block_scaled_gemm_kernel(
             acc3 += tl.reshape(part, (BLOCK_N, SUB, BLOCK_M)) * (w_s[:, :, None] * tl.trans(a_s)[None, :, :])
         acc = tl.sum(acc3, axis=1)
     else:
-        offs_s = tl.arange(0, SUB)
         offs_g = tl.arange(0, GROUP)
         w_rows = w_ptr + rows_n[:, None] * stride_wn + offs_g[None, :]
         a_rows = a_ptr + rows_m[:, None] * stride_am + offs_g[None, :]
         for i in range(ITERS):
             it = it_begin + i
-            w_s, a_s = w_s_next, a_s_next
-            w_s_next, a_s_next = _scale_tiles(ws_rows, as_rows, tl.minimum(it + 1, it_last) * SUB, stride_wsk,
-                                              stride_asg, n_ok, m_ok, SUB, A_FP8)
             for sub in tl.static_range(SUB):
-                k0 = (it * SUB + sub) * GROUP
+                g = it * SUB + sub
+                k0 = g * GROUP
                 w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)
                 a = tl.load(a_rows + k0, mask=m_ok[:, None], other=0.0)
-                w_s_sub = tl.sum(tl.where(offs_s[None, :] == sub, w_s, 0.0), axis=1)
+                w_s = tl.load(ws_rows + g * stride_wsk, mask=n_ok, other=0.0)
                 if A_FP8:
-                    a_s_sub = tl.sum(tl.where(offs_s[None, :] == sub, a_s, 0.0), axis=1)
+                    a_s = tl.load(as_rows + g * stride_asg, mask=m_ok, other=0.0)
                     if FP32_DOT:
                         part = tl.dot(_e4m3_to_f32_exact(w), tl.trans(_e4m3_to_f32_exact(a)),
                                       input_precision="ieee")
                     else:
                         part = tl.dot(w, tl.trans(a))
-                    acc += part * (w_s_sub[:, None] * a_s_sub[None, :])
+                    acc += part * (w_s[:, None] * a_s[None, :])
                 else:
                     if FP32_DOT:  # the interpreter's bf16 tl.dot is wrong; fp32 is exact there
                         part = tl.dot(_e4m3_to_f32_exact(w), tl.trans(a.to(tl.float32)), input_precision="ieee")
                     else:
                         part = tl.dot(w.to(tl.bfloat16), tl.trans(a))
-                    acc += part * w_s_sub[:, None]
+                    acc += part * w_s[:, None]
 
     out_ptrs = out_ptr + rows_m[None, :] * stride_om + rows_n[:, None]
     out_mask = n_ok[:, None] & m_ok[None, :]
@@ -259,9 +261,10 @@ class GemmConfig(NamedTuple):
 _C = GemmConfig
 CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     # H200 sweep 2026-11-29 11:10 UTC (benchmark/gemm.py --sweep): fastest verified candidate, its
-    # CUDA-graph median per call (weights streamed from HBM).
+    # CUDA-graph median per call (weights streamed from HBM). The block_diag entries (32-groups at
+    # M <= 16, wo_b_tp4 at M <= 64) come from the sweep of 2026-11-29 15:20 UTC that added the mode.
     # wqkv_a 1792x5120
-    (16, 1792, 5120, 32): _C(64, 16, 256, 4, 4, 4, dequant=True),  # 9.3 us
+    (16, 1792, 5120, 32): _C(64, 16, 128, 8, 4, 4, block_diag=True),  # 8.5 us
     (64, 1792, 5120, 32): _C(64, 64, 128, 8, 4, 4, dequant=True),  # 13.6 us
     (256, 1792, 5120, 32): _C(128, 64, 128, 2, 4, 4),  # 40.2 us
     (1 << 30, 1792, 5120, 32): _C(128, 256, 64, 1, 3, 8, dequant=True),  # 118.9 us
@@ -270,7 +273,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (256, 1792, 5120, 128): _C(128, 64, 128, 2, 4, 4),  # 17.8 us
     (1 << 30, 1792, 5120, 128): _C(128, 128, 128, 1, 3, 8),  # 63.3 us
     # wq_b 32768x1280
-    (16, 32768, 1280, 32): _C(64, 16, 128, 1, 4, 4, dequant=True),  # 19.7 us
+    (16, 32768, 1280, 32): _C(128, 16, 128, 1, 4, 4, block_diag=True),  # 15.5 us
     (64, 32768, 1280, 32): _C(128, 64, 128, 1, 4, 4, dequant=True),  # 30.5 us
     (256, 32768, 1280, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 84.2 us
     (1 << 30, 32768, 1280, 32): _C(128, 256, 64, 1, 3, 8, dequant=True),  # 500.4 us
@@ -279,7 +282,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (256, 32768, 1280, 128): _C(128, 128, 128, 1, 3, 8),  # 42.2 us
     (1 << 30, 32768, 1280, 128): _C(128, 64, 128, 1, 4, 4),  # 299.8 us
     # wo_b 5120x8192
-    (16, 5120, 8192, 32): _C(64, 16, 128, 8, 4, 4, dequant=True),  # 21.3 us
+    (16, 5120, 8192, 32): _C(64, 16, 128, 4, 4, 4, block_diag=True),  # 18.4 us
     (64, 5120, 8192, 32): _C(128, 64, 128, 8, 4, 4, dequant=True),  # 40.9 us
     (256, 5120, 8192, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 117.7 us
     (1 << 30, 5120, 8192, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 559.3 us
@@ -288,8 +291,8 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (256, 5120, 8192, 128): _C(64, 64, 128, 1, 4, 4),  # 43.9 us
     (1 << 30, 5120, 8192, 128): _C(128, 64, 128, 1, 4, 4),  # 244.9 us
     # wo_b_tp4 5120x2048
-    (16, 5120, 2048, 32): _C(64, 16, 256, 1, 4, 4, dequant=True),  # 9.8 us
-    (64, 5120, 2048, 32): _C(64, 64, 128, 2, 4, 4, dequant=True),  # 16.8 us
+    (16, 5120, 2048, 32): _C(64, 16, 128, 4, 4, 4, block_diag=True),  # 8.7 us
+    (64, 5120, 2048, 32): _C(64, 16, 128, 1, 4, 4, block_diag=True),  # 14.0 us
     (256, 5120, 2048, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 33.7 us
     (1 << 30, 5120, 2048, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 152.2 us
     (16, 5120, 2048, 128): _C(64, 16, 128, 4, 4, 4),  # 7.7 us
@@ -297,7 +300,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (256, 5120, 2048, 128): _C(64, 64, 128, 1, 4, 4),  # 14.0 us
     (1 << 30, 5120, 2048, 128): _C(128, 128, 128, 1, 3, 8),  # 71.1 us
     # gate_up 4608x5120
-    (16, 4608, 5120, 32): _C(64, 16, 128, 5, 4, 4, dequant=True),  # 14.8 us
+    (16, 4608, 5120, 32): _C(64, 16, 128, 5, 4, 4, block_diag=True),  # 12.1 us
     (64, 4608, 5120, 32): _C(128, 64, 128, 5, 4, 4, dequant=True),  # 25.2 us
     (256, 4608, 5120, 32): _C(64, 64, 128, 1, 4, 4),  # 72.9 us
     (1 << 30, 4608, 5120, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 359.6 us
@@ -306,7 +309,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (256, 4608, 5120, 128): _C(64, 64, 128, 1, 4, 4),  # 28.6 us
     (1 << 30, 4608, 5120, 128): _C(128, 64, 128, 1, 4, 4),  # 158.2 us
     # down 5120x2304
-    (16, 5120, 2304, 32): _C(64, 16, 128, 3, 4, 4, dequant=True),  # 10.9 us
+    (16, 5120, 2304, 32): _C(64, 16, 128, 3, 4, 4, block_diag=True),  # 8.8 us
     (64, 5120, 2304, 32): _C(64, 64, 128, 3, 4, 4, dequant=True),  # 14.6 us
     (256, 5120, 2304, 32): _C(64, 64, 128, 1, 4, 4),  # 36.1 us
     (1 << 30, 5120, 2304, 32): _C(128, 256, 64, 1, 3, 8, dequant=True),  # 166.9 us
@@ -335,9 +338,11 @@ def _num_sms(device: torch.device) -> int:
 
 def _heuristic_config(m: int, n: int, k: int, group: int, sms: int, a_fp8: bool = True) -> GemmConfig:
     """For shapes outside the table; shaped after what won the H200 sweeps: 32-groups (power-of-two
-    scales) run bf16-dequantized operands, 128-groups the FP8 dot; small M splits K."""
+    scales) run block-diagonal FP8 dots for FP8 tokens at M <= 16 and bf16-dequantized operands
+    otherwise, 128-groups the FP8 dot; small M splits K."""
     bk = 128 if k % 128 == 0 else group
-    dequant = group == 32
+    block_diag = group == 32 and a_fp8 and m <= 16 and bk == 128
+    dequant = group == 32 and not block_diag
     if m <= 64:
         block_m, block_n, stages, warps = max(16, triton.next_power_of_2(m)), 64, 4, 4
     elif m <= 256:
@@ -352,7 +357,7 @@ def _heuristic_config(m: int, n: int, k: int, group: int, sms: int, a_fp8: bool 
     # Split K until there are about two programs per SM, keeping >= 4 K iterations per slice.
     while tiles * split < 2 * sms and iters // (split * 2) >= 4 and split < 8:
         split *= 2
-    return GemmConfig(block_n, block_m, bk, split, stages, warps, 8, dequant=dequant)
+    return GemmConfig(block_n, block_m, bk, split, stages, warps, 8, dequant=dequant, block_diag=block_diag)
 
 
 def select_config(m: int, n: int, k: int, group: int, device: torch.device, a_fp8: bool = True) -> GemmConfig:

@@ -36,6 +36,18 @@ def _record(self, *args, grid, warmup, **kwargs):
     launches.append((self, args, kwargs))
 
 
+def _divisibility(kernel, args, kwargs):
+    """The alignment facts the launcher would specialize on: tensors (16-byte aligned allocations)
+    and integers divisible by 16. Without them ptxas sees unvectorized loads and no cp.async
+    pipeline, so shared memory and registers would not be what the GPU compiles."""
+    values = dict(zip(kernel.arg_names, args))
+    values.update(kwargs)
+    return {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
+            if index not in kernel.constexprs
+            and (isinstance(values[name], torch.Tensor)
+                 or (type(values[name]) is int and values[name] % 16 == 0))}
+
+
 def _signature(kernel, args, kwargs):
     values = dict(zip(kernel.arg_names, args))
     values.update({k: v for k, v in kwargs.items() if k not in OPTIONS})
@@ -93,26 +105,30 @@ def boundary_launches():
                           BLOCK=block, BLOCK1=1024, CHUNKS1=5, GROUP=32, POW2=True, PACKED=True,
                           EXACT_CAST=False)
         yield mhc._boundary_kernel, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs, \
-            {"num_warps": 4, "enable_fp_fusion": False}
+            {"num_warps": 4, "enable_fp_fusion": False}, \
+            {(i,): [["tt.divisibility", 16]] for i, name in enumerate(mhc._boundary_kernel.arg_names)
+             if signature.get(name, "").startswith("*")}
 
 
 def main() -> int:
     JITFunction.run = _record
     with torch.no_grad():
         record_launches()
-    jobs = [(k, *_signature(k, a, kw), {o: kw[o] for o in OPTIONS if o in kw}) for k, a, kw in launches]
+    jobs = [(k, *_signature(k, a, kw), {o: kw[o] for o in OPTIONS if o in kw}, _divisibility(k, a, kw))
+            for k, a, kw in launches]
     jobs += list(boundary_launches())
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     target = GPUTarget("cuda", 90, 32)
-    for kernel, signature, constexprs, options in jobs:
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+    for kernel, signature, constexprs, options, attrs in jobs:
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                                   target=target, options=options)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
             cubin.write(compiled.asm["cubin"])
             cubin.flush()
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True,
                                    text=True, check=True).stdout
-        print(kernel.__name__, next(line.strip() for line in usage.splitlines() if "REG:" in line))
+        print(kernel.__name__, next(line.strip() for line in usage.splitlines() if "REG:" in line),
+              f"smem {compiled.metadata.shared}")
     return 0
 
 
