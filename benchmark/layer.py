@@ -7,6 +7,8 @@ writes the next layer's wqkv_a input). Routed experts are not in the unit.
 
 Arms, timed in one process with CUDA-graph replay (median):
 - ``chained``: every producer writes the FP8 pair its consumer reads (no quantize launches);
+  the mHC stats run on a side stream beside each sublayer (``run_sublayer``), as in the model;
+- ``chained_serial_stats``: the same step with the stats in line on one stream (A/B);
 - ``unchained``: producers write bf16, every FP8 linear quantizes its own input (Hopper upstream);
 - ``compiled_peer``: the same unit in plain torch ops with cuBLAS blockwise FP8 GEMMs
   (128x128 weight blocks, a torch-composed quantize before each), ``torch.compile``d;
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
 
 from fp8chain.bench import harness  # noqa: E402
-from fp8chain.layers.mhc import mhc_boundary  # noqa: E402
+from fp8chain.layers.mhc import run_sublayer  # noqa: E402
 from fp8chain.layers.quantization.fp8 import Fp8Config  # noqa: E402
 from fp8chain.models.deepseek_v41 import (  # noqa: E402
     DeepseekV41Config, DeepseekV41DecoderLayer, _chain_format,
@@ -101,14 +103,12 @@ class LayerUnit:
         self.x_pair = quant.quantize(self.x, fmt) if fmt is not None else None
 
     def step(self):
-        layer, chain = self.layer, self.chain
-        stats = layer.hc_attn.stats(self.residual)
-        y = layer.attn(self.x, self.x_pair, self.positions, self.slots, self.kv_cache)
-        residual, x, pair = mhc_boundary(y, self.residual, stats, layer.ffn_norm,
-                                         _chain_format(layer.ffn.input_linear, chain))
-        stats = layer.hc_ffn.stats(residual)
-        y = layer.ffn.shared_experts(x, pair)
-        return mhc_boundary(y, residual, stats, layer.attn_norm, _chain_format(layer.attn.wqkv_a, chain))
+        layer, chain, overlap = self.layer, self.chain, self.layer.overlap_stats
+        residual, x, pair = run_sublayer(
+            layer.hc_attn, lambda: layer.attn(self.x, self.x_pair, self.positions, self.slots, self.kv_cache),
+            self.residual, layer.ffn_norm, _chain_format(layer.ffn.input_linear, chain), overlap)
+        return run_sublayer(layer.hc_ffn, lambda: layer.ffn.shared_experts(x, pair), residual, layer.attn_norm,
+                            _chain_format(layer.attn.wqkv_a, chain), overlap)
 
 
 def weight_bytes(layer: DeepseekV41DecoderLayer) -> int:
@@ -219,6 +219,10 @@ def run(args) -> tuple[dict, list[dict]]:
                 record[f"{arm}_launches"] = sum(launches.values())
                 record[f"{arm}_quantize_launches"] = harness.quantize_launches(launches)
                 record[f"{arm}_kernels"] = kernels
+            unit.set_chain(True)
+            layer.overlap_stats = False  # the same chained step with the mHC stats in line
+            record["chained_serial_stats_us"] = harness.graph_time_us(unit.step, iters=args.iters, repeats=5)
+            layer.overlap_stats = True
             if peer is not None:
                 inputs = (unit.residual, unit.x, unit.positions, unit.slots, unit.kv_cache)
                 try:
@@ -237,7 +241,7 @@ def run(args) -> tuple[dict, list[dict]]:
     return meta, records
 
 
-COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "compiled_peer_us", "floor_us",
+COLUMNS = ["shapes", "phase", "M", "chained_us", "chained_serial_stats_us", "unchained_us", "compiled_peer_us", "floor_us",
            "chained_over_unchained", "chained_over_peer", "chained_over_floor", "chained_launches",
            "unchained_launches", "chained_quantize_launches", "unchained_quantize_launches"]
 

@@ -533,10 +533,11 @@ def _launch(y, residual, pre, post, comb, norm_weight, norm_eps, new_residual, x
 
 
 def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-              *, rms_eps: float = 1e-6, hc_eps: float = 1e-6, sinkhorn_iters: int = 20):
+              *, rms_eps: float = 1e-6, hc_eps: float = 1e-6, sinkhorn_iters: int = 20, out=None):
     """``residual [T, 4, H]`` bf16 -> fp32 ``(pre [T, 4], post [T, 4], comb [T, 4, 4])``.
 
     ``fn [24, 4H]``, ``scale [3]``, ``base [24]`` fp32 (REFERENCE.md section 5). Two launches.
+    ``out``: optional caller buffers ``(pre, post, comb)``, contiguous fp32 of those shapes.
     """
     rows, cols = _check_residual(residual)
     device = residual.device
@@ -547,9 +548,15 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     _check_tensor(base, "base", (torch.float32,), (NMIX,), device)
     if int(sinkhorn_iters) < 1:
         raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
-    pre = torch.empty((rows, HC), dtype=torch.float32, device=device)
-    post = torch.empty((rows, HC), dtype=torch.float32, device=device)
-    comb = torch.empty((rows, HC, HC), dtype=torch.float32, device=device)
+    if out is None:
+        pre = torch.empty((rows, HC), dtype=torch.float32, device=device)
+        post = torch.empty((rows, HC), dtype=torch.float32, device=device)
+        comb = torch.empty((rows, HC, HC), dtype=torch.float32, device=device)
+    else:
+        pre, post, comb = out
+        _check_mixes(rows, device, pre, post, comb)
+        if not (pre.is_contiguous() and post.is_contiguous() and comb.is_contiguous()):
+            raise ValueError("out=(pre, post, comb) must be contiguous")
     if rows == 0:
         return pre, post, comb
     if cols == 0:

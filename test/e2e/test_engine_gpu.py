@@ -67,6 +67,24 @@ def test_logits_bitwise_identical_chain_on_off_with_graphs(setup):
                     f"(max abs diff {diff:.3g})")
 
 
+def test_mhc_stats_beside_the_sublayer_change_no_bit(setup):
+    """The model runs each sublayer's mHC stats on a side stream (captured into the decode graphs
+    as a fork and a join); in line on one stream, the logits are the same bits."""
+    model = setup["model"]
+    for layer in model.layers:
+        layer.overlap_stats = False
+    try:
+        engine = Engine(model, max_batch=PROMPTS, max_len=96, cuda_graphs=True)
+        serial = engine.generate(setup["prompts"], NEW_TOKENS // 4, return_logits=True)
+    finally:
+        for layer in model.layers:
+            layer.overlap_stats = True
+    on = setup["runs"][True]
+    assert serial.graphs and len(serial.logits) == NEW_TOKENS // 4
+    for step, (a, b) in enumerate(zip(serial.logits, on.logits)):
+        assert torch.equal(a, b), f"step {step}: in-line stats differ from the side-stream ones"
+
+
 def assert_runs_agree(got, want, steps: int, rel: float = 1e-2, sure: int = 4):
     """Same tokens and logits within ``rel`` (relative L2 per row) step by step, up to the first
     token that differs; that may only happen after ``sure`` steps (a near tie flipped by the

@@ -173,6 +173,25 @@ def test_stats_options(iters):
 
 
 @cpu
+def test_stats_into_caller_buffers():
+    """out=(pre, post, comb) gets the bits of the allocating call; wrong buffers are refused."""
+    t = 3
+    residual = torch.randn(t, 4, CPU_H).bfloat16()
+    params = make_stats_params(CPU_H, "cpu")
+    want = mhc.mhc_stats(residual, *params)
+    out = (torch.full((t, 4), float("nan")), torch.full((t, 4), float("nan")), torch.full((t, 4, 4), float("nan")))
+    got = mhc.mhc_stats(residual, *params, out=out)
+    for a, b, buf in zip(want, got, out):
+        assert b is buf and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    with pytest.raises(ValueError, match="comb"):
+        mhc.mhc_stats(residual, *params, out=(out[0], out[1], torch.empty(t, 4, 3)))
+    with pytest.raises(TypeError, match="pre"):
+        mhc.mhc_stats(residual, *params, out=(out[0].double(), out[1], out[2]))
+    with pytest.raises(ValueError, match="contiguous"):
+        mhc.mhc_stats(residual, *params, out=(torch.empty(4, t).t(), out[1], out[2]))
+
+
+@cpu
 @pytest.mark.parametrize("t,bad", [(4, 2), (5, 4), (33, 32)])
 def test_stats_nan_token_isolated(t, bad):
     """A NaN in one token makes all 24 of its mixes NaN and leaves the others' bits alone, also

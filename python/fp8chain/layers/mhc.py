@@ -16,10 +16,11 @@ from torch import nn
 
 from fp8chain_kernel import mhc as mhc_kernels
 from fp8chain_kernel.formats import QuantizedActivation
+from fp8chain_kernel.fp8_tile import interpreting
 
 from .norm import RMSNorm
 
-__all__ = ["HyperConnection", "MHCStats", "mhc_boundary", "expand_streams"]
+__all__ = ["HyperConnection", "MHCStats", "mhc_boundary", "run_sublayer", "stats_stream", "expand_streams"]
 
 
 class MHCStats(tuple):
@@ -60,16 +61,64 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros(self.mix, dtype=torch.float32), requires_grad=False)
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32), requires_grad=False)
 
-    def stats(self, residual: torch.Tensor) -> MHCStats:
-        """``(pre, post, comb)`` from the residual ``[T, hc, H]`` entering this sublayer."""
-        pre, post, comb = mhc_kernels.mhc_stats(
-            residual, self.fn, self.scale, self.base, rms_eps=self.rms_eps, hc_eps=self.hc_eps,
-            sinkhorn_iters=self.sinkhorn_iters)
-        return MHCStats(pre, post, comb)
+    def stats(self, residual: torch.Tensor, *, side_stream: torch.cuda.Stream | None = None) -> MHCStats:
+        """``(pre, post, comb)`` from the residual ``[T, hc, H]`` entering this sublayer.
+
+        With ``side_stream`` the launches run there, after the current stream's work so far, so
+        they overlap what the current stream does next (the sublayer: the stats are needed only
+        at the boundary after it). Read the result only after
+        ``torch.cuda.current_stream().wait_stream(side_stream)``.
+        """
+        kwargs = dict(rms_eps=self.rms_eps, hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters)
+        if side_stream is None:
+            return MHCStats(*mhc_kernels.mhc_stats(residual, self.fn, self.scale, self.base, **kwargs))
+        # The outputs belong to the current stream (allocated here, before the switch): the
+        # caching allocator then never recycles them for the side stream while the current
+        # stream may still read them.
+        rows = residual.shape[0]
+        out = (residual.new_empty((rows, self.hc_mult), dtype=torch.float32),
+               residual.new_empty((rows, self.hc_mult), dtype=torch.float32),
+               residual.new_empty((rows, self.hc_mult, self.hc_mult), dtype=torch.float32))
+        side_stream.wait_stream(torch.cuda.current_stream(residual.device))
+        with torch.cuda.stream(side_stream):
+            mhc_kernels.mhc_stats(residual, self.fn, self.scale, self.base, out=out, **kwargs)
+        return MHCStats(*out)
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden_size}, hc={self.hc_mult}, iters={self.sinkhorn_iters}, "
                 f"hc_eps={self.hc_eps}")
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def stats_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The side stream the mHC stats run on beside a sublayer on ``device`` (one per device),
+    or None where launches are not asynchronous (CPU, the Triton interpreter)."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreting():
+        return None
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+def run_sublayer(hc: HyperConnection, sublayer, residual: torch.Tensor, next_norm: RMSNorm,
+                 out_format=None, overlap_stats: bool = True):
+    """One sublayer between mHC boundaries: its stats (from the ``residual`` entering it), the
+    sublayer ``y = sublayer()``, then the boundary after it (see ``mhc_boundary``).
+
+    With ``overlap_stats`` the stats run on ``stats_stream`` while the sublayer runs (they are
+    off its FP8 path); the boundary waits for them. The results are the same bits either way.
+    """
+    side = stats_stream(residual.device) if overlap_stats else None
+    stats = hc.stats(residual, side_stream=side)
+    y = sublayer()
+    if side is not None:
+        torch.cuda.current_stream(residual.device).wait_stream(side)
+    return mhc_boundary(y, residual, stats, next_norm, out_format)
 
 
 def mhc_boundary(y: torch.Tensor, residual: torch.Tensor, stats: MHCStats, next_norm: RMSNorm,

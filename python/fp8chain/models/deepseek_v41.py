@@ -42,7 +42,7 @@ from fp8chain_kernel.reference import apply_rope, attention_with_sinks, rope_cos
 from fp8chain_kernel.formats import QuantizedActivation
 
 from ..layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from ..layers.mhc import HyperConnection, expand_streams, mhc_boundary
+from ..layers.mhc import HyperConnection, expand_streams, run_sublayer
 from ..layers.moe import RoutedExpertsReference, SharedExpert, TopKRouter
 from ..layers.norm import RMSNorm, split_producer_result
 from ..layers.quantization.fp8 import Fp8Config
@@ -393,6 +393,7 @@ class DeepseekV41DecoderLayer(nn.Module):
         c = config
         self.layer_idx = layer_idx
         self.chain = True
+        self.overlap_stats = True  # mHC stats on a side stream beside each sublayer (CUDA)
         hc = dict(hc_mult=c.hc_mult, rms_eps=c.rms_norm_eps, hc_eps=c.hc_eps,
                   sinkhorn_iters=c.hc_sinkhorn_iters)
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -407,14 +408,12 @@ class DeepseekV41DecoderLayer(nn.Module):
         """Runs both sublayers from ``(x, x_pair, residual)`` (the input of attention) and
         returns the next sublayer's ``(x, x_pair, residual)``: the boundary after the MoE
         normalizes with ``next_norm`` and writes the format ``next_linear`` reads."""
-        stats = self.hc_attn.stats(residual)
-        y = self.attn(x, x_pair, positions, slots, kv_cache)
-        residual, x, x_pair = mhc_boundary(y, residual, stats, self.ffn_norm,
-                                           _chain_format(self.ffn.input_linear, self.chain))
-        stats = self.hc_ffn.stats(residual)
-        y = self.ffn(x, x_pair)
-        residual, x, x_pair = mhc_boundary(y, residual, stats, next_norm,
-                                           _chain_format(next_linear, self.chain))
+        residual, x, x_pair = run_sublayer(
+            self.hc_attn, lambda: self.attn(x, x_pair, positions, slots, kv_cache), residual,
+            self.ffn_norm, _chain_format(self.ffn.input_linear, self.chain), self.overlap_stats)
+        residual, x, x_pair = run_sublayer(
+            self.hc_ffn, lambda: self.ffn(x, x_pair), residual, next_norm,
+            _chain_format(next_linear, self.chain), self.overlap_stats)
         return x, x_pair, residual
 
 
