@@ -1,6 +1,7 @@
 """One DSv4.1 decoder layer's attention sublayer + shared expert, chain on vs off vs a compiled peer.
 
-Per decode step (M tokens, each with a ``--context``-token KV cache) the timed unit is:
+Per decode step (M tokens, each with a ``--context``-token KV cache; the prefill case is one
+sequence of ``--prefill`` tokens with causal attention over its own keys) the timed unit is:
 mHC stats -> attention (wqkv_a, q_norm, wq_b, MQA core, inverse RoPE, wo_a einsum, wo_b) ->
 mHC boundary -> mHC stats -> shared expert (gate_up, SiLU*mul, down) -> mHC boundary (which
 writes the next layer's wqkv_a input). Routed experts are not in the unit.
@@ -82,14 +83,22 @@ class LayerUnit:
     """Static inputs and the fp8chain step of one decode/prefill shape."""
 
     def __init__(self, layer: DeepseekV41DecoderLayer, config: DeepseekV41Config, rows: int,
-                 context: int, device):
+                 context: int, device, prefill: bool = False):
+        """Decode: ``rows`` sequences, each at position ``context - 1`` of its own cache slot.
+        Prefill: one sequence of ``rows`` tokens at positions ``0 .. rows - 1`` (causal: token t
+        attends to the keys of tokens 0..t, written by the step itself)."""
         self.layer, self.config = layer, config
         h, hc = config.hidden_size, config.hc_mult
         self.residual = torch.randn(rows, hc, h, device=device).bfloat16()
         self.x = torch.randn(rows, h, device=device).bfloat16()
-        self.positions = torch.full((rows,), context - 1, dtype=torch.long, device=device)
-        self.slots = torch.arange(rows, device=device)
-        self.kv_cache = torch.randn(rows, context, config.head_dim, device=device).bfloat16()
+        if prefill:
+            self.positions = torch.arange(rows, device=device)
+            self.slots = torch.zeros(rows, dtype=torch.long, device=device)
+            self.kv_cache = torch.randn(1, rows, config.head_dim, device=device).bfloat16()
+        else:
+            self.positions = torch.full((rows,), context - 1, dtype=torch.long, device=device)
+            self.slots = torch.arange(rows, device=device)
+            self.kv_cache = torch.randn(rows, context, config.head_dim, device=device).bfloat16()
         self.set_chain(True)
 
     def set_chain(self, on: bool) -> None:
@@ -207,9 +216,9 @@ def run(args) -> tuple[dict, list[dict]]:
                 print(f"no compiled peer: {exc}", file=sys.stderr)
                 peers[shapes] = None
         layer, peer = layers[shapes], peers[shapes]
-        context = args.context if rows != prefill else 1  # prefill rows: no history beyond itself
-        unit = LayerUnit(layer, config, rows, max(context, 1), "cuda")
-        record = {"shapes": shapes, "M": rows, "phase": "prefill" if rows == prefill and prefill else "decode"}
+        is_prefill = bool(prefill) and rows == prefill
+        unit = LayerUnit(layer, config, rows, args.context, "cuda", prefill=is_prefill)
+        record = {"shapes": shapes, "M": rows, "phase": "prefill" if is_prefill else "decode"}
         with torch.no_grad():
             for arm, on in (("chained", True), ("unchained", False)):
                 unit.set_chain(on)

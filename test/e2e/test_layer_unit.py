@@ -21,12 +21,12 @@ def _layer_benchmark():
     return module
 
 
-@pytest.mark.parametrize("shapes,rows", [("tp1", 1), ("tp4", 3)])
-def test_unit_chain_on_equals_off(shapes, rows):
+@pytest.mark.parametrize("shapes,rows,prefill", [("tp1", 1, False), ("tp4", 3, False), ("tp1", 6, True)])
+def test_unit_chain_on_equals_off(shapes, rows, prefill):
     bench = _layer_benchmark()
     config = bench.layer_config(shapes, tiny=True)
     layer = bench.build_layer(config, "cpu")
-    unit = bench.LayerUnit(layer, config, rows, 16, "cpu")
+    unit = bench.LayerUnit(layer, config, rows, 16, "cpu", prefill=prefill)
     with torch.no_grad():
         unit.set_chain(True)
         kv_before = unit.kv_cache.clone()
@@ -39,6 +39,28 @@ def test_unit_chain_on_equals_off(shapes, rows):
     assert pair_off is None
     assert_pairs_equal(pair_on, reference.quantize(x_on, layer.attn.wqkv_a.input_format))
     assert bench.weight_bytes(layer) > 0
+
+
+def test_prefill_unit_is_causal():
+    """Prefill: one sequence, token t at position t; the step writes every token's key, and a
+    token's attention output does not depend on later tokens."""
+    bench = _layer_benchmark()
+    config = bench.layer_config("tp1", tiny=True)
+    layer = bench.build_layer(config, "cpu")
+    unit = bench.LayerUnit(layer, config, 5, 16, "cpu", prefill=True)
+    assert unit.positions.tolist() == [0, 1, 2, 3, 4] and unit.slots.tolist() == [0] * 5
+    assert tuple(unit.kv_cache.shape) == (1, 5, config.head_dim)
+    with torch.no_grad():
+        unit.set_chain(True)
+        kv_before = unit.kv_cache.clone()
+        _, x_all, _ = unit.step()
+        assert not torch.equal(unit.kv_cache, kv_before)  # the step wrote the keys of its tokens
+        unit.kv_cache.copy_(kv_before)
+        unit.x[4] = torch.randn_like(unit.x[4])  # change the last token only
+        unit.set_chain(True)
+        _, x_changed, _ = unit.step()
+    assert torch.equal(x_all[:4], x_changed[:4])
+    assert not torch.equal(x_all[4], x_changed[4])
 
 
 def test_kernel_breakdown_lists_the_costliest_kernels_first():
