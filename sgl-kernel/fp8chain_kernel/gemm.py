@@ -72,15 +72,12 @@ def _e4m3_to_f32_exact(x):
 
 
 @triton.jit
-def _scale_tiles(ws_rows, as_rows, g0, stride_wsk, stride_asg, n_ok, m_ok, SUB: tl.constexpr, A_FP8: tl.constexpr):
+def _scale_tiles(ws_rows, as_rows, g0, stride_wsk, stride_asg, n_ok, m_ok, SUB: tl.constexpr):
     """The scales of scale groups ``g0 .. g0 + SUB``: weights ``[BLOCK_N, SUB]`` (one row per weight
-    row, repeating over its block) and tokens ``[BLOCK_M, SUB]`` (zeros without FP8 tokens)."""
+    row, repeating over its block) and tokens ``[BLOCK_M, SUB]``."""
     offs_s = g0 + tl.arange(0, SUB)
     w_s = tl.load(ws_rows[:, None] + offs_s[None, :] * stride_wsk, mask=n_ok[:, None], other=0.0)
-    if A_FP8:
-        a_s = tl.load(as_rows[:, None] + offs_s[None, :] * stride_asg, mask=m_ok[:, None], other=0.0)
-    else:
-        a_s = tl.zeros((as_rows.shape[0], SUB), tl.float32)
+    a_s = tl.load(as_rows[:, None] + offs_s[None, :] * stride_asg, mask=m_ok[:, None], other=0.0)
     return w_s, a_s
 
 
@@ -172,13 +169,12 @@ def _block_scaled_gemm_kernel(
         # stalls every iteration (the pipeliner stages only the operand tiles). Measured on the
         # H200, this helps this mode only; the other modes' registers are better spent elsewhere.
         it_last = it_begin + ITERS - 1
-        w_s_next, a_s_next = _scale_tiles(ws_rows, as_rows, it_begin * SUB, stride_wsk, stride_asg, n_ok, m_ok,
-                                          SUB, A_FP8)
+        w_s_next, a_s_next = _scale_tiles(ws_rows, as_rows, it_begin * SUB, stride_wsk, stride_asg, n_ok, m_ok, SUB)
         for i in range(ITERS):
             it = it_begin + i
             w_s, a_s = w_s_next, a_s_next
             w_s_next, a_s_next = _scale_tiles(ws_rows, as_rows, tl.minimum(it + 1, it_last) * SUB, stride_wsk,
-                                              stride_asg, n_ok, m_ok, SUB, A_FP8)
+                                              stride_asg, n_ok, m_ok, SUB)
             w = tl.load(w_tile + it * BLOCK_K, mask=n_ok[:, None], other=0.0)
             b = tl.load(b_tile + it * BLOCK_K, mask=b_mask, other=0.0)
             if FP32_DOT:
