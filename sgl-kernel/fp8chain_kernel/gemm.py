@@ -258,7 +258,7 @@ _C = GemmConfig
 CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     # H200 sweep 2026-11-29 11:10 UTC (benchmark/gemm.py --sweep): fastest verified candidate, its
     # CUDA-graph median per call (weights streamed from HBM). The block_diag entries (32-groups at
-    # M <= 16, wo_b_tp4 at M <= 64) come from the sweep of 2026-11-29 15:20 UTC that added the mode.
+    # M <= 16, wo_b_tp4 at M <= 64) come from the sweep of 2026-11-29 14:36 UTC that added the mode.
     # wqkv_a 1792x5120
     (16, 1792, 5120, 32): _C(64, 16, 128, 8, 4, 4, block_diag=True),  # 8.5 us
     (64, 1792, 5120, 32): _C(64, 64, 128, 8, 4, 4, dequant=True),  # 13.6 us
