@@ -300,3 +300,24 @@ def test_split_k_under_cuda_graph_replay_gpu():
         torch.cuda.synchronize()
         err = rel_error(out, ref.dequantize(pair).double() @ w_ref.t())
         assert err < TOL, f"relative error {err:.3g}"
+
+
+@pytest.mark.cpu
+def test_config_choice_by_group_and_m(device):
+    """What the table and the heuristic pick: block-diagonal FP8 dots for FP8 tokens with 32-groups
+    at M <= 16, bf16-dequantized operands above (and always for W8A16), the FP8 dot for 128-groups."""
+    for (bucket, n, k, group), cfg in gemm.CONFIG_TABLE.items():
+        assert not (cfg.dequant and cfg.block_diag)
+        if group == 128:
+            assert not cfg.dequant and not cfg.block_diag, (n, k, bucket)
+        elif bucket == 16:
+            assert cfg.block_diag, (n, k, bucket)
+        assert k % cfg.block_k == 0
+    for m in (1, 7, 16):
+        picked = gemm._heuristic_config(m, 3072, 4096, 32, sms=132)
+        assert picked.block_diag and not picked.dequant
+        assert gemm._heuristic_config(m, 3072, 4096, 32, sms=132, a_fp8=False).dequant
+        assert not gemm._heuristic_config(m, 3072, 4096, 128, sms=132).block_diag
+    assert gemm._heuristic_config(64, 3072, 4096, 32, sms=132).dequant
+    assert gemm.select_config(5, 5120, 8192, 32, torch.device(device)).block_diag  # table, M bucket 16
+    assert not gemm.select_config(5, 5120, 8192, 32, torch.device(device), a_fp8=False).block_diag  # W8A16
