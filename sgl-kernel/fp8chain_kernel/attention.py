@@ -13,7 +13,9 @@
     each program an online softmax over its share of the keys on the tensor cores: ``q.k`` from
     bf16 operands into fp32 (exact products), the probabilities rounded to bf16 for ``p @ v``
     (relative error <= 2^-9 per term, as in FlashAttention), softmax statistics in fp32.
-    Launch 2 merges the fp32 partials and the sink and applies the inverse RoPE.
+    Launch 2 merges the fp32 partials and the sink and applies the inverse RoPE; where one split
+    holds all of a token's keys (many tokens: the programs fill the GPU without splitting keys)
+    launch 1 does that itself and there is no launch 2.
 
 RoPE acts on interleaved pairs ``(x[2i], x[2i+1])``; ``cos_table``/``sin_table`` are fp32
 ``[L, rd/2]`` rows per position (``reference.rope_tables``). Both functions equal their
@@ -95,6 +97,21 @@ def _rope_qkv_kernel(q_ptr, kv_ptr, cos_ptr, sin_ptr, out_ptr, cache_ptr, slot_p
 
 
 @triton.jit
+def _store_rotated_back(out, even, odd, denom, cos_ptr, sin_ptr, pos, even_d, mask, D, HALF: tl.constexpr,
+                        EXACT_CAST: tl.constexpr):
+    """Divide the column pairs ``(2i, 2i+1)`` (``even_d`` = 2i) of a head tile by its softmax
+    denominators, rotate the RoPE'd tail pairs back (the others by angle 0: cos 1, sin 0) and store
+    bf16 at ``out`` (the even columns' pointers)."""
+    pair = (even_d - (D - 2 * HALF)) // 2  # RoPE pair index, negative outside the tail
+    rope = (pair >= 0) & (even_d < D)
+    cos = tl.load(cos_ptr + pos * HALF + pair, mask=rope, other=1.0)[None, :]
+    sin = tl.load(sin_ptr + pos * HALF + pair, mask=rope, other=0.0)[None, :]
+    even, odd = _rotate_pairs(even / denom[:, None], odd / denom[:, None], cos, sin, True)
+    tl.store(out, round_bf16(even, EXACT_CAST), mask=mask)
+    tl.store(out + 1, round_bf16(odd, EXACT_CAST), mask=mask)
+
+
+@triton.jit
 def _attend_block(q, kv_ptr, slot, first, last, L, m_i, l_i, acc, scale, stride_kl, offs_d, d_ok,
                   BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, EXACT_CAST: tl.constexpr):
     """One online-softmax step over keys ``first .. first + BLOCK_L - 1`` (those <= ``last``)."""
@@ -115,10 +132,13 @@ def _attend_block(q, kv_ptr, slot, first, last, L, m_i, l_i, acc, scale, stride_
 
 
 @triton.jit
-def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr, NH, D, L, scale,
-                      stride_qt, stride_qh, stride_ks, stride_kl,
-                      SPLITS: tl.constexpr, STEPS: tl.constexpr, BLOCK_H: tl.constexpr,
+def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
+                      sink_ptr, cos_ptr, sin_ptr, o_ptr, NH, D, L, scale,
+                      stride_qt, stride_qh, stride_ks, stride_kl, stride_ot, stride_oh,
+                      SPLITS: tl.constexpr, STEPS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                       BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EXACT_CAST: tl.constexpr):
+    # With SPLITS == 1 the program holds all of its token's keys and writes the final output itself
+    # (sink, normalisation, inverse RoPE: the merge's arithmetic); otherwise fp32 partials.
     t = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -145,11 +165,22 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
         for first in range(start, end, BLOCK_L):
             m_i, l_i, acc = _attend_block(q, kv_ptr, slot, first, last, L, m_i, l_i, acc,
                                           scale, stride_kl, offs_d, d_ok, BLOCK_H, BLOCK_L, EXACT_CAST)
-    base = (t * SPLITS + split).to(tl.int64) * NH
-    tl.store(part_o_ptr + (base + offs_h[:, None]) * D + offs_d[None, :], acc,
-             mask=h_ok[:, None] & d_ok[None, :])
-    tl.store(part_ml_ptr + (base + offs_h) * 2, m_i, mask=h_ok)
-    tl.store(part_ml_ptr + (base + offs_h) * 2 + 1, l_i, mask=h_ok)
+    if SPLITS == 1:
+        sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
+        peak = tl.maximum(sink, m_i)
+        weight = tl.exp(m_i - peak)
+        denom = tl.exp(sink - peak) + l_i * weight
+        even, odd = tl.split(tl.reshape(acc * weight[:, None], (BLOCK_H, BLOCK_D // 2, 2)))
+        even_d = 2 * tl.arange(0, BLOCK_D // 2)
+        out = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + even_d[None, :]
+        _store_rotated_back(out, even, odd, denom, cos_ptr, sin_ptr, tl.load(pos_ptr + t).to(tl.int64), even_d,
+                            h_ok[:, None] & (even_d < D)[None, :], D, HALF, EXACT_CAST)
+    else:
+        base = (t * SPLITS + split).to(tl.int64) * NH
+        tl.store(part_o_ptr + (base + offs_h[:, None]) * D + offs_d[None, :], acc,
+                 mask=h_ok[:, None] & d_ok[None, :])
+        tl.store(part_ml_ptr + (base + offs_h) * 2, m_i, mask=h_ok)
+        tl.store(part_ml_ptr + (base + offs_h) * 2 + 1, l_i, mask=h_ok)
 
 
 @triton.jit
@@ -180,15 +211,9 @@ def _mqa_merge_kernel(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, pos_p
         part = part_o_ptr + (base + offs_h[:, None]) * D + even_d[None, :]
         even += tl.load(part, mask=mask, other=0.0) * weight[:, None]
         odd += tl.load(part + 1, mask=mask, other=0.0) * weight[:, None]
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    pair = (even_d - (D - 2 * HALF)) // 2  # RoPE pair index, negative outside the tail
-    rope = (pair >= 0) & (even_d < D)
-    cos = tl.load(cos_ptr + pos * HALF + pair, mask=rope, other=1.0)[None, :]
-    sin = tl.load(sin_ptr + pos * HALF + pair, mask=rope, other=0.0)[None, :]
-    even, odd = _rotate_pairs(even / denom[:, None], odd / denom[:, None], cos, sin, True)
     out = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + even_d[None, :]
-    tl.store(out, round_bf16(even, EXACT_CAST), mask=mask)
-    tl.store(out + 1, round_bf16(odd, EXACT_CAST), mask=mask)
+    _store_rotated_back(out, even, odd, denom, cos_ptr, sin_ptr, tl.load(pos_ptr + t).to(tl.int64), even_d,
+                        mask, D, HALF, EXACT_CAST)
 
 
 def _splits(tokens: int, head_blocks: int, key_steps: int) -> int:
@@ -281,15 +306,21 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     splits = _splits(tokens, head_blocks, key_steps)
     steps = triton.cdiv(key_steps, splits)
     block_d = triton.next_power_of_2(dim)
-    part_o = torch.empty((tokens, splits, heads, dim), dtype=torch.float32, device=q.device)
-    part_ml = torch.empty((tokens, splits, heads, 2), dtype=torch.float32, device=q.device)
+    if splits == 1:  # the split kernel writes ``out`` itself: no partials, no merge launch
+        part_o = part_ml = out
+    else:
+        part_o = torch.empty((tokens, splits, heads, dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((tokens, splits, heads, 2), dtype=torch.float32, device=q.device)
     warps = 8 if block_d >= 512 else 4  # 64 keys x 512 columns: 4 warps spill registers
     _mqa_split_kernel[(tokens, head_blocks, splits)](
-        q, kv_cache, slots, positions, part_o, part_ml, heads, dim, length, float(scale),
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-        SPLITS=splits, STEPS=steps, BLOCK_H=_BLOCK_H, BLOCK_L=_BLOCK_L, BLOCK_D=block_d,
+        q, kv_cache, slots, positions, part_o, part_ml, sink, cos_table, sin_table, out,
+        heads, dim, length, float(scale),
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1),
+        SPLITS=splits, STEPS=steps, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_L=_BLOCK_L, BLOCK_D=block_d,
         EXACT_CAST=interpreting(), num_warps=warps,
     )
+    if splits == 1:
+        return out
     wide = tokens * head_blocks >= _SMS
     pairs = _MERGE_PAIRS[wide]
     _mqa_merge_kernel[(tokens, head_blocks, triton.cdiv(dim // 2, pairs))](

@@ -85,8 +85,8 @@ def record_launches() -> None:
             gemm.fp8_gemm(quant.quantize(bf16(rows, 5120), fmt), weight, scale, weight_block=block)
     cos, sin = reference.rope_tables(1024, 64, 10000.0)
     cache = torch.zeros(64, 1024, 512, dtype=torch.bfloat16)
-    for rows in (1, 64):
-        slots, positions = torch.arange(rows), torch.full((rows,), 1023)
+    for rows in (1, 64, 256):  # key splits 8 and 2 (merged), and 1 (the split kernel writes the output)
+        slots, positions = torch.arange(rows) % 64, torch.full((rows,), 1023)
         q = attention.rope_qkv(bf16(rows, 64 * 512), bf16(rows, 512), cos, sin, cache, slots, positions, 1e-6)
         attention.mqa_attention(q, cache, slots, positions, torch.zeros(64), 512 ** -0.5, cos, sin)
 

@@ -68,9 +68,18 @@ def test_attention_matches_reference_cpu(tokens, heads, dim, length):
 
 @pytest.mark.cpu
 def test_many_tokens_use_wide_merge_programs():
-    """33 tokens x 4 head blocks fill 132 SMs: the merge runs 64-pair programs (80 column pairs:
-    the second chunk is partly masked)."""
-    _check_attention(_problem(33, 64, 160, 16, 4, "cpu"))
+    """33 tokens x 4 head blocks fill 132 SMs: the keys still split in two, and the merge runs
+    64-pair programs (80 column pairs: the second chunk is partly masked)."""
+    assert _splits(33, 4, triton.cdiv(256, 64)) == 2
+    _check_attention(_problem(33, 64, 160, 256, 4, "cpu"))
+
+
+@pytest.mark.cpu
+def test_one_split_writes_the_output_itself():
+    """Enough (token, head block) programs to fill the GPU: one split per token, which applies the
+    sink, the normalisation and the inverse RoPE itself (no partials, no merge launch)."""
+    assert _splits(17, 16, triton.cdiv(300, 64)) == 1
+    _check_attention(_problem(17, 256, 64, 300, 5, "cpu"))
 
 
 @pytest.mark.cpu
