@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run the GPU test suite and the benchmarks on a CUDA machine, in one call, without network.
 #
-#   scripts/device.sh OUTDIR [all|tests|bench] [--quick] [-- PYTEST_ARGS...]
+#   scripts/device.sh OUTDIR [all|tests|bench|bench:NAME[,NAME...]] [--quick] [-- PYTEST_ARGS...]
+#
+# bench:NAME,... runs only those benchmarks (quant, producers, gemm, layer), e.g. bench:layer,gemm.
 #
 # Writes under OUTDIR: gpu-tests.xml (junit), gpu-tests.log, bench.log, results.tar.gz
 # (benchmark/results JSON + PNG). Installs nothing: it runs from the source tree with the
@@ -13,7 +15,7 @@
 #   scripts/device.sh $OUT bench --quick
 # The tree usually travels without .git: pass FP8CHAIN_COMMIT=<hash> so results name their commit.
 set -uo pipefail
-out=${1:?usage: scripts/device.sh OUTDIR [all|tests|bench] [--quick] [-- PYTEST_ARGS...]}
+out=${1:?usage: scripts/device.sh OUTDIR [all|tests|bench|bench:NAME[,NAME...]] [--quick] [-- PYTEST_ARGS...]}
 shift
 what=${1:-all}
 [ $# -gt 0 ] && shift
@@ -32,9 +34,16 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     2>&1 | tee "$out/gpu-tests.log" | tail -n 40
   status=${PIPESTATUS[0]}
 fi
-if [ "$what" = all ] || [ "$what" = bench ]; then
-  python3 -m fp8chain bench all $quick --results-dir benchmark/results 2>&1 | tee "$out/bench.log" | tail -n 80
-  [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+benches=""
+case "$what" in
+  all|bench) benches=all ;;
+  bench:*) benches=${what#bench:}; benches=${benches//,/ } ;;
+esac
+if [ -n "$benches" ]; then
+  for name in $benches; do
+    python3 -m fp8chain bench "$name" $quick --results-dir benchmark/results 2>&1 | tee -a "$out/bench.log" | tail -n 80
+    [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+  done
   tar czf "$out/results.tar.gz" benchmark/results
 fi
 exit $status
