@@ -3,7 +3,7 @@
 #
 #   scripts/device.sh OUTDIR [all|tests|bench|bench:NAME[,NAME...]] [--quick] [-- PYTEST_ARGS...]
 #
-# bench:NAME,... runs only those benchmarks (quant, producers, gemm, layer), e.g. bench:layer,gemm.
+# bench:NAME,... runs only those benchmarks (quant, producers, gemm, attention, layer), e.g. bench:layer,gemm.
 #
 # Writes under OUTDIR: gpu-tests.xml (junit), gpu-tests.log, bench.log, results.tar.gz
 # (benchmark/results JSON + PNG). Installs nothing: it runs from the source tree with the

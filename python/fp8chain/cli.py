@@ -1,7 +1,7 @@
 """The ``fp8chain`` command: demo, bench, verify, info.
 
     fp8chain demo                 tiny DSv4.1 checkpoint, chain on vs off, tokens + launches saved
-    fp8chain bench {quant,producers,gemm,layer,all} [--quick]
+    fp8chain bench {quant,producers,gemm,attention,layer,all} [--quick]
     fp8chain verify               bitwise / accuracy checks of the kernels on the hardware present
     fp8chain info                 GPU, arch, consumer backends found and rejected
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO_ROOT / "benchmark"
-BENCHMARKS = ["quant", "producers", "gemm", "layer"]
+BENCHMARKS = ["quant", "producers", "gemm", "attention", "layer"]
 
 
 def _use_interpreter_without_cuda() -> None:

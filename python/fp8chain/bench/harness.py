@@ -74,6 +74,16 @@ def copy_bandwidth(device=None, nbytes: int = 1 << 31) -> float:
     return 2 * nbytes / (copy_time_us(2 * nbytes, device, iters=10) * 1e-6)
 
 
+def bf16_matmul_rate(device=None, size: int = 8192) -> float:
+    """bf16 matmul throughput in flop/s: a ``size``-cubed torch matmul under graph replay (the
+    tensor-core rate a kernel's flops are held against)."""
+    device = torch.device(device or "cuda")
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    out = torch.empty(size, size, device=device, dtype=torch.bfloat16)
+    return 2 * size**3 / (graph_time_us(lambda: torch.matmul(a, b, out=out), iters=5, repeats=5) * 1e-6)
+
+
 def kernel_profile(fn: Callable[[], object]) -> dict[str, dict[str, float]]:
     """Kernel name -> ``{"launches": n, "us": total GPU time}`` during one eager call of ``fn``
     (torch.profiler, CUDA activity), after one warm-up call."""

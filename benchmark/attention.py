@@ -1,0 +1,137 @@
+"""The MQA attention core (``rope_qkv`` + ``mqa_attention``) at DSv4.1 shapes, against its roofline.
+
+Per case (query heads, M tokens, context), median microseconds per call under CUDA-graph replay:
+
+* ``rope_us``: ``rope_qkv`` (per-head RMS + RoPE of q, the RoPE'd latent written into the cache);
+* ``attention_us``: ``mqa_attention`` (the split kernel, plus the merge where a token's keys are
+  split over several programs); ``split_us`` / ``merge_us``: the GPU time of each kernel
+  (torch.profiler, eager), ``key_splits`` how many programs share a token's keys.
+
+Roofline, both rates measured in this run: ``bytes`` = the cache rows read (every decode token
+has its own slot; a prefill sequence's keys are read once) + q + o in bf16; ``flops`` = 4 x heads
+x head_dim per (token, key) pair (``q.k`` and ``p @ v``); ``floor_us`` = the larger of
+bytes / copy bandwidth and flops / bf16 matmul rate; ``floor_fraction`` = floor_us / attention_us.
+
+Decode: M sequences, each at position ``context - 1`` of its own slot. Prefill: one sequence of M
+tokens at positions 0..M-1 (causal: token t attends to keys 0..t).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
+
+from fp8chain.bench import harness  # noqa: E402
+from fp8chain_kernel import attention, reference  # noqa: E402
+
+HEAD_DIM = 512  # DSv4.1: one 512-wide latent head, keys = values
+ROPE_DIM = 64
+ROPE_THETA = 10000.0
+ROWS = [1, 4, 16, 64, 256]
+CONTEXTS = [1024, 4096]
+HEADS = [64, 16]  # TP1, one TP4 rank
+PREFILL = 2048
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rows", nargs="+", type=int, default=ROWS, help="decode batch sizes M")
+    parser.add_argument("--contexts", nargs="+", type=int, default=CONTEXTS, help="KV-cache lengths per decode token")
+    parser.add_argument("--heads", nargs="+", type=int, default=HEADS, help="query heads (64: TP1, 16: a TP4 rank)")
+    parser.add_argument("--prefill", type=int, default=PREFILL, help="causal prefill tokens (0: skip)")
+    parser.add_argument("--quick", action="store_true", help="64 heads, M in {1, 16, 64}, context 1024, no prefill")
+    parser.add_argument("--iters", type=int, default=50, help="calls per captured graph")
+
+
+def roofline(phase: str, tokens: int, heads: int, dim: int, context: int) -> tuple[int, int]:
+    """``(bytes, flops)`` one call must move and compute (see the module docstring)."""
+    if phase == "decode":
+        cache_rows, pairs = tokens * context, tokens * context
+    else:
+        cache_rows, pairs = tokens, tokens * (tokens + 1) // 2
+    return (cache_rows + 2 * tokens * heads) * dim * 2, 4 * heads * dim * pairs
+
+
+def plan(args) -> list[tuple[str, int, int, int]]:
+    """The ``(phase, heads, M, context)`` cases of a run."""
+    if args.quick:
+        return [("decode", 64, m, 1024) for m in (1, 16, 64)]
+    cases = [("decode", h, m, c) for h in args.heads for c in args.contexts for m in args.rows]
+    if args.prefill:
+        cases += [("prefill", h, args.prefill, args.prefill) for h in args.heads]
+    return cases
+
+
+def _inputs(phase: str, heads: int, tokens: int, context: int):
+    q = torch.randn(tokens, heads * HEAD_DIM, device="cuda").bfloat16()
+    kv = torch.randn(tokens, HEAD_DIM, device="cuda").bfloat16()
+    if phase == "decode":
+        cache = torch.randn(tokens, context, HEAD_DIM, device="cuda").bfloat16()
+        slots = torch.arange(tokens, device="cuda")
+        positions = torch.full((tokens,), context - 1, dtype=torch.long, device="cuda")
+    else:
+        cache = torch.randn(1, tokens, HEAD_DIM, device="cuda").bfloat16()
+        slots = torch.zeros(tokens, dtype=torch.long, device="cuda")
+        positions = torch.arange(tokens, device="cuda")
+    cos, sin = reference.rope_tables(cache.shape[1], ROPE_DIM, ROPE_THETA, "cuda")
+    sink = torch.randn(heads, device="cuda")
+    return q, kv, cache, slots, positions, cos, sin, sink
+
+
+def run(args) -> tuple[dict, list[dict]]:
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark attention needs a CUDA GPU (kernel logic is tested on CPU instead)")
+    meta = harness.bench_meta()
+    bandwidth = harness.copy_bandwidth()
+    matmul_rate = harness.bf16_matmul_rate()
+    meta.update(copy_bandwidth_TBps=bandwidth / 1e12, bf16_matmul_TFLOPs=matmul_rate / 1e12,
+                head_dim=HEAD_DIM, rope_dim=ROPE_DIM)
+    records = []
+    for phase, heads, tokens, context in harness.progress(plan(args), "attention"):
+        q2d, kv, cache, slots, positions, cos, sin, sink = _inputs(phase, heads, tokens, context)
+        q = attention.rope_qkv(q2d, kv, cos, sin, cache, slots, positions, 1e-6)
+        out = torch.empty_like(q)
+        scale = HEAD_DIM ** -0.5
+
+        def attend():
+            attention.mqa_attention(q, cache, slots, positions, sink, scale, cos, sin, out=out)
+
+        rope_us = harness.graph_time_us(lambda: attention.rope_qkv(q2d, kv, cos, sin, cache, slots, positions, 1e-6),
+                                        iters=args.iters)
+        attention_us = harness.graph_time_us(attend, iters=args.iters)
+        kernels = harness.kernel_profile(attend)
+        nbytes, flops = roofline(phase, tokens, heads, HEAD_DIM, context)
+        floor_us = max(nbytes / bandwidth, flops / matmul_rate) * 1e6
+        head_blocks = -(-heads // attention._BLOCK_H)
+        records.append({
+            "phase": phase, "heads": heads, "M": tokens, "context": context,
+            "rope_us": rope_us, "attention_us": attention_us,
+            "split_us": kernels.get("_mqa_split_kernel", {}).get("us", 0.0),
+            "merge_us": kernels.get("_mqa_merge_kernel", {}).get("us", 0.0),
+            "key_splits": attention._splits(tokens, head_blocks, -(-cache.shape[1] // attention._BLOCK_L)),
+            "bytes": nbytes, "flops": flops, "floor_us": floor_us, "floor_fraction": floor_us / attention_us,
+            "kernels": kernels,
+        })
+    return meta, records
+
+
+COLUMNS = ["phase", "heads", "M", "context", "rope_us", "attention_us", "split_us", "merge_us", "key_splits",
+           "floor_us", "floor_fraction"]
+
+
+def report(meta: dict, records: list[dict], results_dir=None) -> str:
+    json_path = harness.save_results("attention", meta, records, results_dir)
+    decode = [dict(r, panel=f"{r['heads']} heads, context {r['context']}") for r in records if r["phase"] == "decode"]
+    if decode:
+        harness.plot_records("attention", decode, "M", ["attention_us", "split_us", "merge_us", "floor_us"],
+                             "us per call", group="panel", results_dir=results_dir)
+    return f"{json_path}\n" + harness.markdown_table(records, COLUMNS)
+
+
+if __name__ == "__main__":
+    harness.benchmark_main(__doc__, add_arguments, run, report)

@@ -1,0 +1,27 @@
+"""The attention benchmark's roofline and case plan (its timing needs a GPU)."""
+
+import argparse
+
+import pytest
+
+from fp8chain.cli import _load_benchmark
+
+pytestmark = pytest.mark.cpu
+
+
+def test_roofline_counts_cache_rows_and_key_pairs():
+    bench = _load_benchmark("attention")
+    # decode: 2 tokens, each its own 16-key slot; q and o are 2 x 4 heads x 8 columns each
+    assert bench.roofline("decode", 2, 4, 8, 16) == ((2 * 16 + 2 * 2 * 4) * 8 * 2, 4 * 4 * 8 * 2 * 16)
+    # prefill: one slot of 3 keys read once; token t attends to t + 1 keys (1 + 2 + 3 pairs)
+    assert bench.roofline("prefill", 3, 4, 8, 3) == ((3 + 2 * 3 * 4) * 8 * 2, 4 * 4 * 8 * 6)
+
+
+def test_plan():
+    bench = _load_benchmark("attention")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.plan(parser.parse_args(["--quick"])) == [("decode", 64, m, 1024) for m in (1, 16, 64)]
+    cases = bench.plan(parser.parse_args(["--heads", "16", "--rows", "1", "4", "--contexts", "512",
+                                          "--prefill", "128"]))
+    assert cases == [("decode", 16, 1, 512), ("decode", 16, 4, 512), ("prefill", 16, 128, 128)]
