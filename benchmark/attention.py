@@ -5,7 +5,9 @@ Per case (query heads, M tokens, context), median microseconds per call under CU
 * ``rope_us``: ``rope_qkv`` (per-head RMS + RoPE of q, the RoPE'd latent written into the cache);
 * ``attention_us``: ``mqa_attention`` (the split kernel, plus the merge where a token's keys are
   split over several programs); ``split_us`` / ``merge_us``: the GPU time of each kernel
-  (torch.profiler, eager), ``key_splits`` how many programs share a token's keys.
+  (torch.profiler, eager), ``key_splits`` how many programs share a token's keys;
+* with ``--tiles``, ``attention_us[HxL]`` and ``key_splits[HxL]`` for each other split-kernel
+  tile (H query heads per program, L keys per step), in the same run.
 
 Roofline, both rates measured in this run: ``bytes`` = the cache rows read (every decode token
 has its own slot; a prefill sequence's keys are read once) + q + o in bf16; ``flops`` = 4 x heads
@@ -46,6 +48,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=PREFILL, help="causal prefill tokens (0: skip)")
     parser.add_argument("--quick", action="store_true", help="64 heads, M in {1, 16, 64}, context 1024, no prefill")
     parser.add_argument("--iters", type=int, default=50, help="calls per captured graph")
+    parser.add_argument("--tiles", nargs="+", type=parse_tile, default=[],
+                        help="other split-kernel tiles to time beside the default, as HEADSxKEYS (e.g. 32x64 64x32)")
+
+
+def parse_tile(text: str) -> tuple[int, int]:
+    """``"64x32"`` -> ``(64, 32)``: query heads per program x keys per step."""
+    try:
+        heads, keys = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a tile is HEADSxKEYS, e.g. 64x32; got {text!r}") from None
+    return heads, keys
 
 
 def roofline(phase: str, tokens: int, heads: int, dim: int, context: int) -> tuple[int, int]:
@@ -98,8 +111,8 @@ def run(args) -> tuple[dict, list[dict]]:
         out = torch.empty_like(q)
         scale = HEAD_DIM ** -0.5
 
-        def attend():
-            attention.mqa_attention(q, cache, slots, positions, sink, scale, cos, sin, out=out)
+        def attend(tile=None):
+            attention.mqa_attention(q, cache, slots, positions, sink, scale, cos, sin, out=out, tile=tile)
 
         rope_us = harness.graph_time_us(lambda: attention.rope_qkv(q2d, kv, cos, sin, cache, slots, positions, 1e-6),
                                         iters=args.iters)
@@ -107,16 +120,20 @@ def run(args) -> tuple[dict, list[dict]]:
         kernels = harness.kernel_profile(attend)
         nbytes, flops = roofline(phase, tokens, heads, HEAD_DIM, context)
         floor_us = max(nbytes / bandwidth, flops / matmul_rate) * 1e6
-        head_blocks = -(-heads // attention._BLOCK_H)
-        records.append({
+        record = {
             "phase": phase, "heads": heads, "M": tokens, "context": context,
             "rope_us": rope_us, "attention_us": attention_us,
             "split_us": kernels.get("_mqa_split_kernel", {}).get("us", 0.0),
             "merge_us": kernels.get("_mqa_merge_kernel", {}).get("us", 0.0),
-            "key_splits": attention._splits(tokens, head_blocks, -(-cache.shape[1] // attention._BLOCK_L)),
+            "key_splits": attention.key_splits(tokens, heads, cache.shape[1]),
             "bytes": nbytes, "flops": flops, "floor_us": floor_us, "floor_fraction": floor_us / attention_us,
             "kernels": kernels,
-        })
+        }
+        for tile in args.tiles:
+            name = f"{tile[0]}x{tile[1]}"
+            record[f"attention_us[{name}]"] = harness.graph_time_us(lambda t=tile: attend(t), iters=args.iters)
+            record[f"key_splits[{name}]"] = attention.key_splits(tokens, heads, cache.shape[1], tile)
+        records.append(record)
     return meta, records
 
 
@@ -126,11 +143,14 @@ COLUMNS = ["phase", "heads", "M", "context", "rope_us", "attention_us", "split_u
 
 def report(meta: dict, records: list[dict], results_dir=None) -> str:
     json_path = harness.save_results("attention", meta, records, results_dir)
+    tile_columns = sorted({key for r in records for key in r if key.endswith("]")})
     decode = [dict(r, panel=f"{r['heads']} heads, context {r['context']}") for r in records if r["phase"] == "decode"]
     if decode:
-        harness.plot_records("attention", decode, "M", ["attention_us", "split_us", "merge_us", "floor_us"],
+        harness.plot_records("attention", decode, "M",
+                             ["attention_us", "split_us", "merge_us", "floor_us"]
+                             + [c for c in tile_columns if c.startswith("attention_us")],
                              "us per call", group="panel", results_dir=results_dir)
-    return f"{json_path}\n" + harness.markdown_table(records, COLUMNS)
+    return f"{json_path}\n" + harness.markdown_table(records, COLUMNS + tile_columns)
 
 
 if __name__ == "__main__":

@@ -32,10 +32,15 @@ import triton.language as tl
 
 from .fp8_tile import dot_bf16, interpreting, round_bf16
 
-__all__ = ["rope_qkv", "mqa_attention"]
+__all__ = ["rope_qkv", "mqa_attention", "key_splits"]
 
-_BLOCK_H = 16  # query heads per program (tl.dot needs >= 16 rows; 32 spills registers at D = 512)
+_BLOCK_H = 16  # query heads per program (tl.dot needs >= 16 rows)
 _BLOCK_L = 64  # keys per step
+# mqa_attention's default (heads per program, keys per step) of the split kernel. Compiled for
+# sm_90 at D = 512 with 8 warps: 16 x 64 runs mma.sync in 80 registers, 32 x 64 in 133, 64 x 32
+# wgmma in 250 (no spills; 64 x 64 needs 256 KB of shared memory); each program of a token
+# re-reads its keys, so wider head tiles read the cache fewer times. ``tile=`` overrides it.
+_SPLIT_TILE = (_BLOCK_H, _BLOCK_L)
 # column pairs per merge program: few (token, head block)s -> narrow one-warp programs that still
 # fill the GPU; once those alone fill the SMs, wider four-warp programs read longer rows
 _MERGE_PAIRS = (16, 64)
@@ -223,6 +228,20 @@ def _splits(tokens: int, head_blocks: int, key_steps: int) -> int:
     return max(1, min(most, triton.cdiv(_TARGET_PROGRAMS, max(1, tokens * head_blocks))))
 
 
+def _split_tile(tile: tuple[int, int] | None) -> tuple[int, int]:
+    block_h, block_l = tile if tile is not None else _SPLIT_TILE
+    if any(v < 16 or v & (v - 1) for v in (block_h, block_l)):
+        raise ValueError(f"tile must be two powers of two >= 16, got {tile}")
+    return block_h, block_l
+
+
+def key_splits(tokens: int, heads: int, length: int, tile: tuple[int, int] | None = None) -> int:
+    """How many split-kernel programs share one token's keys for a cache of ``length`` positions
+    (1: the split kernel writes the output itself, no merge launch)."""
+    block_h, block_l = _split_tile(tile)
+    return _splits(tokens, triton.cdiv(heads, block_h), triton.cdiv(length, block_l))
+
+
 def _check_tables(cos_table: torch.Tensor, sin_table: torch.Tensor, dim: int, device) -> int:
     """fp32 contiguous ``[L, rd/2]`` tables with ``rd <= dim``; returns ``rd/2``."""
     for name, table in (("cos_table", cos_table), ("sin_table", sin_table)):
@@ -278,8 +297,13 @@ def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_tab
 
 def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                   sink: torch.Tensor, scale: float, cos_table: torch.Tensor, sin_table: torch.Tensor, *,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """See the module docstring for shapes, dtypes and numerics."""
+                  out: torch.Tensor | None = None, tile: tuple[int, int] | None = None) -> torch.Tensor:
+    """See the module docstring for shapes, dtypes and numerics.
+
+    ``tile``: (query heads per program, keys per step) of the split kernel, powers of two >= 16
+    (benchmarks, tests); the numerics do not depend on it beyond fp32 summation order.
+    """
+    block_h, block_l = _split_tile(tile)
     if q.dtype != torch.bfloat16 or q.dim() != 3 or (q.numel() and q.stride(2) != 1):
         raise TypeError(f"q must be bfloat16 [T, nh, D] with unit last stride, got {q.dtype} "
                         f"{tuple(q.shape)} strides {q.stride()}")
@@ -301,9 +325,9 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     if tokens == 0 or heads == 0:
         return out
     length = kv_cache.shape[1]
-    head_blocks = triton.cdiv(heads, _BLOCK_H)
-    key_steps = triton.cdiv(length, _BLOCK_L)
-    splits = _splits(tokens, head_blocks, key_steps)
+    head_blocks = triton.cdiv(heads, block_h)
+    key_steps = triton.cdiv(length, block_l)
+    splits = key_splits(tokens, heads, length, tile)
     steps = triton.cdiv(key_steps, splits)
     block_d = triton.next_power_of_2(dim)
     if splits == 1:  # the split kernel writes ``out`` itself: no partials, no merge launch
@@ -316,14 +340,15 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
         q, kv_cache, slots, positions, part_o, part_ml, sink, cos_table, sin_table, out,
         heads, dim, length, float(scale),
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1),
-        SPLITS=splits, STEPS=steps, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_L=_BLOCK_L, BLOCK_D=block_d,
+        SPLITS=splits, STEPS=steps, HALF=half, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_D=block_d,
         EXACT_CAST=interpreting(), num_warps=warps,
     )
     if splits == 1:
         return out
-    wide = tokens * head_blocks >= _SMS
+    merge_blocks = triton.cdiv(heads, _BLOCK_H)
+    wide = tokens * merge_blocks >= _SMS
     pairs = _MERGE_PAIRS[wide]
-    _mqa_merge_kernel[(tokens, head_blocks, triton.cdiv(dim // 2, pairs))](
+    _mqa_merge_kernel[(tokens, merge_blocks, triton.cdiv(dim // 2, pairs))](
         part_o, part_ml, sink, cos_table, sin_table, positions, out, heads, dim, out.stride(0), out.stride(1),
         SPLITS=splits, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_PAIRS=pairs, EXACT_CAST=interpreting(),
         num_warps=4 if wide else 1,

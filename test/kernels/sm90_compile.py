@@ -89,6 +89,9 @@ def record_launches() -> None:
         slots, positions = torch.arange(rows) % 64, torch.full((rows,), 1023)
         q = attention.rope_qkv(bf16(rows, 64 * 512), bf16(rows, 512), cos, sin, cache, slots, positions, 1e-6)
         attention.mqa_attention(q, cache, slots, positions, torch.zeros(64), 512 ** -0.5, cos, sin)
+    q = torch.zeros(16, 64, 512, dtype=torch.bfloat16)  # the wgmma tile: all 64 heads per program
+    attention.mqa_attention(q, cache, torch.arange(16), torch.full((16,), 1023), torch.zeros(64), 512 ** -0.5,
+                            cos, sin, tile=(64, 32))
 
 
 def boundary_launches():

@@ -5,7 +5,7 @@ import torch
 import triton
 
 from fp8chain_kernel import reference as ref
-from fp8chain_kernel.attention import _splits, mqa_attention, rope_qkv
+from fp8chain_kernel.attention import _splits, key_splits, mqa_attention, rope_qkv
 
 ROPE_DIM = 64
 THETA = 10000.0
@@ -72,6 +72,19 @@ def test_many_tokens_use_wide_merge_programs():
     64-pair programs (80 column pairs: the second chunk is partly masked)."""
     assert _splits(33, 4, triton.cdiv(256, 64)) == 2
     _check_attention(_problem(33, 64, 160, 256, 4, "cpu"))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("tile,length", [((32, 32), 256), ((64, 16), 40)], ids=["split", "one-split"])
+def test_other_split_tiles(tile, length):
+    """Wider head tiles and shorter key steps (tile=): keys split over several programs (merged), or
+    one program per token's keys."""
+    assert (key_splits(2, 64, length, tile) > 1) == (length == 256)
+    problem = _problem(2, 64, 128, length, 2, "cpu", positions=torch.tensor([length - 1, length // 3]))
+    out = torch.full(problem[0].shape, float("nan"), dtype=torch.bfloat16)
+    _assert_attention_close(mqa_attention(*problem, out=out, tile=tile), problem)
+    with pytest.raises(ValueError, match="tile"):
+        mqa_attention(*problem, tile=(48, 32))
 
 
 @pytest.mark.cpu

@@ -25,3 +25,20 @@ def test_plan():
     cases = bench.plan(parser.parse_args(["--heads", "16", "--rows", "1", "4", "--contexts", "512",
                                           "--prefill", "128"]))
     assert cases == [("decode", 16, 1, 512), ("decode", 16, 4, 512), ("prefill", 16, 128, 128)]
+
+
+def test_tiles_option_and_report(tmp_path):
+    bench = _load_benchmark("attention")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args(["--tiles", "32x64", "64X32"]).tiles == [(32, 64), (64, 32)]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tiles", "64"])
+    record = dict(phase="decode", heads=64, M=1, context=1024, rope_us=1.0, attention_us=10.0, split_us=8.0,
+                  merge_us=2.0, key_splits=8, bytes=1, flops=1, floor_us=1.0, floor_fraction=0.1, kernels={})
+    record.update({"attention_us[64x32]": 5.0, "key_splits[64x32]": 2})
+    text = bench.report({"date": "today"}, [record], tmp_path)
+    header, _, row = text.splitlines()[1:4]
+    assert header.endswith("| attention_us[64x32] | key_splits[64x32] |")
+    assert row.endswith("| 5 | 2 |")
+    assert (tmp_path / "attention.json").exists() and (tmp_path / "attention.png").exists()
