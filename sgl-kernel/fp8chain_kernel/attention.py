@@ -327,7 +327,7 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     length = kv_cache.shape[1]
     head_blocks = triton.cdiv(heads, block_h)
     key_steps = triton.cdiv(length, block_l)
-    splits = key_splits(tokens, heads, length, tile)
+    splits = _splits(tokens, head_blocks, key_steps)
     steps = triton.cdiv(key_steps, splits)
     block_d = triton.next_power_of_2(dim)
     if splits == 1:  # the split kernel writes ``out`` itself: no partials, no merge launch
