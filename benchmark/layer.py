@@ -178,8 +178,7 @@ class CompiledPeer:
         qkv = self._linear("wqkv_a", x)
         q_lora, kv = qkv[:, :attn.q_lora_rank], qkv[:, attn.q_lora_rank:]
         q = self._linear("wq_b", reference.rms_norm(q_lora, attn.q_norm.weight, c.rms_norm_eps))
-        kv = reference.rms_norm(kv.contiguous(), attn.kv_norm.weight, c.rms_norm_eps)
-        o = attn.attend(q, kv, positions, slots, kv_cache, impl=reference)
+        o = attn.attend(q, kv.contiguous(), positions, slots, kv_cache, impl=reference)
         o = torch.einsum("tgd,grd->tgr", o, attn.wo_a).reshape(t, -1)
         y = self._linear("wo_b", o)
         pre, post, comb = stats

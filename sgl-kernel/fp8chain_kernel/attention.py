@@ -1,9 +1,12 @@
 """DSv4.1 attention between ``wq_b`` and ``wo_a``: RoPE, MQA over a slotted KV cache, inverse RoPE.
 
-``rope_qkv(q, kv, cos_table, sin_table, kv_cache, slots, positions, eps) -> q_roped``
+``rope_qkv(q, kv, cos_table, sin_table, kv_cache, slots, positions, eps, *, kv_weight=None) -> q_roped``
     ``q`` bf16 ``[T, nh*D]`` (wq_b's output) -> bf16 ``[T, nh, D]``, each head RMS-normalized
     (no weight) and RoPE'd on its last ``rd`` dims in fp32, rounded once; ``kv`` bf16 ``[T, D]``
-    is RoPE'd the same way and written to ``kv_cache[slots[t], positions[t]]``. One launch.
+    is RoPE'd the same way and written to ``kv_cache[slots[t], positions[t]]``. With
+    ``kv_weight`` (bf16 ``[D]``, the model's ``kv_norm``), ``kv`` is the raw latent and is first
+    RMS-normalized with that weight and ``eps`` and rounded to bf16, exactly as ``norm.rms_norm``
+    would, so the kv norm needs no launch of its own. One launch.
 
 ``mqa_attention(q, kv_cache, slots, positions, sink, scale, cos_table, sin_table, *, out=None) -> o``
     ``q`` bf16 ``[T, nh, D]``, ``kv_cache`` bf16 ``[S, L, D]`` contiguous (one latent head, keys =
@@ -36,11 +39,13 @@ __all__ = ["rope_qkv", "mqa_attention", "key_splits"]
 
 _BLOCK_H = 16  # query heads per program (tl.dot needs >= 16 rows)
 _BLOCK_L = 64  # keys per step
-# mqa_attention's default (heads per program, keys per step) of the split kernel. Compiled for
-# sm_90 at D = 512 with 8 warps: 16 x 64 runs mma.sync in 80 registers, 32 x 64 in 133, 64 x 32
-# wgmma in 250 (no spills; 64 x 64 needs 256 KB of shared memory); each program of a token
-# re-reads its keys, so wider head tiles read the cache fewer times. ``tile=`` overrides it.
-_SPLIT_TILE = (_BLOCK_H, _BLOCK_L)
+# The split kernel's (heads per program, keys per step) by batch: wider head tiles re-read each
+# token's keys fewer times but give fewer programs. Compiled for sm_90 at D = 512 with 8 warps:
+# 16 x 64 runs mma.sync in 80 registers, 32 x 64 in 133, 64 x 32 wgmma in 250 (no spills; 64 x 64
+# needs 256 KB of shared memory). On the H200 (docs/benchmarks.md, attention) 16 x 64 is fastest
+# below 1024 (token, head) rows, 32 x 64 from there (64 heads, M = 64, context 4096: 246 vs
+# 348 us) and 64 x 32 from 256 tokens of 64 heads (M = 256: 749 vs 1330 us). ``tile=`` overrides.
+_SPLIT_TILES = ((256 * 64, (64, 32)), (1024, (32, 64)), (0, (_BLOCK_H, _BLOCK_L)))
 # column pairs per merge program: few (token, head block)s -> narrow one-warp programs that still
 # fill the GPU; once those alone fill the SMs, wider four-warp programs read longer rows
 _MERGE_PAIRS = (16, 64)
@@ -59,9 +64,20 @@ def _rotate_pairs(even, odd, cos, sin, INVERSE: tl.constexpr):
 
 
 @triton.jit
-def _rope_qkv_kernel(q_ptr, kv_ptr, cos_ptr, sin_ptr, out_ptr, cache_ptr, slot_ptr, pos_ptr,
+def _latent(src, w_ptr, offs, mask, rstd, KV_NORM: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """Latent columns ``offs`` in fp32: as stored, or ``bf16(h * rstd * w)`` (``norm.rms_norm``'s
+    arithmetic, so the fused norm rounds exactly as a separate RMSNorm launch would)."""
+    h = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    if KV_NORM:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        h = round_bf16(h * rstd * w, EXACT_CAST).to(tl.float32)
+    return h
+
+
+@triton.jit
+def _rope_qkv_kernel(q_ptr, kv_ptr, kv_w_ptr, cos_ptr, sin_ptr, out_ptr, cache_ptr, slot_ptr, pos_ptr,
                      NH, D, eps, stride_qt, stride_kvt, stride_ot, stride_oh, stride_cs, stride_cl,
-                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     KV_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_HALF: tl.constexpr, EXACT_CAST: tl.constexpr):
     # Programs (t, 0..heads/BLOCK_H-1) rope the query heads; program (t, last) the latent kv.
     t = tl.program_id(0)
@@ -92,10 +108,14 @@ def _rope_qkv_kernel(q_ptr, kv_ptr, cos_ptr, sin_ptr, out_ptr, cache_ptr, slot_p
     else:
         src = kv_ptr + t.to(tl.int64) * stride_kvt
         dst = cache_ptr + tl.load(slot_ptr + t).to(tl.int64) * stride_cs + pos * stride_cl
-        kv = tl.load(src + offs_d, mask=offs_d < nope, other=0.0)
-        tl.store(dst + offs_d, kv, mask=offs_d < nope)
-        kv_even = tl.load(src + even_d, mask=i_ok, other=0.0).to(tl.float32)
-        kv_odd = tl.load(src + even_d + 1, mask=i_ok, other=0.0).to(tl.float32)
+        rstd = 0.0
+        if KV_NORM:
+            h = tl.load(src + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=0) / D + eps)
+        kv = _latent(src, kv_w_ptr, offs_d, offs_d < nope, rstd, KV_NORM, EXACT_CAST)
+        tl.store(dst + offs_d, kv.to(tl.bfloat16), mask=offs_d < nope)
+        kv_even = _latent(src, kv_w_ptr, even_d, i_ok, rstd, KV_NORM, EXACT_CAST)
+        kv_odd = _latent(src, kv_w_ptr, even_d + 1, i_ok, rstd, KV_NORM, EXACT_CAST)
         kv_even, kv_odd = _rotate_pairs(kv_even, kv_odd, cos, sin, False)
         tl.store(dst + even_d, round_bf16(kv_even, EXACT_CAST), mask=i_ok)
         tl.store(dst + even_d + 1, round_bf16(kv_odd, EXACT_CAST), mask=i_ok)
@@ -228,8 +248,13 @@ def _splits(tokens: int, head_blocks: int, key_steps: int) -> int:
     return max(1, min(most, triton.cdiv(_TARGET_PROGRAMS, max(1, tokens * head_blocks))))
 
 
-def _split_tile(tile: tuple[int, int] | None) -> tuple[int, int]:
-    block_h, block_l = tile if tile is not None else _SPLIT_TILE
+def _split_tile(tile: tuple[int, int] | None, tokens: int, heads: int) -> tuple[int, int]:
+    """``tile`` checked, or the default for ``tokens`` x ``heads`` query rows (``_SPLIT_TILES``)."""
+    if tile is None:
+        rows = tokens * heads
+        # never more heads per program than there are heads: the rest of the tile would be masked
+        return next(t for least, t in _SPLIT_TILES if rows >= least and t[0] <= max(heads, _BLOCK_H))
+    block_h, block_l = tile
     if any(v < 16 or v & (v - 1) for v in (block_h, block_l)):
         raise ValueError(f"tile must be two powers of two >= 16, got {tile}")
     return block_h, block_l
@@ -238,7 +263,7 @@ def _split_tile(tile: tuple[int, int] | None) -> tuple[int, int]:
 def key_splits(tokens: int, heads: int, length: int, tile: tuple[int, int] | None = None) -> int:
     """How many split-kernel programs share one token's keys for a cache of ``length`` positions
     (1: the split kernel writes the output itself, no merge launch)."""
-    block_h, block_l = _split_tile(tile)
+    block_h, block_l = _split_tile(tile, tokens, heads)
     return _splits(tokens, triton.cdiv(heads, block_h), triton.cdiv(length, block_l))
 
 
@@ -268,7 +293,8 @@ def _check_cache(kv_cache: torch.Tensor, dim: int) -> None:
 
 
 def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
-             kv_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, eps: float) -> torch.Tensor:
+             kv_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, eps: float, *,
+             kv_weight: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring."""
     if kv.dtype != torch.bfloat16 or kv.dim() != 2 or (kv.numel() and kv.stride(1) != 1):
         raise TypeError(f"kv must be bfloat16 [T, D] with unit column stride, got {kv.dtype} {tuple(kv.shape)}")
@@ -281,14 +307,19 @@ def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_tab
     _check_index(slots, "slots", tokens)
     _check_index(positions, "positions", tokens)
     half = _check_tables(cos_table, sin_table, dim, q.device)
+    if kv_weight is not None and (kv_weight.dtype != torch.bfloat16 or tuple(kv_weight.shape) != (dim,)
+                                  or not kv_weight.is_contiguous() or kv_weight.device != q.device):
+        raise TypeError(f"kv_weight must be a contiguous bfloat16 [{dim}] tensor on {q.device}, got "
+                        f"{kv_weight.dtype} {tuple(kv_weight.shape)} on {kv_weight.device}")
     heads = q.shape[1] // dim if dim else 0
     out = torch.empty((tokens, heads, dim), dtype=torch.bfloat16, device=q.device)
     if tokens == 0 or heads == 0:
         return out
     _rope_qkv_kernel[(tokens, triton.cdiv(heads, _BLOCK_H) + 1)](
-        q, kv, cos_table, sin_table, out, kv_cache, slots, positions, heads, dim, float(eps),
+        q, kv, kv_weight if kv_weight is not None else kv, cos_table, sin_table, out, kv_cache, slots, positions,
+        heads, dim, float(eps),
         q.stride(0), kv.stride(0), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-        HALF=half, BLOCK_H=_BLOCK_H, BLOCK_D=triton.next_power_of_2(dim),
+        KV_NORM=kv_weight is not None, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_HALF=triton.next_power_of_2(max(half, 1)), EXACT_CAST=interpreting(),
         num_warps=8 if dim >= 512 else 4,
     )
@@ -301,13 +332,14 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     """See the module docstring for shapes, dtypes and numerics.
 
     ``tile``: (query heads per program, keys per step) of the split kernel, powers of two >= 16
-    (benchmarks, tests); the numerics do not depend on it beyond fp32 summation order.
+    (benchmarks, tests; default: by tokens x heads); the numerics do not depend on it beyond fp32
+    summation order.
     """
-    block_h, block_l = _split_tile(tile)
     if q.dtype != torch.bfloat16 or q.dim() != 3 or (q.numel() and q.stride(2) != 1):
         raise TypeError(f"q must be bfloat16 [T, nh, D] with unit last stride, got {q.dtype} "
                         f"{tuple(q.shape)} strides {q.stride()}")
     tokens, heads, dim = q.shape
+    block_h, block_l = _split_tile(tile, tokens, heads)
     _check_cache(kv_cache, dim)
     _check_index(slots, "slots", tokens)
     _check_index(positions, "positions", tokens)

@@ -5,7 +5,7 @@ import torch
 import triton
 
 from fp8chain_kernel import reference as ref
-from fp8chain_kernel.attention import _splits, key_splits, mqa_attention, rope_qkv
+from fp8chain_kernel.attention import _split_tile, _splits, key_splits, mqa_attention, rope_qkv
 
 ROPE_DIM = 64
 THETA = 10000.0
@@ -52,10 +52,10 @@ def _assert_attention_close(got, problem):
     assert torch.equal(ref.mqa_attention(*problem), want.bfloat16())
 
 
-def _check_attention(problem):
+def _check_attention(problem, tile=None):
     q = problem[0]
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)  # poisoned
-    got = mqa_attention(*problem, out=out)
+    got = mqa_attention(*problem, out=out, tile=tile)
     assert got.data_ptr() == out.data_ptr()
     _assert_attention_close(got, problem)
 
@@ -68,9 +68,9 @@ def test_attention_matches_reference_cpu(tokens, heads, dim, length):
 
 @pytest.mark.cpu
 def test_many_tokens_use_wide_merge_programs():
-    """33 tokens x 4 head blocks fill 132 SMs: the keys still split in two, and the merge runs
-    64-pair programs (80 column pairs: the second chunk is partly masked)."""
-    assert _splits(33, 4, triton.cdiv(256, 64)) == 2
+    """33 tokens x 4 merge head blocks fill 132 SMs: the keys still split in two, and the merge
+    runs 64-pair programs (80 column pairs: the second chunk is partly masked)."""
+    assert key_splits(33, 64, 256) == 2
     _check_attention(_problem(33, 64, 160, 256, 4, "cpu"))
 
 
@@ -91,8 +91,20 @@ def test_other_split_tiles(tile, length):
 def test_one_split_writes_the_output_itself():
     """Enough (token, head block) programs to fill the GPU: one split per token, which applies the
     sink, the normalisation and the inverse RoPE itself (no partials, no merge launch)."""
-    assert _splits(17, 16, triton.cdiv(300, 64)) == 1
-    _check_attention(_problem(17, 256, 64, 300, 5, "cpu"))
+    assert key_splits(17, 256, 300, (16, 64)) == 1
+    _check_attention(_problem(17, 256, 64, 300, 5, "cpu"), tile=(16, 64))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("tokens,heads,tile", [
+    (1, 64, (16, 64)), (15, 64, (16, 64)), (16, 64, (32, 64)), (255, 64, (32, 64)), (256, 64, (64, 32)),
+    (2048, 64, (64, 32)), (2048, 16, (16, 64)), (64, 16, (16, 64)), (256, 32, (32, 64)), (3, 8, (16, 64)),
+])
+def test_default_split_tile_by_query_rows(tokens, heads, tile):
+    """16 heads x 64 keys per program below 1024 (token, head) rows, 32 x 64 from there, 64 x 32
+    from 256 tokens of 64 heads (the H200 measurements in docs/benchmarks.md); never more heads
+    per program than the layer has (a TP4 shard's 16 heads keep 16 x 64)."""
+    assert _split_tile(None, tokens, heads) == tile
 
 
 @pytest.mark.cpu
@@ -123,16 +135,17 @@ def _assert_rounded_alike(got, want):
     assert worst <= 1.0, f"error {worst:.2f}x the allowed bound"
 
 
-def _check_rope(tokens, heads, dim, length, device):
+def _check_rope(tokens, heads, dim, length, device, kv_norm=False):
     q = torch.randn(tokens, heads * dim, device=device).bfloat16()
-    kv = torch.randn(tokens, dim, device=device).bfloat16()
+    kv = (torch.randn(tokens, dim, device=device) * (3.0 if kv_norm else 1.0)).bfloat16()
+    kv_weight = torch.rand(dim, device=device).add(0.5).bfloat16() if kv_norm else None
     slots = torch.randperm(tokens, device=device)
     positions = torch.randint(0, length, (tokens,), device=device)
     cos, sin = ref.rope_tables(length, ROPE_DIM, THETA, device)
     cache = torch.randn(tokens, length, dim, device=device).bfloat16()
     want_cache = cache.clone()
-    got = rope_qkv(q, kv, cos, sin, cache, slots, positions, 1e-6)
-    want = ref.rope_qkv(q, kv, cos, sin, want_cache, slots, positions, 1e-6)
+    got = rope_qkv(q, kv, cos, sin, cache, slots, positions, 1e-6, kv_weight=kv_weight)
+    want = ref.rope_qkv(q, kv, cos, sin, want_cache, slots, positions, 1e-6, kv_weight=kv_weight)
     assert got.shape == (tokens, heads, dim) and got.dtype == torch.bfloat16
     _assert_rounded_alike(got, want)
     _assert_rounded_alike(cache[slots, positions], want_cache[slots, positions])
@@ -145,6 +158,26 @@ def _check_rope(tokens, heads, dim, length, device):
 @pytest.mark.parametrize("tokens,heads,dim", [(1, 2, 128), (3, 17, 96), (4, 16, 512)])
 def test_rope_qkv_matches_reference_cpu(tokens, heads, dim):
     _check_rope(tokens, heads, dim, 32, "cpu")
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("tokens,dim", [(1, 128), (5, 96)])
+def test_rope_qkv_normalizes_the_raw_latent(tokens, dim):
+    """kv_weight: the kv RMSNorm runs inside rope_qkv; its bf16 rounding is rms_norm's, so the
+    cached latent is what rms_norm followed by rope_qkv writes."""
+    _check_rope(tokens, 4, dim, 32, "cpu", kv_norm=True)
+    q = torch.randn(tokens, 4 * dim).bfloat16()
+    kv = torch.randn(tokens, dim).bfloat16()
+    weight = torch.rand(dim).add(0.5).bfloat16()
+    cos, sin = ref.rope_tables(32, ROPE_DIM, THETA, "cpu")
+    slots, positions = torch.arange(tokens), torch.randint(0, 32, (tokens,))
+    fused = torch.randn(tokens, 32, dim).bfloat16()
+    split = fused.clone()
+    rope_qkv(q, kv, cos, sin, fused, slots, positions, 1e-6, kv_weight=weight)
+    rope_qkv(q, ref.rms_norm(kv, weight, 1e-6), cos, sin, split, slots, positions, 1e-6)
+    assert torch.equal(fused, split)
+    with pytest.raises(TypeError, match="kv_weight"):
+        rope_qkv(q, kv, cos, sin, fused, slots, positions, 1e-6, kv_weight=weight.float())
 
 
 @pytest.mark.cpu
@@ -179,4 +212,5 @@ def test_attention_matches_reference_gpu(tokens, heads):
 @pytest.mark.parametrize("tokens", [1, 3, 64, 2048])
 def test_rope_qkv_matches_reference_gpu(tokens):
     _check_rope(tokens, 64, 512, 4096, "cuda")
+    _check_rope(tokens, 16, 512, 4096, "cuda", kv_norm=True)
 

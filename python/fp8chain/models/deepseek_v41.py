@@ -284,7 +284,7 @@ class MQALayer(nn.Module):
         self.wq_b = ColumnParallelLinear(c.q_lora_rank, c.num_attention_heads * c.head_dim,
                                          bias=False, quant_config=quant_config,
                                          prefix=f"{prefix}.wq_b", tp_rank=tp_rank, tp_size=tp_size)
-        self.kv_norm = RMSNorm(c.kv_dim, c.rms_norm_eps)
+        self.kv_norm = RMSNorm(c.kv_dim, c.rms_norm_eps)  # its weight; applied inside rope_qkv
         self.wo_a = nn.Parameter(torch.zeros(c.o_groups, c.o_lora_rank, c.o_group_dim,
                                              dtype=torch.bfloat16), requires_grad=False)
         self.wo_b = RowParallelLinear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False,
@@ -302,14 +302,16 @@ class MQALayer(nn.Module):
     def attend(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                kv_cache: torch.Tensor, impl=attention_kernels) -> torch.Tensor:
         """The attention core between ``wq_b`` and ``wo_a``: ``q [T, nh*d]`` (wq_b's output) and
-        the normed latent ``kv [T, d]`` -> ``o [T, G, nh/G*d]`` bf16, after the inverse RoPE.
+        the raw latent ``kv [T, d]`` (wqkv_a's last columns) -> ``o [T, G, nh/G*d]`` bf16, after
+        the inverse RoPE.
 
-        Writes the roped latent into ``kv_cache``; ``impl`` provides ``rope_qkv`` and
+        ``kv_norm`` runs inside ``rope_qkv`` (``kv_weight``), which writes the normed, roped
+        latent into ``kv_cache``; ``impl`` provides ``rope_qkv`` and
         ``mqa_attention`` (the Triton kernels, or ``fp8chain_kernel.reference`` for a plain-torch
         arm). The same in both arms of the chain.
         """
         cos, sin = self.rope_tables(kv_cache.shape[1], kv_cache.device)
-        q = impl.rope_qkv(q, kv, cos, sin, kv_cache, slots, positions, self.eps)
+        q = impl.rope_qkv(q, kv, cos, sin, kv_cache, slots, positions, self.eps, kv_weight=self.kv_norm.weight)
         o = impl.mqa_attention(q, kv_cache, slots, positions, self.attn_sink, self.softmax_scale, cos, sin)
         return o.view(q.shape[0], self.o_groups, -1)
 
@@ -336,7 +338,6 @@ class MQALayer(nn.Module):
         if self.keep_indexer_inputs:  # what DSv4.1's indexer reads (not modelled here)
             self.last_x, self.last_q_lora = x, q_lora
         q = self.wq_b(q_pair if q_pair is not None else q_lora)
-        kv, _ = self.kv_norm(kv)
         o = self.attend(q, kv, positions, slots, kv_cache)
 
         fmt = _chain_format(self.wo_b, self.chain)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .norm import rms_norm
+
 __all__ = ["rope_cos_sin", "apply_rope", "rope_tables", "rope_qkv", "mqa_attention", "attention_with_sinks"]
 
 
@@ -43,10 +45,14 @@ def _rope_last(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
 
 
 def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
-             kv_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, eps: float) -> torch.Tensor:
+             kv_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, eps: float, *,
+             kv_weight: torch.Tensor | None = None) -> torch.Tensor:
     """``q [T, nh*D]`` bf16 (wq_b's output) -> bf16 ``[T, nh, D]``: per-head RMS-normalized (no
-    weight), RoPE on the last ``rd`` dims, in fp32, rounded once. ``kv [T, D]`` bf16 (normed latent) gets the same RoPE
-    and is written to ``kv_cache[slots[t], positions[t]]`` in bf16."""
+    weight), RoPE on the last ``rd`` dims, in fp32, rounded once. ``kv [T, D]`` bf16 (normed latent,
+    or the raw latent normed here by ``rms_norm(kv, kv_weight, eps)``) gets the same RoPE and is
+    written to ``kv_cache[slots[t], positions[t]]`` in bf16."""
+    if kv_weight is not None:
+        kv = rms_norm(kv, kv_weight, eps)
     t, d = kv.shape
     cos, sin = cos_table[positions], sin_table[positions]
     q = q.float().view(t, -1, d)
