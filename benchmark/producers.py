@@ -17,6 +17,10 @@ importable. For each producer and T, four timings in one process (CUDA-graph rep
   accumulation, one bf16 rounding: the same contract as the kernel) rather than the fp32-upcast
   reference, which is a specification, not a competitor.
 
+``--sweep-wo-a`` instead times candidate launch configs of the FP8-emitting ``wo_a_einsum`` (G=8
+and G=2, the given T) against the table's choice, with the weights rotating through copies that
+exceed L2, and writes ``producers_wo_a_sweep.json`` (the source of ``einsum._launch_config``).
+
 Next to each figure: the bytes-moved floor of each arm (bytes / copy bandwidth measured in the
 same run), and the ratios fp8/bf16-only and fp8/(bf16+quant). ``fp8_launches`` counts kernel
 launches of the FP8 arm (torch.profiler).
@@ -29,6 +33,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
@@ -55,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-peer", action="store_true", help="skip the torch.compile peer")
     parser.add_argument("--iters", type=int, default=50, help="calls per captured graph")
     parser.add_argument("--results-dir", default=None, help="where JSON/PNG go (default benchmark/results)")
+    parser.add_argument("--sweep-wo-a", action="store_true",
+                        help="time candidate wo_a_einsum launch configs (FP8 out) instead of the four arms")
 
 
 def _pair_bytes(rows: int, cols: int, fmt: ActFormat) -> int:
@@ -162,9 +169,65 @@ class Case:
         self.bytes_bf16_quant = self.bytes_bf16 + bf16_out + fp8_out
 
 
+L2_DEFEAT_BYTES = 192 << 20  # weight copies per wo_a case: every call streams its weights from HBM
+
+
+def wo_a_candidates(rows: int) -> list[dict]:
+    """Decode tile configs for ``wo_a_einsum``: 16-row (mma.sync) or 64-row (wgmma) M tiles, one or
+    two 32-column scale groups per N tile, and pipelines that fit the H200's shared memory."""
+    out = []
+    for block_m in sorted({max(16, triton.next_power_of_2(rows)), 64}):
+        for block_n in (32, 64):
+            for block_k in (64, 128, 256):
+                for stages in (3, 4, 5, 6):
+                    for warps in ((4,) if block_m == 16 else (4, 8)):
+                        if (block_m + block_n) * block_k * 2 * stages <= 220 * 1024:
+                            out.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                            num_warps=warps, num_stages=stages))
+    return out
+
+
+def run_wo_a_sweep(args) -> tuple[dict, list[dict]]:
+    meta = harness.bench_meta()
+    meta["copy_bandwidth_TBps"] = harness.copy_bandwidth() / 1e12
+    fmt = ActFormat(args.formats[0])
+    records = []
+    cases = [(g, t) for g in (8, 2) for t in (QUICK_ROWS if args.quick else args.rows) if t <= 64]
+    for g, rows in harness.progress(cases, "wo_a configs"):
+        r, d = 1024, 4096
+        copies = max(1, -(-L2_DEFEAT_BYTES // (g * r * d * 2)))
+        weights = [(torch.randn(g, r, d, device=DEVICE) / d ** 0.5).bfloat16() for _ in range(copies)]
+        o = torch.randn(rows, g, d, device=DEVICE).bfloat16()
+        pair = empty_pair(rows, g * r, fmt, DEVICE)
+        turn = {"i": 0}
+
+        def call(config):
+            turn["i"] += 1
+            return einsum.wo_a_einsum(o, weights[turn["i"] % copies], out_format=fmt, out=pair,
+                                      return_bf16=False, config=config)
+
+        floor_us = (g * r * d * 2 + rows * g * d * 2) / (meta["copy_bandwidth_TBps"] * 1e12) * 1e6
+        for config in [None] + wo_a_candidates(rows):
+            try:
+                us = harness.graph_time_us(lambda: call(config), iters=args.iters, repeats=3)
+            except Exception as exc:  # a config that does not compile or launch is skipped
+                print(f"skip G={g} T={rows} {config}: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            records.append({"G": g, "T": rows, "config": config or "table", "fp8_us": us, "floor_us": floor_us})
+        best = min((x for x in records if x["G"] == g and x["T"] == rows), key=lambda x: x["fp8_us"])
+        table = next(x for x in records if x["G"] == g and x["T"] == rows and x["config"] == "table")
+        print(f"G={g} T={rows}: table {table['fp8_us']:.2f} us, best {best['fp8_us']:.2f} us {best['config']}, "
+              f"floor {floor_us:.2f} us", flush=True)
+        harness.save_results("producers_wo_a_sweep", meta, records, args.results_dir)
+        del weights
+    return meta, records
+
+
 def run(args) -> tuple[dict, list[dict]]:
     if not torch.cuda.is_available():
         raise SystemExit("benchmark producers needs a CUDA GPU (kernel logic is tested on CPU instead)")
+    if args.sweep_wo_a:
+        return run_wo_a_sweep(args)
     rows_list = QUICK_ROWS if args.quick else args.rows
     meta = harness.bench_meta()
     bandwidth = harness.copy_bandwidth()
@@ -218,6 +281,14 @@ COLUMNS = ["case", "format", "T", "bf16_us", "bf16_quant_us", "fp8_us", "compile
 
 
 def report(meta: dict, records: list[dict], results_dir=None) -> str:
+    if records and "config" in records[0]:  # --sweep-wo-a
+        json_path = harness.save_results("producers_wo_a_sweep", meta, records, results_dir)
+        best = {}
+        for rec in records:
+            key = (rec["G"], rec["T"])
+            if key not in best or rec["fp8_us"] < best[key]["fp8_us"]:
+                best[key] = rec
+        return f"{json_path}\n" + harness.markdown_table(list(best.values()), ["G", "T", "fp8_us", "floor_us", "config"])
     json_path = harness.save_results("producers", meta, records, results_dir)
     if records:
         harness.plot_records("producers", records, "T",

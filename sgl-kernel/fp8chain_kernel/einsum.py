@@ -12,6 +12,9 @@
   equals ``reference.quantize(y, out_format)`` bit for bit. Needs ``R % group_size == 0`` (a
   quantization group never straddles two einsum groups).
 * ``out`` / ``out_bf16`` / ``return_bf16``: as ``norm.rms_norm``.
+* ``config``: a launch config (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``,
+  ``num_stages``) instead of the table's (sweeps); with ``out_format``, ``BLOCK_N`` must be a
+  multiple of the group size that divides ``R``.
 
 Grid: one program per ``[BLOCK_M, BLOCK_N]`` output tile of one group, the whole ``D`` reduced
 in the program (no split-K: the FP8 epilogue needs the finished sum). Decode (small ``T``) is
@@ -133,9 +136,25 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
     return cfg
 
 
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+def _check_config(config: dict, r: int, min_n: int) -> dict:
+    if not isinstance(config, dict) or set(config) != set(CONFIG_KEYS):
+        raise ValueError(f"config must be a dict with keys {CONFIG_KEYS}, got {config!r}")
+    if any(not isinstance(v, int) or v < 1 for v in config.values()):
+        raise ValueError(f"config values must be positive ints, got {config!r}")
+    if any(config[k] < 16 or config[k] & (config[k] - 1) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")):
+        raise ValueError(f"BLOCK_M/N/K must be powers of two >= 16, got {config!r}")
+    if config["BLOCK_N"] % min_n or (min_n > 16 and r % config["BLOCK_N"]):
+        raise ValueError(f"BLOCK_N={config['BLOCK_N']} must be a multiple of {min_n} that divides R={r} "
+                         "(a scale group may not straddle two tiles or two einsum groups)")
+    return dict(config)
+
+
 def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, out_format: ActFormat | str | None = None,
                 out: QuantizedActivation | None = None, out_bf16: torch.Tensor | None = None,
-                return_bf16: bool = True):
+                return_bf16: bool = True, config: dict | None = None):
     """Grouped einsum ``o [T, G, D] x wo_a [G, R, D] -> [T, G*R]`` bf16 (+ FP8 pair); see the
     module docstring."""
     check_tensor(o, "o", torch.bfloat16, 3)
@@ -161,7 +180,11 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, out_format: ActFormat | 
         raise ValueError("o and wo_a have D = 0")
     a = launch_args(fmt, pair, y, o)
     min_n = fmt.group_size if fmt is not None else 16
-    cfg = _launch_config(rows, groups, r, d, min_n, _num_sms(o.device))
+    if config is not None:
+        cfg = _check_config(config, r, min_n)
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(d)))
+    else:
+        cfg = _launch_config(rows, groups, r, d, min_n, _num_sms(o.device))
     block_n = cfg["BLOCK_N"]
     grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(r, block_n), groups)
     _wo_a_kernel[grid](

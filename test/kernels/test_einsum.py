@@ -181,3 +181,22 @@ def test_wo_a_bad_inputs(device):
     o2, w2 = _inputs(3, 2, 96, 64, device)
     with pytest.raises(ValueError):  # a 128-column scale group would straddle two einsum groups
         einsum.wo_a_einsum(o2, w2, out_format=ActFormat.SM90_G128_FP32_MN)
+
+
+@pytest.mark.cpu
+def test_wo_a_config_override(device):
+    """config= (sweeps): another tiling still writes the pair of its own bf16 output; a config that
+    would let a scale group straddle two tiles, or a malformed one, is refused."""
+    o, w = _inputs(5, 2, 128, 64, device)
+    fmt = ActFormat.SM90_G32_FP32_MN
+    config = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
+    y, pair = einsum.wo_a_einsum(o, w, out_format=fmt, out=poisoned_pair(5, 256, fmt, device),
+                                 out_bf16=_nan_bf16(5, 256, device), config=config)
+    assert rel_error(y, wo_a_einsum_fp(o, w, torch.float64)) < REL_BOUND
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        einsum.wo_a_einsum(o, w, out_format=fmt, config=dict(config, BLOCK_N=16))
+    with pytest.raises(ValueError, match="config"):
+        einsum.wo_a_einsum(o, w, config=dict(BLOCK_M=16))
+    with pytest.raises(ValueError, match="powers of two"):
+        einsum.wo_a_einsum(o, w, config=dict(config, BLOCK_K=48))
