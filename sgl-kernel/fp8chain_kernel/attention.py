@@ -44,7 +44,9 @@ _BLOCK_L = 64  # keys per step
 # 16 x 64 runs mma.sync in 80 registers, 32 x 64 in 133, 64 x 32 wgmma in 250 (no spills; 64 x 64
 # needs 256 KB of shared memory). On the H200 (docs/benchmarks.md, attention) 16 x 64 is fastest
 # below 1024 (token, head) rows, 32 x 64 from there (64 heads, M = 64, context 4096: 246 vs
-# 348 us) and 64 x 32 from 256 tokens of 64 heads (M = 256: 749 vs 1330 us). ``tile=`` overrides.
+# 348 us) and 64 x 32 from 256 tokens of 64 heads (M = 256: 749 vs 1330 us) where their keys still
+# split: with one split its epilogue (sink, normalisation, inverse RoPE of a 64 x 512 fp32
+# accumulator in the split kernel) spills registers on sm_90. ``tile=`` overrides.
 _SPLIT_TILES = ((256 * 64, (64, 32)), (1024, (32, 64)), (0, (_BLOCK_H, _BLOCK_L)))
 # column pairs per merge program: few (token, head block)s -> narrow one-warp programs that still
 # fill the GPU; once those alone fill the SMs, wider four-warp programs read longer rows
@@ -108,14 +110,14 @@ def _rope_qkv_kernel(q_ptr, kv_ptr, kv_w_ptr, cos_ptr, sin_ptr, out_ptr, cache_p
     else:
         src = kv_ptr + t.to(tl.int64) * stride_kvt
         dst = cache_ptr + tl.load(slot_ptr + t).to(tl.int64) * stride_cs + pos * stride_cl
-        rstd = 0.0
+        kv_rstd = 0.0
         if KV_NORM:
             h = tl.load(src + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-            rstd = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=0) / D + eps)
-        kv = _latent(src, kv_w_ptr, offs_d, offs_d < nope, rstd, KV_NORM, EXACT_CAST)
+            kv_rstd = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=0) / D + eps)
+        kv = _latent(src, kv_w_ptr, offs_d, offs_d < nope, kv_rstd, KV_NORM, EXACT_CAST)
         tl.store(dst + offs_d, kv.to(tl.bfloat16), mask=offs_d < nope)
-        kv_even = _latent(src, kv_w_ptr, even_d, i_ok, rstd, KV_NORM, EXACT_CAST)
-        kv_odd = _latent(src, kv_w_ptr, even_d + 1, i_ok, rstd, KV_NORM, EXACT_CAST)
+        kv_even = _latent(src, kv_w_ptr, even_d, i_ok, kv_rstd, KV_NORM, EXACT_CAST)
+        kv_odd = _latent(src, kv_w_ptr, even_d + 1, i_ok, kv_rstd, KV_NORM, EXACT_CAST)
         kv_even, kv_odd = _rotate_pairs(kv_even, kv_odd, cos, sin, False)
         tl.store(dst + even_d, round_bf16(kv_even, EXACT_CAST), mask=i_ok)
         tl.store(dst + even_d + 1, round_bf16(kv_odd, EXACT_CAST), mask=i_ok)
@@ -248,12 +250,16 @@ def _splits(tokens: int, head_blocks: int, key_steps: int) -> int:
     return max(1, min(most, triton.cdiv(_TARGET_PROGRAMS, max(1, tokens * head_blocks))))
 
 
-def _split_tile(tile: tuple[int, int] | None, tokens: int, heads: int) -> tuple[int, int]:
-    """``tile`` checked, or the default for ``tokens`` x ``heads`` query rows (``_SPLIT_TILES``)."""
+def _split_tile(tile: tuple[int, int] | None, tokens: int, heads: int, length: int) -> tuple[int, int]:
+    """``tile`` checked, or the default for ``tokens`` x ``heads`` query rows over ``length`` keys
+    (``_SPLIT_TILES``)."""
     if tile is None:
         rows = tokens * heads
-        # never more heads per program than there are heads: the rest of the tile would be masked
-        return next(t for least, t in _SPLIT_TILES if rows >= least and t[0] <= max(heads, _BLOCK_H))
+        for least, (block_h, block_l) in _SPLIT_TILES:
+            # never more heads per program than there are heads: the rest would be masked
+            if rows >= least and block_h <= max(heads, _BLOCK_H) and (
+                    block_h < 64 or _splits(tokens, triton.cdiv(heads, block_h), triton.cdiv(length, block_l)) > 1):
+                return block_h, block_l
     block_h, block_l = tile
     if any(v < 16 or v & (v - 1) for v in (block_h, block_l)):
         raise ValueError(f"tile must be two powers of two >= 16, got {tile}")
@@ -263,7 +269,7 @@ def _split_tile(tile: tuple[int, int] | None, tokens: int, heads: int) -> tuple[
 def key_splits(tokens: int, heads: int, length: int, tile: tuple[int, int] | None = None) -> int:
     """How many split-kernel programs share one token's keys for a cache of ``length`` positions
     (1: the split kernel writes the output itself, no merge launch)."""
-    block_h, block_l = _split_tile(tile, tokens, heads)
+    block_h, block_l = _split_tile(tile, tokens, heads, length)
     return _splits(tokens, triton.cdiv(heads, block_h), triton.cdiv(length, block_l))
 
 
@@ -339,8 +345,8 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
         raise TypeError(f"q must be bfloat16 [T, nh, D] with unit last stride, got {q.dtype} "
                         f"{tuple(q.shape)} strides {q.stride()}")
     tokens, heads, dim = q.shape
-    block_h, block_l = _split_tile(tile, tokens, heads)
     _check_cache(kv_cache, dim)
+    block_h, block_l = _split_tile(tile, tokens, heads, kv_cache.shape[1])
     _check_index(slots, "slots", tokens)
     _check_index(positions, "positions", tokens)
     if sink.dtype != torch.float32 or tuple(sink.shape) != (heads,):

@@ -100,23 +100,30 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: int = 132) -> dict:
-    """Tile sizes for ``rows`` tokens. Decode (<= 64 rows) streams the weights: narrow N tiles
-    (``min_n`` = one scale group when quantizing, else 32) so that G=8 gives 256 programs, with
-    deep cp.async pipelines; M tiles of 16 rows when that grid fills the GPU, else 64-row tiles
-    (wgmma; G=2 gives only 64 programs, and on H200 its T=64 case with 64-row tiles took 10 us
-    against 13 us for T=1 with 16-row mma.sync tiles, so those tiles stream faster per program).
+    """Tile sizes for ``rows`` tokens. Decode (<= 64 rows) streams the weights, so the tiles are
+    narrow in N (one 32-column scale group) to spread the weights over many programs, and deep
+    cp.async pipelines keep each SM's reads in flight. The decode rows come from the H200 sweep
+    (``fp8chain bench producers --sweep-wo-a``, docs/benchmarks.md), FP8 out, weights from HBM:
+
+    * a full grid (G=8: 256 programs of 32 columns), <= 16 rows: 16-row tiles (mma.sync), K steps
+      of 128, 5 stages (60 KiB: three programs per SM, one wave): 18.9 us at T=1 against 20.6 us
+      for 256-wide K steps (one program per SM, two waves); 17-64 rows: 64 x 64 tiles (wgmma),
+      4 stages;
+    * a narrow grid (G=2: 64 programs), which needs more bytes in flight per program: <= 8 rows,
+      16-row tiles with 256-wide K steps and 6 stages (9.4 vs 11.4 us at T=1); more rows, 64-row
+      tiles with 128-wide K steps and 6 stages.
+
     Larger batches use compute tiles (64x128, 128x128). Pipeline depth is capped so the stages
     fit in ~192 KiB of shared memory."""
     if rows <= 64:
-        narrow_grid = groups * triton.cdiv(r, max(min_n, 32)) < num_sms
-        block_m = 64 if narrow_grid else max(16, triton.next_power_of_2(rows))
-        # 64-row tiles run on wgmma, which keeps num_stages buffers (mma.sync keeps one less): with
-        # a full grid, 4 stages (96 KiB) let two programs share an SM, so G=8's 256 programs fit
-        # one wave. With 5 stages (120 KiB, one program per SM, two waves) G=8 took 24.5 us at
-        # T=64 against 19.6 us at T=1 on H200.
-        stages = 4 if block_m >= 64 and not narrow_grid else 5
-        cfg = dict(BLOCK_M=block_m, BLOCK_N=max(min_n, 32), BLOCK_K=256 if block_m <= 16 else 128,
-                   num_warps=4, num_stages=stages)
+        block_n = max(min_n, 32)
+        if groups * triton.cdiv(r, block_n) < num_sms:
+            cfg = (dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, num_warps=4, num_stages=6) if rows <= 8 else
+                   dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=6))
+        elif rows <= 16:
+            cfg = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=5)
+        else:
+            cfg = dict(BLOCK_M=64, BLOCK_N=max(block_n, 64), BLOCK_K=128, num_warps=4, num_stages=4)
     elif rows <= 256:
         cfg = dict(BLOCK_M=64, BLOCK_N=max(min_n, 128), BLOCK_K=64, num_warps=4, num_stages=4)
     else:

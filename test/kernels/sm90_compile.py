@@ -85,13 +85,15 @@ def record_launches() -> None:
             gemm.fp8_gemm(quant.quantize(bf16(rows, 5120), fmt), weight, scale, weight_block=block)
     cos, sin = reference.rope_tables(1024, 64, 10000.0)
     cache = torch.zeros(64, 1024, 512, dtype=torch.bfloat16)
-    for rows in (1, 64, 256):  # key splits 8 and 2 (merged), and 1 (the split kernel writes the output)
+    # default tiles 16 x 64 (8 key splits, merged), 32 x 64 and 64 x 32 wgmma (2 splits, merged), and
+    # 64 x 32 with one split (prefill: the split kernel writes the output); rope_qkv with and without
+    # the fused kv norm
+    for rows in (1, 64, 256, 2048):
         slots, positions = torch.arange(rows) % 64, torch.full((rows,), 1023)
-        q = attention.rope_qkv(bf16(rows, 64 * 512), bf16(rows, 512), cos, sin, cache, slots, positions, 1e-6)
+        kv_weight = bf16(512) if rows > 1 else None
+        q = attention.rope_qkv(bf16(rows, 64 * 512), bf16(rows, 512), cos, sin, cache, slots, positions, 1e-6,
+                               kv_weight=kv_weight)
         attention.mqa_attention(q, cache, slots, positions, torch.zeros(64), 512 ** -0.5, cos, sin)
-    q = torch.zeros(16, 64, 512, dtype=torch.bfloat16)  # the wgmma tile: all 64 heads per program
-    attention.mqa_attention(q, cache, torch.arange(16), torch.full((16,), 1023), torch.zeros(64), 512 ** -0.5,
-                            cos, sin, tile=(64, 32))
 
 
 def boundary_launches():

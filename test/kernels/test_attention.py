@@ -96,15 +96,17 @@ def test_one_split_writes_the_output_itself():
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("tokens,heads,tile", [
-    (1, 64, (16, 64)), (15, 64, (16, 64)), (16, 64, (32, 64)), (255, 64, (32, 64)), (256, 64, (64, 32)),
-    (2048, 64, (64, 32)), (2048, 16, (16, 64)), (64, 16, (16, 64)), (256, 32, (32, 64)), (3, 8, (16, 64)),
+@pytest.mark.parametrize("tokens,heads,length,tile", [
+    (1, 64, 1024, (16, 64)), (15, 64, 1024, (16, 64)), (16, 64, 1024, (32, 64)), (255, 64, 1024, (32, 64)),
+    (256, 64, 1024, (64, 32)), (2048, 64, 2048, (32, 64)), (2048, 16, 2048, (16, 64)), (64, 16, 1024, (16, 64)),
+    (256, 32, 1024, (32, 64)), (3, 8, 64, (16, 64)),
 ])
-def test_default_split_tile_by_query_rows(tokens, heads, tile):
+def test_default_split_tile_by_query_rows(tokens, heads, length, tile):
     """16 heads x 64 keys per program below 1024 (token, head) rows, 32 x 64 from there, 64 x 32
-    from 256 tokens of 64 heads (the H200 measurements in docs/benchmarks.md); never more heads
-    per program than the layer has (a TP4 shard's 16 heads keep 16 x 64)."""
-    assert _split_tile(None, tokens, heads) == tile
+    from 256 tokens of 64 heads while their keys still split (prefill: 32 x 64), as measured on
+    the H200 (docs/benchmarks.md); never more heads per program than the layer has (a TP4 shard's
+    16 heads keep 16 x 64)."""
+    assert _split_tile(None, tokens, heads, length) == tile
 
 
 @pytest.mark.cpu
