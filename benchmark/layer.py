@@ -9,8 +9,9 @@ writes the next layer's wqkv_a input). Routed experts are not in the unit.
 Arms, timed in one process with CUDA-graph replay (median):
 - ``chained``: every producer writes the FP8 pair its consumer reads (no quantize launches);
   the mHC stats run on a side stream beside each sublayer (``run_sublayer``), as in the model;
-- ``chained_serial_stats``: the same step with the stats in line on one stream (A/B);
 - ``unchained``: producers write bf16, every FP8 linear quantizes its own input (Hopper upstream);
+- ``chained_serial_stats`` / ``unchained_serial_stats``: both steps with the stats in line on one
+  stream (what the side stream buys each arm, and the chain's saving without the overlap);
 - ``compiled_peer``: the same unit in plain torch ops with cuBLAS blockwise FP8 GEMMs
   (128x128 weight blocks, a torch-composed quantize before each), ``torch.compile``d;
 - ``floor``: weight bytes of the unit / copy bandwidth measured in the same run.
@@ -227,9 +228,11 @@ def run(args) -> tuple[dict, list[dict]]:
                 record[f"{arm}_launches"] = sum(launches.values())
                 record[f"{arm}_quantize_launches"] = harness.quantize_launches(launches)
                 record[f"{arm}_kernels"] = kernels
+            layer.overlap_stats = False  # both steps again with the mHC stats in line
+            for arm, on in (("chained", True), ("unchained", False)):
+                unit.set_chain(on)
+                record[f"{arm}_serial_stats_us"] = harness.graph_time_us(unit.step, iters=args.iters, repeats=5)
             unit.set_chain(True)
-            layer.overlap_stats = False  # the same chained step with the mHC stats in line
-            record["chained_serial_stats_us"] = harness.graph_time_us(unit.step, iters=args.iters, repeats=5)
             layer.overlap_stats = True
             if peer is not None:
                 inputs = (unit.residual, unit.x, unit.positions, unit.slots, unit.kv_cache)
@@ -242,6 +245,7 @@ def run(args) -> tuple[dict, list[dict]]:
                           file=sys.stderr)
         record["floor_us"] = weight_bytes(layer) / bandwidth * 1e6
         record["chained_over_unchained"] = record["chained_us"] / record["unchained_us"]
+        record["serial_chained_over_unchained"] = record["chained_serial_stats_us"] / record["unchained_serial_stats_us"]
         if record.get("compiled_peer_us"):
             record["chained_over_peer"] = record["chained_us"] / record["compiled_peer_us"]
         record["chained_over_floor"] = record["chained_us"] / record["floor_us"]
@@ -249,8 +253,8 @@ def run(args) -> tuple[dict, list[dict]]:
     return meta, records
 
 
-COLUMNS = ["shapes", "phase", "M", "chained_us", "chained_serial_stats_us", "unchained_us", "compiled_peer_us", "floor_us",
-           "chained_over_unchained", "chained_over_peer", "chained_over_floor", "chained_launches",
+COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "chained_serial_stats_us", "unchained_serial_stats_us",
+           "compiled_peer_us", "floor_us", "chained_over_unchained", "serial_chained_over_unchained", "chained_over_peer", "chained_over_floor", "chained_launches",
            "unchained_launches", "chained_quantize_launches", "unchained_quantize_launches"]
 
 
