@@ -142,10 +142,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, H, ep
         h = hb.to(tl.float32)
     mean_sq = tl.sum(h * h, axis=1) / H
     rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
-    # the weight as a [1, BLOCK_H] row: it then shares h's layout (a 1-D load gets its own layout,
-    # which the FP8 variant's 16-byte stores make differ from h's: a 16 KiB shared-memory shuffle)
-    w = tl.load(w_ptr + offs_h[None, :], mask=offs_h[None, :] < H, other=0.0).to(tl.float32)
-    yb = round_bf16(h * rstd[:, None] * w, EXACT_CAST)
+    w = tl.load(w_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
+    yb = round_bf16(h * rstd[:, None] * w[None, :], EXACT_CAST)
     if STORE_BF16:
         tl.store(y_ptr + rows * stride_ym + offs_h[None, :], yb, mask=mask)
     if QUANT:
