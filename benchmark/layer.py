@@ -12,6 +12,9 @@ Arms, timed in one process with CUDA-graph replay (median):
 - ``unchained``: producers write bf16, every FP8 linear quantizes its own input (Hopper upstream);
 - ``chained_serial_stats`` / ``unchained_serial_stats``: both steps with the stats in line on one
   stream (what the side stream buys each arm, and the chain's saving without the overlap);
+- ``chained_no_stats`` / ``unchained_no_stats`` (diagnostic): both steps with the mixes computed
+  once outside the step (no stats launches), so what the overlapped stats still cost each arm
+  is the difference to ``chained`` / ``unchained``;
 - ``compiled_peer``: the same unit in plain torch ops with cuBLAS blockwise FP8 GEMMs
   (128x128 weight blocks, a torch-composed quantize before each), ``torch.compile``d;
 - ``floor``: weight bytes of the unit / copy bandwidth measured in the same run.
@@ -21,6 +24,7 @@ Launches and quantize launches per step come from torch.profiler.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -119,6 +123,26 @@ class LayerUnit:
             self.residual, layer.ffn_norm, _chain_format(layer.ffn.input_linear, chain), overlap)
         return run_sublayer(layer.hc_ffn, lambda: layer.ffn.shared_experts(x, pair), residual, layer.attn_norm,
                             _chain_format(layer.attn.wqkv_a, chain), overlap)
+
+
+@contextlib.contextmanager
+def precomputed_stats(layer: DeepseekV41DecoderLayer, residual: torch.Tensor):
+    """Both sublayers take their mHC mixes computed once here instead of launching the stats."""
+    def frozen(mixes):
+        def stats(residual, side_stream=None):
+            if side_stream is not None:  # the step still forks and joins the side stream
+                side_stream.wait_stream(torch.cuda.current_stream())
+            return mixes
+        return stats
+
+    hcs = (layer.hc_attn, layer.hc_ffn)
+    for hc in hcs:
+        hc.stats = frozen(hc.stats(residual))
+    try:
+        yield
+    finally:
+        for hc in hcs:
+            del hc.stats
 
 
 def weight_bytes(layer: DeepseekV41DecoderLayer) -> int:
@@ -232,8 +256,12 @@ def run(args) -> tuple[dict, list[dict]]:
             for arm, on in (("chained", True), ("unchained", False)):
                 unit.set_chain(on)
                 record[f"{arm}_serial_stats_us"] = harness.graph_time_us(unit.step, iters=args.iters, repeats=5)
-            unit.set_chain(True)
             layer.overlap_stats = True
+            with precomputed_stats(layer, unit.residual):
+                for arm, on in (("chained", True), ("unchained", False)):
+                    unit.set_chain(on)
+                    record[f"{arm}_no_stats_us"] = harness.graph_time_us(unit.step, iters=args.iters, repeats=5)
+            unit.set_chain(True)
             if peer is not None:
                 inputs = (unit.residual, unit.x, unit.positions, unit.slots, unit.kv_cache)
                 try:
@@ -246,6 +274,7 @@ def run(args) -> tuple[dict, list[dict]]:
         record["floor_us"] = weight_bytes(layer) / bandwidth * 1e6
         record["chained_over_unchained"] = record["chained_us"] / record["unchained_us"]
         record["serial_chained_over_unchained"] = record["chained_serial_stats_us"] / record["unchained_serial_stats_us"]
+        record["no_stats_chained_over_unchained"] = record["chained_no_stats_us"] / record["unchained_no_stats_us"]
         if record.get("compiled_peer_us"):
             record["chained_over_peer"] = record["chained_us"] / record["compiled_peer_us"]
         record["chained_over_floor"] = record["chained_us"] / record["floor_us"]
@@ -254,7 +283,8 @@ def run(args) -> tuple[dict, list[dict]]:
 
 
 COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "chained_serial_stats_us", "unchained_serial_stats_us",
-           "compiled_peer_us", "floor_us", "chained_over_unchained", "serial_chained_over_unchained", "chained_over_peer", "chained_over_floor", "chained_launches",
+           "chained_no_stats_us", "unchained_no_stats_us", "compiled_peer_us", "floor_us", "chained_over_unchained",
+           "serial_chained_over_unchained", "no_stats_chained_over_unchained", "chained_over_peer", "chained_over_floor", "chained_launches",
            "unchained_launches", "chained_quantize_launches", "unchained_quantize_launches"]
 
 

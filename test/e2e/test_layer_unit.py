@@ -63,6 +63,29 @@ def test_prefill_unit_is_causal():
     assert not torch.equal(x_all[4], x_changed[4])
 
 
+def test_precomputed_stats_arm_freezes_the_mixes_and_restores_them():
+    """The no-stats diagnostic arm: inside the context both sublayers reuse mixes computed once
+    (the attention sublayer's are exactly the step's own); afterwards the stats run again."""
+    bench = _layer_benchmark()
+    config = bench.layer_config("tp1", tiny=True)
+    layer = bench.build_layer(config, "cpu")
+    unit = bench.LayerUnit(layer, config, 3, 16, "cpu")
+    with torch.no_grad():
+        kv_before = unit.kv_cache.clone()
+        want = unit.step()
+        with bench.precomputed_stats(layer, unit.residual):
+            frozen = layer.hc_attn.stats(torch.randn_like(unit.residual))
+            assert all(torch.equal(a, b) for a, b in zip(frozen, layer.hc_attn.__class__.stats(
+                layer.hc_attn, unit.residual)))
+            unit.kv_cache.copy_(kv_before)
+            residual, x, _ = unit.step()
+            assert torch.isfinite(x.float()).all()
+        assert "stats" not in vars(layer.hc_attn) and "stats" not in vars(layer.hc_ffn)
+        unit.kv_cache.copy_(kv_before)
+        again = unit.step()
+    assert all(torch.equal(a, b) for a, b in zip(want[:2], again[:2]))
+
+
 def test_kernel_breakdown_lists_the_costliest_kernels_first():
     bench = _layer_benchmark()
     kernels = {"_quantize_kernel": {"launches": 5, "us": 7.5}, "gemm_kernel": {"launches": 2, "us": 30.0},
