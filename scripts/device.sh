@@ -13,7 +13,8 @@
 # benchmark sweeps longer; where one call is limited to 10 minutes, split it, e.g.
 #   scripts/device.sh $OUT tests -- test/kernels/test_quant.py test/kernels/test_norm.py ...
 #   scripts/device.sh $OUT bench --quick
-# The tree usually travels without .git: pass FP8CHAIN_COMMIT=<hash> so results name their commit.
+# The tree travels without its own git metadata (what git reports there can be an older commit):
+# pass FP8CHAIN_COMMIT=<hash> so results name the commit they measured.
 set -uo pipefail
 out=${1:?usage: scripts/device.sh OUTDIR [all|tests|bench|bench:NAME[,NAME...]] [--quick] [-- PYTEST_ARGS...]}
 shift
@@ -28,6 +29,7 @@ mkdir -p "$out"
 export PYTHONPATH="$root/python:$root/sgl-kernel${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 status=0
+[ -z "${FP8CHAIN_COMMIT:-}" ] && echo "note: FP8CHAIN_COMMIT is not set; results name whatever commit git reports here" >&2
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$out/device.txt"
 if [ "$what" = all ] || [ "$what" = tests ]; then
   python3 -m pytest -q -m gpu --durations=30 --junitxml="$out/gpu-tests.xml" -p no:cacheprovider "${@:-test}" \
