@@ -106,9 +106,9 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
     (``fp8chain bench producers --sweep-wo-a``, docs/benchmarks.md), FP8 out, weights from HBM:
 
     * a full grid (G=8: 256 programs of 32 columns), <= 16 rows: 16-row tiles (mma.sync), K steps
-      of 128, 5 stages (60 KiB: three programs per SM, one wave): 18.9 us at T=1 against 20.6 us
-      for 256-wide K steps (one program per SM, two waves); 17-64 rows: 64 x 64 tiles (wgmma),
-      4 stages;
+      of 128, 5 stages: 18.9 us at T=1 against 20.6 us for 256-wide K steps (compiled for sm_90:
+      96 against ~166 registers per thread, 8 KiB of shared memory); 17-64 rows: 64 x 64 tiles
+      (wgmma), 4 stages;
     * a narrow grid (G=2: 64 programs), which needs more bytes in flight per program: <= 8 rows,
       16-row tiles with 256-wide K steps and 6 stages (9.4 vs 11.4 us at T=1); more rows, 64-row
       tiles with 128-wide K steps and 6 stages.
