@@ -32,8 +32,9 @@ for _p in (_ROOT / "python", _ROOT / "sgl-kernel"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from fp8chain.bench import harness  # noqa: E402
 from fp8chain_kernel import gemm, quant, reference  # noqa: E402
-from fp8chain_kernel.formats import ActFormat, cdiv  # noqa: E402
+from fp8chain_kernel.formats import ActFormat  # noqa: E402
 
 SHAPES = {
     "wqkv_a": (1792, 5120),
@@ -46,7 +47,6 @@ SHAPES = {
 MS = [1, 4, 16, 64, 256, 2048]
 QUICK_MS = [1, 16, 64, 2048]
 G32, G128 = ActFormat.SM90_G32_FP32_MN, ActFormat.SM90_G128_FP32_MN
-L2_DEFEAT_BYTES = 160 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,21 +72,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _weights(n, k, block, device, copies):
     return [reference.random_fp8_weight(n, k, block, device) for _ in range(copies)]
-
-
-def _copies(n, k):
-    return max(1, min(8, cdiv(L2_DEFEAT_BYTES, n * k)))
-
-
-def _rotating(fn, items):
-    state = {"i": 0}
-
-    def call():
-        item = items[state["i"] % len(items)]
-        state["i"] += 1
-        return fn(*item)
-
-    return call
 
 
 def _splits(iters: int) -> list[int]:
@@ -210,10 +195,8 @@ def _precompile(args):
 
 
 def _time(fn, args):
-    from fp8chain.bench.harness import graph_time_us
-
     iters = args.iters or (20 if args.quick or args.sweep else 50)
-    return graph_time_us(fn, iters=iters, repeats=3 if (args.quick or args.sweep) else 7)
+    return harness.graph_time_us(fn, iters=iters, repeats=3 if (args.quick or args.sweep) else 7)
 
 
 def run_sweep(args, device, copy_bw):
@@ -225,7 +208,7 @@ def run_sweep(args, device, copy_bw):
             print(f"sweep budget spent, stopping before {name} g{group} M={m}", flush=True)
             break
         if (n, k, group) not in weights:
-            weights = {(n, k, group): _weights(n, k, group, device, _copies(n, k))}
+            weights = {(n, k, group): _weights(n, k, group, device, harness.copies_past_l2(n * k))}
         ws = weights[(n, k, group)]
         x = torch.randn(m, k, device=device) * torch.exp2(torch.randint(-6, 6, (m, 1), device=device).float())
         pair = quant.quantize(x.bfloat16(), gemm.input_format_for_block(group))
@@ -244,7 +227,7 @@ def run_sweep(args, device, copy_bw):
             if not err < 5e-3:  # NaN-safe: a wrong config is never a candidate
                 print(f"  {cfg}: WRONG, relative error {err:.3g}", flush=True)
                 continue
-            fn = _rotating(lambda w, s, c=cfg: gemm.fp8_gemm(pair, w, s, weight_block=group, out=out, config=c), ws)
+            fn = harness.rotating(lambda w, s, c=cfg: gemm.fp8_gemm(pair, w, s, weight_block=group, out=out, config=c), ws)
             try:
                 results.append((_time(fn, args), cfg))
             except Exception as exc:  # noqa: BLE001
@@ -286,8 +269,6 @@ def check_blockwise_views(device):
 
 def run(args):
     """Returns ``(meta, records)``."""
-    from fp8chain.bench.harness import bench_meta, copy_bandwidth, progress
-
     device = torch.device("cuda")
     if args.table_from:
         gemm.load_table(args.table_from)
@@ -298,8 +279,8 @@ def run(args):
         return {}, []
     if args.precompile:
         _precompile(args)
-    meta = bench_meta()
-    copy_bw = copy_bandwidth(device)
+    meta = harness.bench_meta()
+    copy_bw = harness.copy_bandwidth(device)
     meta["copy_bandwidth_Bps"] = copy_bw
     meta["copy_bandwidth_TBps"] = copy_bw / 1e12
     if args.sweep:
@@ -315,10 +296,10 @@ def run(args):
     records = []
     points = [(name, m) for name in shapes for m in _ms(args)]
     weights_key, w32, w128 = None, None, None
-    for name, m in progress(points, desc="gemm"):
+    for name, m in harness.progress(points, desc="gemm"):
         n, k = SHAPES[name]
         if weights_key != name:
-            copies = _copies(n, k)
+            copies = harness.copies_past_l2(n * k)
             w32 = _weights(n, k, 32, device, copies)
             w128 = _weights(n, k, 128, device, copies)
             derived = [blockwise.derive_weight_tensors(w, s, 128) if blockwise else None for w, s in w128]
@@ -328,11 +309,11 @@ def run(args):
         pair128 = quant.quantize(x, G128)
         out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
         rec = dict(shape=name, n=n, k=k, m=m)
-        rec["pair_us"] = _time(_rotating(lambda w, s: gemm.fp8_gemm(pair32, w, s, weight_block=32, out=out), w32), args)
-        rec["bf16_quant_us"] = _time(_rotating(
+        rec["pair_us"] = _time(harness.rotating(lambda w, s: gemm.fp8_gemm(pair32, w, s, weight_block=32, out=out), w32), args)
+        rec["bf16_quant_us"] = _time(harness.rotating(
             lambda w, s: gemm.fp8_gemm(x, w, s, weight_block=32, fmt=G32, out=out), w32), args)
-        rec["w8a16_us"] = _time(_rotating(lambda w, s: gemm.w8a16_gemm(x, w, s, weight_block=32, out=out), w32), args)
-        rec["triton_g128_us"] = _time(_rotating(
+        rec["w8a16_us"] = _time(harness.rotating(lambda w, s: gemm.w8a16_gemm(x, w, s, weight_block=32, out=out), w32), args)
+        rec["triton_g128_us"] = _time(harness.rotating(
             lambda w, s: gemm.fp8_gemm(pair128, w, s, weight_block=128, out=out), w128), args)
         if blockwise is not None:
             # K/128 % 4 != 0: torch 2.11 takes only a layout cuBLAS reads differently (wrong
@@ -340,7 +321,7 @@ def run(args):
             reason = blockwise.rejection(G128, 128, n, k)
             view = None if reason is None else "contig"
             items = [(w, s, d) for (w, s), d in zip(w128, derived)]
-            rec["cublas_g128_us"] = _time(_rotating(
+            rec["cublas_g128_us"] = _time(harness.rotating(
                 lambda w, s, d: blockwise.gemm(pair128, w, s, d, out=out, _force_view=view), items), args)
             rec["cublas_valid"] = reason is None
         else:
@@ -361,22 +342,20 @@ COLUMNS = ["shape", "m", "pair_us", "bf16_quant_us", "w8a16_us", "cublas_g128_us
 
 def report(meta, records, results_dir=None) -> str:
     """Save JSON (+ PNG for the timing run) under ``results_dir``; return the markdown table."""
-    from fp8chain.bench.harness import markdown_table, plot_records, save_results
-
     if meta.get("sweep"):
-        path = save_results("gemm_sweep", meta, records, results_dir)
+        path = harness.save_results("gemm_sweep", meta, records, results_dir)
         rows = [dict(shape=r["shape"], group=r["group"], m=r["m"], best_us=r["best_us"],
                      best=str(tuple(r["best"])), current_us=r["current_us"], floor_us=r["floor_us"])
                 for r in records]
-        return f"{path}\n" + markdown_table(rows, ["shape", "group", "m", "best_us", "best", "current_us", "floor_us"])
-    path = save_results("gemm", meta, records, results_dir)
+        return f"{path}\n" + harness.markdown_table(rows, ["shape", "group", "m", "best_us", "best", "current_us", "floor_us"])
+    path = harness.save_results("gemm", meta, records, results_dir)
     try:
-        plot_records("gemm", records, "m", ["pair_us", "bf16_quant_us", "w8a16_us", "cublas_g128_us",
+        harness.plot_records("gemm", records, "m", ["pair_us", "bf16_quant_us", "w8a16_us", "cublas_g128_us",
                                              "triton_g128_us", "floor_us"], "us per call", group="shape",
                      results_dir=results_dir)
     except Exception as exc:  # noqa: BLE001 - a plot is not worth failing the run
         print(f"plot skipped: {exc}")
-    return f"{path}\n" + markdown_table(records, COLUMNS + ["cublas_valid"])
+    return f"{path}\n" + harness.markdown_table(records, COLUMNS + ["cublas_valid"])
 
 
 def main(argv=None):
@@ -391,10 +370,8 @@ def main(argv=None):
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     if args.no_save:
-        from fp8chain.bench.harness import markdown_table
-
         if not args.sweep:
-            print(markdown_table(records, COLUMNS))
+            print(harness.markdown_table(records, COLUMNS))
         return
     print(report(meta, records))
 

@@ -18,8 +18,8 @@ importable. For each producer and T, four timings in one process (CUDA-graph rep
   reference, which is a specification, not a competitor.
 
 ``--sweep-wo-a`` instead times candidate launch configs of the FP8-emitting ``wo_a_einsum`` (G=8
-and G=2, the given T) against the table's choice, with the weights rotating through copies that
-exceed L2, and writes ``producers_wo_a_sweep.json`` (the source of ``einsum._launch_config``).
+and G=2, the given T) against the table's choice, with the weights rotating through copies past
+L2 (``harness.copies_past_l2``), and writes ``producers_wo_a_sweep.json`` (the source of ``einsum._launch_config``).
 
 Next to each figure: the bytes-moved floor of each arm (bytes / copy bandwidth measured in the
 same run), and the ratios fp8/bf16-only and fp8/(bf16+quant). ``fp8_launches`` counts kernel
@@ -169,9 +169,6 @@ class Case:
         self.bytes_bf16_quant = self.bytes_bf16 + bf16_out + fp8_out
 
 
-L2_DEFEAT_BYTES = 192 << 20  # weight copies per wo_a case: every call streams its weights from HBM
-
-
 def wo_a_candidates(rows: int) -> list[dict]:
     """Decode tile configs for ``wo_a_einsum``: 16-row (mma.sync) or 64-row (wgmma) M tiles, one or
     two 32-column scale groups per N tile, and pipelines that fit the H200's shared memory."""
@@ -195,21 +192,17 @@ def run_wo_a_sweep(args) -> tuple[dict, list[dict]]:
     cases = [(g, t) for g in (8, 2) for t in (QUICK_ROWS if args.quick else args.rows) if t <= 64]
     for g, rows in harness.progress(cases, "wo_a configs"):
         r, d = 1024, 4096
-        copies = max(1, -(-L2_DEFEAT_BYTES // (g * r * d * 2)))
-        weights = [(torch.randn(g, r, d, device=DEVICE) / d ** 0.5).bfloat16() for _ in range(copies)]
+        weights = [((torch.randn(g, r, d, device=DEVICE) / d ** 0.5).bfloat16(),)
+                   for _ in range(harness.copies_past_l2(g * r * d * 2))]
         o = torch.randn(rows, g, d, device=DEVICE).bfloat16()
         pair = empty_pair(rows, g * r, fmt, DEVICE)
-        turn = {"i": 0}
-
-        def call(config):
-            turn["i"] += 1
-            return einsum.wo_a_einsum(o, weights[turn["i"] % copies], out_format=fmt, out=pair,
-                                      return_bf16=False, config=config)
 
         floor_us = (g * r * d * 2 + rows * g * d * 2) / (meta["copy_bandwidth_TBps"] * 1e12) * 1e6
         for config in [None] + wo_a_candidates(rows):
             try:
-                us = harness.graph_time_us(lambda: call(config), iters=args.iters, repeats=3)
+                call = harness.rotating(lambda w, c=config: einsum.wo_a_einsum(
+                    o, w, out_format=fmt, out=pair, return_bf16=False, config=c), weights)
+                us = harness.graph_time_us(call, iters=args.iters, repeats=3)
             except Exception as exc:  # a config that does not compile or launch is skipped
                 print(f"skip G={g} T={rows} {config}: {type(exc).__name__}: {str(exc)[:120]}")
                 continue

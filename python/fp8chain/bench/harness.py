@@ -14,7 +14,6 @@ import json
 import os
 import statistics
 import subprocess
-from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -54,6 +53,28 @@ def graph_time_us(fn: Callable[[], object], iters: int = 100, repeats: int = 7) 
         samples.append(start.elapsed_time(end) * 1e3 / iters)
     del graph
     return statistics.median(samples)
+
+
+L2_DEFEAT_BYTES = 160 << 20  # weight copies that a benchmark rotates through add up to this
+
+
+def copies_past_l2(nbytes: int, most: int = 8) -> int:
+    """How many copies of an ``nbytes`` weight to rotate through so that every call streams its
+    weights from HBM rather than L2 (at most ``most``)."""
+    return max(1, min(most, -(-L2_DEFEAT_BYTES // nbytes)))
+
+
+def rotating(fn: Callable[..., object], items: list[tuple]) -> Callable[[], object]:
+    """A no-argument call that runs ``fn(*items[i])`` for i = 0, 1, 2, ... in turn (with
+    ``copies_past_l2`` weight copies: each call reads weights the previous ones did not)."""
+    state = {"i": 0}
+
+    def call():
+        item = items[state["i"] % len(items)]
+        state["i"] += 1
+        return fn(*item)
+
+    return call
 
 
 def copy_time_us(moved_bytes: int, device=None, iters: int = 100) -> float:

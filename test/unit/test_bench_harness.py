@@ -1,0 +1,22 @@
+"""The benchmark harness's weight rotation: enough copies to stream past L2, taken in turn."""
+
+import pytest
+
+from fp8chain.bench import harness
+
+pytestmark = pytest.mark.cpu
+
+
+def test_copies_past_l2():
+    """Copies add up to at least L2_DEFEAT_BYTES, capped at ``most``, never fewer than one."""
+    assert harness.copies_past_l2(64 << 20) == 3  # wo_a G=8: 3 x 64 MiB
+    assert harness.copies_past_l2(9 << 20) == 8  # small weights: the cap
+    assert harness.copies_past_l2(9 << 20, most=32) == 18
+    assert harness.copies_past_l2(1 << 30) == 1
+
+
+def test_rotating_calls_each_item_in_turn():
+    seen = []
+    call = harness.rotating(lambda a, b: seen.append((a, b)) or a + b, [(1, 2), (3, 4), (5, 6)])
+    assert [call() for _ in range(4)] == [3, 7, 11, 3]
+    assert seen == [(1, 2), (3, 4), (5, 6), (1, 2)]
