@@ -217,6 +217,16 @@ class CompiledPeer:
         return reference.mhc_mega_boundary(y, residual, pre, post, comb, layer.attn_norm.weight, c.rms_norm_eps)
 
 
+ARMS = (("chained", True), ("unchained", False))
+
+
+def _time_arms(unit: LayerUnit, record: dict, variant: str, iters: int) -> None:
+    """``record["{arm}{variant}_us"]`` for both arms of ``unit`` as the layer is now configured."""
+    for arm, on in ARMS:
+        unit.set_chain(on)
+        record[f"{arm}{variant}_us"] = harness.graph_time_us(unit.step, iters=iters, repeats=5)
+
+
 def run(args) -> tuple[dict, list[dict]]:
     if not torch.cuda.is_available():
         raise SystemExit("benchmark layer needs a CUDA GPU (run `fp8chain demo` / the tests on CPU)")
@@ -244,7 +254,7 @@ def run(args) -> tuple[dict, list[dict]]:
         unit = LayerUnit(layer, config, rows, args.context, "cuda", prefill=is_prefill)
         record = {"shapes": shapes, "M": rows, "phase": "prefill" if is_prefill else "decode"}
         with torch.no_grad():
-            for arm, on in (("chained", True), ("unchained", False)):
+            for arm, on in ARMS:
                 unit.set_chain(on)
                 record[f"{arm}_us"] = harness.graph_time_us(unit.step, iters=args.iters, repeats=5)
                 kernels = harness.kernel_profile(unit.step)
@@ -253,14 +263,10 @@ def run(args) -> tuple[dict, list[dict]]:
                 record[f"{arm}_quantize_launches"] = harness.quantize_launches(launches)
                 record[f"{arm}_kernels"] = kernels
             layer.overlap_stats = False  # both steps again with the mHC stats in line
-            for arm, on in (("chained", True), ("unchained", False)):
-                unit.set_chain(on)
-                record[f"{arm}_serial_stats_us"] = harness.graph_time_us(unit.step, iters=args.iters, repeats=5)
+            _time_arms(unit, record, "_serial_stats", args.iters)
             layer.overlap_stats = True
             with precomputed_stats(layer, unit.residual):
-                for arm, on in (("chained", True), ("unchained", False)):
-                    unit.set_chain(on)
-                    record[f"{arm}_no_stats_us"] = harness.graph_time_us(unit.step, iters=args.iters, repeats=5)
+                _time_arms(unit, record, "_no_stats", args.iters)
             unit.set_chain(True)
             if peer is not None:
                 inputs = (unit.residual, unit.x, unit.positions, unit.slots, unit.kv_cache)
@@ -272,9 +278,9 @@ def run(args) -> tuple[dict, list[dict]]:
                     print(f"compiled peer failed at {shapes} M={rows}: {record['compiled_peer_error']}",
                           file=sys.stderr)
         record["floor_us"] = weight_bytes(layer) / bandwidth * 1e6
-        record["chained_over_unchained"] = record["chained_us"] / record["unchained_us"]
-        record["serial_chained_over_unchained"] = record["chained_serial_stats_us"] / record["unchained_serial_stats_us"]
-        record["no_stats_chained_over_unchained"] = record["chained_no_stats_us"] / record["unchained_no_stats_us"]
+        for variant, ratio in (("", "chained_over_unchained"), ("_serial_stats", "serial_chained_over_unchained"),
+                               ("_no_stats", "no_stats_chained_over_unchained")):
+            record[ratio] = record[f"chained{variant}_us"] / record[f"unchained{variant}_us"]
         if record.get("compiled_peer_us"):
             record["chained_over_peer"] = record["chained_us"] / record["compiled_peer_us"]
         record["chained_over_floor"] = record["chained_us"] / record["floor_us"]
@@ -282,9 +288,10 @@ def run(args) -> tuple[dict, list[dict]]:
     return meta, records
 
 
-COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "chained_serial_stats_us", "unchained_serial_stats_us",
-           "chained_no_stats_us", "unchained_no_stats_us", "compiled_peer_us", "floor_us", "chained_over_unchained",
-           "serial_chained_over_unchained", "no_stats_chained_over_unchained", "chained_over_peer", "chained_over_floor", "chained_launches",
+COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "chained_serial_stats_us",
+           "unchained_serial_stats_us", "chained_no_stats_us", "unchained_no_stats_us", "compiled_peer_us",
+           "floor_us", "chained_over_unchained", "serial_chained_over_unchained",
+           "no_stats_chained_over_unchained", "chained_over_peer", "chained_over_floor", "chained_launches",
            "unchained_launches", "chained_quantize_launches", "unchained_quantize_launches"]
 
 
