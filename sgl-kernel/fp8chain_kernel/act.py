@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation
-from .fp8_tile import round_bf16, store_pair_tile
+from .fp8_tile import fp8_offsets, round_bf16, store_pair_tile
 from .norm import check_tensor, launch_args, producer_result, resolve_outputs
 
 __all__ = ["silu_mul"]
@@ -48,7 +48,7 @@ def _silu_mul_kernel(gu_ptr, y_ptr, data_ptr, scale_ptr, M, I, limit,
     if STORE_BF16:
         tl.store(y_ptr + rows * stride_ym + offs_n[None, :], yb, mask=mask)
     if QUANT:
-        store_pair_tile(data_ptr + rows * stride_dm + offs_n[None, :], scale_ptr, yb.to(tl.float32), mask,
+        store_pair_tile(data_ptr + fp8_offsets(rows, stride_dm, offs_n), scale_ptr, yb.to(tl.float32), mask,
                         offs_m, tl.program_id(0) * (BLOCK_N // GROUP), M, tl.cdiv(I, GROUP), stride_sm,
                         stride_sg, BLOCK_M, BLOCK_N, GROUP, POW2, PACKED, EXACT_CAST)
 

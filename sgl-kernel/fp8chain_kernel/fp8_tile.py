@@ -154,6 +154,16 @@ def store_scale_tile(scale_ptr, scale, offs_m, group0, M, num_groups, stride_sm,
 
 
 @triton.jit
+def fp8_offsets(rows, stride, cols):
+    """Offsets ``rows[:, None] * stride + cols[None, :]`` of a tile's FP8 data, declared
+    8-contiguous: 8 bytes per thread, as many elements as the 16-byte bf16 loads and stores of the
+    same tile. With 16 the compiler gives the FP8 store its own layout and shuffles the tile (or
+    the RMSNorm weight) through shared memory to reach it: 16 KiB for a 5120-wide row. The hint
+    is set here, on the op that computes the offsets: a hint on a function argument is lost."""
+    return tl.max_contiguous(rows * stride + cols[None, :], [1, 8])
+
+
+@triton.jit
 def store_pair_tile(data_ptrs, scale_ptr, y, mask, offs_m, group0, M, num_groups, stride_sm, stride_sg,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, POW2: tl.constexpr,
                     PACKED: tl.constexpr, EXACT_CAST: tl.constexpr):

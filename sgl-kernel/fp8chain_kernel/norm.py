@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation
-from .fp8_tile import format_constexprs, interpreting, round_bf16, store_pair_tile
+from .fp8_tile import format_constexprs, fp8_offsets, interpreting, round_bf16, store_pair_tile
 from .quant import prepare_out
 
 __all__ = ["rms_norm"]
@@ -147,7 +147,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, H, ep
     if STORE_BF16:
         tl.store(y_ptr + rows * stride_ym + offs_h[None, :], yb, mask=mask)
     if QUANT:
-        store_pair_tile(data_ptr + rows * stride_dm + offs_h[None, :], scale_ptr, yb.to(tl.float32), mask,
+        store_pair_tile(data_ptr + fp8_offsets(rows, stride_dm, offs_h), scale_ptr, yb.to(tl.float32), mask,
                         offs_m, 0, M, tl.cdiv(H, GROUP), stride_sm, stride_sg,
                         BLOCK_M, BLOCK_H, GROUP, POW2, PACKED, EXACT_CAST)
 

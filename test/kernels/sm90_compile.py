@@ -7,7 +7,7 @@ sm_90 with Triton's own ptxas, and prints ``kernel REG:.. STACK:.. LOCAL:..`` pe
 compile error exits non-zero. It catches what the CPU interpreter accepts but the compiler
 rejects (branch-local shapes, dot shapes, layouts) and register spills (STACK/LOCAL > 0).
 Kernels whose launch configuration depends on the GPU they run on (the mHC boundary) are
-listed with their GPU configuration explicitly.
+called with the H200's configuration patched in.
 """
 
 import os
@@ -96,32 +96,31 @@ def record_launches() -> None:
         attention.mqa_attention(q, cache, slots, positions, torch.zeros(64), 512 ** -0.5, cos, sin)
 
 
-def boundary_launches():
-    """The mHC boundary as configured on a GPU (one row per program): T = 1 (40 slices of 128
-    columns) and T = 2048 (whole 5120-column rows), H = 5120, writing the packed pair."""
-    strides = ("stride_yt", "stride_rt", "stride_rs", "stride_et", "stride_ek", "stride_pt", "stride_pk",
-               "stride_ct", "stride_ci", "stride_cj", "stride_ot", "stride_os", "stride_xt", "stride_qt",
-               "stride_sm", "stride_sg")
-    signature = dict(y_ptr="*bf16", r_ptr="*bf16", pre_ptr="*fp32", post_ptr="*fp32", comb_ptr="*fp32",
-                     w_ptr="*bf16", rout_ptr="*bf16", x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*i32",
-                     T="i32", H="i32", eps="fp32", **{name: "i32" for name in strides})
-    for slice_, block in ((128, 128), (5120, 1024)):
-        constexprs = dict(DO_POST=True, DO_NORM=True, STORE_X=True, QUANT=True, BM=1, SLICE=slice_,
-                          BLOCK=block, BLOCK1=1024, CHUNKS1=5, GROUP=32, POW2=True, PACKED=True,
-                          EXACT_CAST=False)
-        yield mhc._boundary_kernel, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs, \
-            {"num_warps": 4, "enable_fp_fusion": False}, \
-            {(i,): [["tt.divisibility", 16]] for i, name in enumerate(mhc._boundary_kernel.arg_names)
-             if signature.get(name, "").startswith("*")}
+def record_boundary_launches() -> None:
+    """The mHC boundary as configured on an H200 (132 SMs, one row per program): T = 1 (slices of
+    128 columns), 16 and 2048 (whole 5120-column rows), writing x and the packed pair."""
+    gpu_config = dict(_target_programs=lambda device: 2 * 132, _max_rows_per_program=lambda device: 1)
+    saved = {name: getattr(mhc, name) for name in gpu_config}
+    for name, value in gpu_config.items():
+        setattr(mhc, name, value)
+    try:
+        for rows in (1, 16, 2048):
+            mixes = torch.rand(rows, 4), torch.rand(rows, 4), torch.rand(rows, 4, 4)
+            mhc.mhc_mega_boundary(torch.randn(rows, 5120).bfloat16(), torch.randn(rows, 4, 5120).bfloat16(),
+                                  *mixes, torch.randn(5120).bfloat16(), 1e-6,
+                                  out_format=ActFormat.SM100_G32_UE8M0_PACKED_MN)
+    finally:
+        for name, value in saved.items():
+            setattr(mhc, name, value)
 
 
 def main() -> int:
     JITFunction.run = _record
     with torch.no_grad():
         record_launches()
+        record_boundary_launches()
     jobs = [(k, *_signature(k, a, kw), {o: kw[o] for o in OPTIONS if o in kw}, _divisibility(k, a, kw))
             for k, a, kw in launches]
-    jobs += list(boundary_launches())
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     target = GPUTarget("cuda", 90, 32)
     for kernel, signature, constexprs, options, attrs in jobs:
