@@ -1,7 +1,7 @@
 """Triton device functions every FP8 producer shares: quantize a tile, store its scales.
 
 These are the Triton twin of ``reference.quantize_groups`` (same amax, same exponent bit
-arithmetic, same two fp32 divisions, same clamp), so any kernel that calls ``quantize_tile`` on
+arithmetic, same two fp32 divisions, the clamp as the conversion's saturation), so any kernel that calls ``quantize_tile`` on
 its bf16-rounded output writes bytes and scales equal to ``reference.quantize`` of that output.
 
 fp32 -> e4m3: compiled for a GPU, the native conversion (``cvt.rn.satfinite``) is used. The Triton
@@ -96,7 +96,10 @@ def quantize_tile(y, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.con
     """
     grouped = tl.reshape(y, (BLOCK_M, BLOCK_K // GROUP, GROUP))
     mag = tl.abs(grouped)
-    mag = tl.where(mag == mag, mag, 0.0)  # NaN is ignored by amax and kept in the data
+    if EXACT_CAST:
+        # NaN is ignored by amax and kept in the data. Compiled, tl.max lowers to max.f32, which
+        # already returns the non-NaN operand; the interpreter's numpy max propagates NaN.
+        mag = tl.where(mag == mag, mag, 0.0)
     amax = tl.maximum(tl.max(mag, axis=2), 1e-4)
     if POW2:
         bits = amax.to(tl.int32, bitcast=True)
@@ -109,8 +112,8 @@ def quantize_tile(y, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.con
         # fp32 quotient (53 >= 2 * 24 + 2), and keeps the multiply below in fp32.
         scale = tl.math.div_rn(amax, fp8_max).to(tl.float32)
         multiplier = tl.math.div_rn(fp8_max, amax).to(tl.float32)
+    # The reference's clamp to +-448 is the saturation of cast_to_e4m3 (both paths).
     scaled = grouped * tl.expand_dims(multiplier, 2)
-    scaled = tl.clamp(scaled, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     data = cast_to_e4m3(tl.reshape(scaled, (BLOCK_M, BLOCK_K)), EXACT_CAST)
     return data, scale
 
