@@ -123,97 +123,41 @@ def launch_args(fmt, pair, y, dummy: torch.Tensor) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _load_h(x_ptr, res_ptr, rows, offs_h, mask, stride_xm, stride_rm,
-            HAS_RESIDUAL: tl.constexpr, WRITE_RESIDUAL: tl.constexpr, EXACT_CAST: tl.constexpr):
-    """fp32 ``h`` of a tile: ``x``, or ``bf16(x + residual)`` (stored back into ``residual`` when
-    ``WRITE_RESIDUAL``)."""
-    h = tl.load(x_ptr + rows * stride_xm + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r_ptrs = res_ptr + rows * stride_rm + offs_h[None, :]
-        hb = round_bf16(h + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32), EXACT_CAST)
-        if WRITE_RESIDUAL:
-            tl.store(r_ptrs, hb, mask=mask)
-        h = hb.to(tl.float32)
-    return h
-
-
-@triton.jit
-def _store_normed(h, rstd, w_ptr, y_ptr, data_ptr, scale_ptr, rows, offs_m, col0, offs_h, mask, M, H,
-                  stride_ym, stride_dm, stride_sm, stride_sg,
-                  STORE_BF16: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, POW2: tl.constexpr,
-                  PACKED: tl.constexpr, EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
-    """``y = bf16(h * rstd * weight)`` of a tile (columns ``offs_h``, the first ``col0``); its
-    bf16 store and/or FP8 pair."""
-    if BLOCK_M == 1:
-        w = tl.load(w_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)[None, :]
-    else:
-        # Loaded per row, in the tile's own layout: a [BLOCK_H] vector spread over warps that
-        # hold rows would be shuffled through shared memory (the row loads hit L1).
-        w_ptrs = tl.broadcast_to(w_ptr + offs_h[None, :], (BLOCK_M, BLOCK_H))
-        w = tl.load(w_ptrs, mask=(offs_h < H)[None, :], other=0.0).to(tl.float32)
-    yb = round_bf16(h * rstd[:, None] * w, EXACT_CAST)
-    if STORE_BF16:
-        tl.store(y_ptr + rows * stride_ym + offs_h[None, :], yb, mask=mask)
-    if QUANT:
-        store_pair_tile(data_ptr + fp8_offsets(rows, stride_dm, offs_h), scale_ptr, yb.to(tl.float32), mask,
-                        offs_m, col0 // GROUP, M, tl.cdiv(H, GROUP), stride_sm, stride_sg,
-                        BLOCK_M, BLOCK_H, GROUP, POW2, PACKED, EXACT_CAST)
-
-
-@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, H, eps,
                      stride_xm, stride_rm, stride_ym, stride_dm, stride_sm, stride_sg,
                      HAS_RESIDUAL: tl.constexpr, STORE_BF16: tl.constexpr, QUANT: tl.constexpr,
                      GROUP: tl.constexpr, POW2: tl.constexpr, PACKED: tl.constexpr,
-                     EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-                     CHUNKS: tl.constexpr):
-    # One program normalises BLOCK_M whole rows: held in registers as one tile when CHUNKS == 1
-    # (BLOCK_H >= H), else read twice in CHUNKS tiles of BLOCK_H columns (sum of squares, then
-    # the outputs), which wastes no lanes on a power-of-two padding of H.
+                     EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    # One program normalises BLOCK_M whole rows held in registers (BLOCK_H >= H).
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = offs_m.to(tl.int64)[:, None]
-    m_ok = offs_m[:, None] < M
     offs_h = tl.arange(0, BLOCK_H)
-    if CHUNKS == 1:
-        mask = m_ok & (offs_h[None, :] < H)
-        h = _load_h(x_ptr, res_ptr, rows, offs_h, mask, stride_xm, stride_rm, HAS_RESIDUAL, True, EXACT_CAST)
-        rstd = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=1) / H + eps)
-        _store_normed(h, rstd, w_ptr, y_ptr, data_ptr, scale_ptr, rows, offs_m, 0, offs_h, mask, M, H,
-                      stride_ym, stride_dm, stride_sm, stride_sg, STORE_BF16, QUANT, GROUP, POW2, PACKED,
-                      EXACT_CAST, BLOCK_M, BLOCK_H)
-    else:
-        squares = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)
-        for c in tl.static_range(CHUNKS):
-            cols = c * BLOCK_H + offs_h
-            h = _load_h(x_ptr, res_ptr, rows, cols, m_ok & (cols[None, :] < H), stride_xm, stride_rm,
-                        HAS_RESIDUAL, False, EXACT_CAST)
-            squares += h * h
-        rstd = 1.0 / tl.sqrt_rn(tl.sum(squares, axis=1) / H + eps)
-        for c in tl.static_range(CHUNKS):
-            cols = c * BLOCK_H + offs_h
-            mask = m_ok & (cols[None, :] < H)
-            h = _load_h(x_ptr, res_ptr, rows, cols, mask, stride_xm, stride_rm, HAS_RESIDUAL, True, EXACT_CAST)
-            _store_normed(h, rstd, w_ptr, y_ptr, data_ptr, scale_ptr, rows, offs_m, c * BLOCK_H, cols, mask, M, H,
-                          stride_ym, stride_dm, stride_sm, stride_sg, STORE_BF16, QUANT, GROUP, POW2, PACKED,
-                          EXACT_CAST, BLOCK_M, BLOCK_H)
+    rows = offs_m.to(tl.int64)[:, None]
+    mask = (offs_m[:, None] < M) & (offs_h[None, :] < H)
+    h = tl.load(x_ptr + rows * stride_xm + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r_ptrs = res_ptr + rows * stride_rm + offs_h[None, :]
+        r = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        hb = round_bf16(h + r, EXACT_CAST)
+        tl.store(r_ptrs, hb, mask=mask)
+        h = hb.to(tl.float32)
+    mean_sq = tl.sum(h * h, axis=1) / H
+    rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
+    w = tl.load(w_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
+    yb = round_bf16(h * rstd[:, None] * w[None, :], EXACT_CAST)
+    if STORE_BF16:
+        tl.store(y_ptr + rows * stride_ym + offs_h[None, :], yb, mask=mask)
+    if QUANT:
+        store_pair_tile(data_ptr + fp8_offsets(rows, stride_dm, offs_h), scale_ptr, yb.to(tl.float32), mask,
+                        offs_m, 0, M, tl.cdiv(H, GROUP), stride_sm, stride_sg,
+                        BLOCK_M, BLOCK_H, GROUP, POW2, PACKED, EXACT_CAST)
 
 
-CHUNKED_MIN_ROWS = 256  # from here on many rows keep the GPU busy and padding lanes cost issue slots
-
-
-def _launch_config(rows: int, cols: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_H, CHUNKS, num_warps). Whole rows per program, ~16 fp32 values per thread;
-    from CHUNKED_MIN_ROWS rows on, a width that is not a power of two is walked in chunks of the
-    largest power of two (128..1024) dividing it. Independent of the output format, so the
-    bf16-only and FP8 variants reduce in the same order."""
-    chunk = next((b for b in (1024, 512, 256, 128) if cols % b == 0), None)
-    if rows >= CHUNKED_MIN_ROWS and chunk is not None and chunk < cols and cols & (cols - 1):
-        block_m = max(1, 1024 // chunk)
-        return block_m, chunk, cols // chunk, 4
+def _launch_config(rows: int, cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_H, num_warps): whole rows per program, ~16 fp32 values per thread."""
     block_h = max(128, triton.next_power_of_2(cols))
     block_m = max(1, min(triton.next_power_of_2(rows), 2048 // block_h))
     num_warps = max(4, min(16, block_m * block_h // 512))
-    return block_m, block_h, 1, num_warps
+    return block_m, block_h, num_warps
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,
@@ -240,12 +184,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
     if rows == 0 or cols == 0:
         return producer_result(y, pair)
     a = launch_args(fmt, pair, y, x)
-    block_m, block_h, chunks, num_warps = _launch_config(rows, cols)
+    block_m, block_h, num_warps = _launch_config(rows, cols)
     res = residual if residual is not None else x
     _rms_norm_kernel[(triton.cdiv(rows, block_m),)](
         x, res, weight, a["y"], a["data"], a["scale"], rows, cols, float(eps),
         x.stride(0), res.stride(0), a["y_stride"], *a["strides"],
         HAS_RESIDUAL=residual is not None, STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"],
-        BLOCK_M=block_m, BLOCK_H=block_h, CHUNKS=chunks, num_warps=num_warps, **a["consts"],
+        BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps, **a["consts"],
     )
     return producer_result(y, pair)

@@ -81,18 +81,6 @@ def test_rms_norm_cpu_ragged_width(cols, device):
         check_rms_norm(5, cols, fmt, device, residual=True)
 
 
-@pytest.mark.cpu
-@pytest.mark.parametrize("cols", [640, 384])
-def test_rms_norm_cpu_chunked(cols, device):
-    """Many rows of a width that is not a power of two: the kernel walks the row in chunks
-    (sum of squares, then the outputs) instead of one padded tile."""
-    rows = norm.CHUNKED_MIN_ROWS + 3
-    block_m, block_h, chunks, _ = norm._launch_config(rows, cols)
-    assert chunks > 1 and block_h * chunks == cols
-    for fmt in (ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN):
-        check_rms_norm(rows, cols, fmt, device, residual=fmt is ActFormat.SM90_G32_FP32_MN)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", GPU_T)
 @pytest.mark.parametrize("cols", [5120, 1280])
