@@ -4,6 +4,7 @@ import pytest
 import torch
 import triton
 
+from fp8chain_kernel import attention
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.attention import _split_tile, _splits, key_splits, mqa_attention, rope_qkv
 
@@ -115,6 +116,14 @@ def test_key_splits_are_merged():
     assert _splits(1, 1, triton.cdiv(256, 16)) > 1
     positions = torch.tensor([3, 255])  # the first token's later splits see no key at all
     _check_attention(_problem(2, 4, 128, 256, 2, "cpu", positions=positions))
+
+
+@pytest.mark.cpu
+def test_more_key_splits_than_the_merge_loads_at_once():
+    """10 key splits: the merge walks them in groups of _MERGE_UNROLL, the last group partly past
+    the last split; the second token's later splits see no key."""
+    assert key_splits(2, 4, 1280) == 10 and 10 % attention._MERGE_UNROLL
+    _check_attention(_problem(2, 4, 128, 1280, 2, "cpu", positions=torch.tensor([1279, 600])))
 
 
 @pytest.mark.cpu
