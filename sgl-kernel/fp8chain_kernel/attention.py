@@ -51,10 +51,15 @@ _SPLIT_TILES = ((256 * 64, (64, 32)), (1024, (32, 64)), (0, (_BLOCK_H, _BLOCK_L)
 # column pairs per merge program: few (token, head block)s -> narrow one-warp programs that still
 # fill the GPU; once those alone fill the SMs, wider four-warp programs read longer rows
 _MERGE_PAIRS = (16, 64)
-_MERGE_UNROLL = 4  # key splits whose partials a merge program loads at once
 _SMS = 132  # H200
-_TARGET_PROGRAMS = 2 * _SMS  # key splits aim at ~2 waves
-_MIN_STEPS_PER_SPLIT = 2  # a split reads >= 128 keys: fewer, larger fp32 partials to merge
+# Key splits aim at one wave of split programs (two for the 64-head tile: one 250-register
+# program per SM), at most _MAX_SPLITS per (token, head block), each reading >= 2 steps of keys:
+# more splits write and merge more fp32 partials than their extra programs gain (H200 sweep,
+# docs/benchmarks.md).
+_TARGET_PROGRAMS = _SMS
+_WIDE_TILE_WAVES = 2
+_MAX_SPLITS = 16
+_MIN_STEPS_PER_SPLIT = 2
 
 
 @triton.jit
@@ -213,7 +218,7 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
 
 @triton.jit
 def _mqa_merge_kernel(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, pos_ptr, o_ptr, NH, D,
-                      stride_ot, stride_oh, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, UNROLL: tl.constexpr, HALF: tl.constexpr,
+                      stride_ot, stride_oh, SPLITS: tl.constexpr, HALF: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_PAIRS: tl.constexpr, EXACT_CAST: tl.constexpr):
     # Program (t, head block, column chunk): BLOCK_PAIRS column pairs (2i, 2i+1) of BLOCK_H heads.
     # Pairs in the RoPE'd tail are rotated back; the others rotate by angle 0 (cos 1, sin 0).
@@ -222,39 +227,35 @@ def _mqa_merge_kernel(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, pos_p
     even_d = 2 * (tl.program_id(2) * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS))
     h_ok = offs_h < NH
     mask = h_ok[:, None] & (even_d < D)[None, :]
-    # Loads are issued together: the split maxima as one [splits, heads] tile, then the partials
-    # _MERGE_UNROLL splits at a time (a rolled loop waits out one L2 round trip per split; a
-    # fully unrolled one spills from 9 splits on). Summed in split order, as the reference does.
     sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
-    offs_s = tl.arange(0, SPLITS_P2)
-    maxima = part_ml_ptr + ((t * SPLITS + offs_s).to(tl.int64)[:, None] * NH + offs_h[None, :]) * 2
-    peak = tl.maximum(sink, tl.max(tl.load(maxima, mask=(offs_s < SPLITS)[:, None] & h_ok[None, :],
-                                           other=float("-inf")), axis=0))
+    peak = sink
+    for split in range(SPLITS):
+        base = (t * SPLITS + split).to(tl.int64) * NH
+        peak = tl.maximum(peak, tl.load(part_ml_ptr + (base + offs_h) * 2, mask=h_ok, other=float("-inf")))
     denom = tl.exp(sink - peak)
     even = tl.zeros((BLOCK_H, BLOCK_PAIRS), tl.float32)
     odd = tl.zeros((BLOCK_H, BLOCK_PAIRS), tl.float32)
-    for first in range(0, SPLITS, UNROLL):
-        for i in tl.static_range(UNROLL):
-            split = first + i
-            real = split < SPLITS  # past the last split: loads masked, weight 0, nothing added
-            base = (t * SPLITS + split).to(tl.int64) * NH
-            m_s = tl.load(part_ml_ptr + (base + offs_h) * 2, mask=h_ok & real, other=float("-inf"))
-            l_s = tl.load(part_ml_ptr + (base + offs_h) * 2 + 1, mask=h_ok & real, other=0.0)
-            weight = tl.exp(m_s - peak)  # 0 for a split that saw no key (m_s = -inf)
-            denom += l_s * weight
-            part = part_o_ptr + (base + offs_h[:, None]) * D + even_d[None, :]
-            even += tl.load(part, mask=mask & real, other=0.0) * weight[:, None]
-            odd += tl.load(part + 1, mask=mask & real, other=0.0) * weight[:, None]
+    for split in range(SPLITS):
+        base = (t * SPLITS + split).to(tl.int64) * NH
+        m_s = tl.load(part_ml_ptr + (base + offs_h) * 2, mask=h_ok, other=float("-inf"))
+        l_s = tl.load(part_ml_ptr + (base + offs_h) * 2 + 1, mask=h_ok, other=0.0)
+        weight = tl.exp(m_s - peak)  # 0 for a split that saw no key (m_s = -inf)
+        denom += l_s * weight
+        part = part_o_ptr + (base + offs_h[:, None]) * D + even_d[None, :]
+        even += tl.load(part, mask=mask, other=0.0) * weight[:, None]
+        odd += tl.load(part + 1, mask=mask, other=0.0) * weight[:, None]
     out = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + even_d[None, :]
     _store_rotated_back(out, even, odd, denom, cos_ptr, sin_ptr, tl.load(pos_ptr + t).to(tl.int64), even_d,
                         mask, D, HALF, EXACT_CAST)
 
 
-def _splits(tokens: int, head_blocks: int, key_steps: int) -> int:
-    """Key splits per (token, head block): enough programs for ~2 waves, each split at least
-    ``_MIN_STEPS_PER_SPLIT`` steps of keys (partials cost a write and a read each)."""
-    most = max(1, key_steps // _MIN_STEPS_PER_SPLIT)
-    return max(1, min(most, triton.cdiv(_TARGET_PROGRAMS, max(1, tokens * head_blocks))))
+def _splits(tokens: int, heads: int, block_h: int, key_steps: int) -> int:
+    """Key splits per (token, head block) for a tile of ``block_h`` heads: about
+    ``_TARGET_PROGRAMS`` programs in all (``_WIDE_TILE_WAVES`` times that for 64 heads), at most
+    ``_MAX_SPLITS``, each split at least ``_MIN_STEPS_PER_SPLIT`` steps of keys."""
+    target = _TARGET_PROGRAMS * (_WIDE_TILE_WAVES if block_h >= 64 else 1)
+    most = max(1, min(_MAX_SPLITS, key_steps // _MIN_STEPS_PER_SPLIT))
+    return max(1, min(most, triton.cdiv(target, max(1, tokens * triton.cdiv(heads, block_h)))))
 
 
 def _split_tile(tile: tuple[int, int] | None, tokens: int, heads: int, length: int) -> tuple[int, int]:
@@ -265,7 +266,7 @@ def _split_tile(tile: tuple[int, int] | None, tokens: int, heads: int, length: i
         for least, (block_h, block_l) in _SPLIT_TILES:
             # never more heads per program than there are heads: the rest would be masked
             if rows >= least and block_h <= max(heads, _BLOCK_H) and (
-                    block_h < 64 or _splits(tokens, triton.cdiv(heads, block_h), triton.cdiv(length, block_l)) > 1):
+                    block_h < 64 or _splits(tokens, heads, block_h, triton.cdiv(length, block_l)) > 1):
                 return block_h, block_l
     block_h, block_l = tile
     if any(v < 16 or v & (v - 1) for v in (block_h, block_l)):
@@ -277,7 +278,7 @@ def key_splits(tokens: int, heads: int, length: int, tile: tuple[int, int] | Non
     """How many split-kernel programs share one token's keys for a cache of ``length`` positions
     (1: the split kernel writes the output itself, no merge launch)."""
     block_h, block_l = _split_tile(tile, tokens, heads, length)
-    return _splits(tokens, triton.cdiv(heads, block_h), triton.cdiv(length, block_l))
+    return _splits(tokens, heads, block_h, triton.cdiv(length, block_l))
 
 
 def _check_tables(cos_table: torch.Tensor, sin_table: torch.Tensor, dim: int, device) -> int:
@@ -372,7 +373,7 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     length = kv_cache.shape[1]
     head_blocks = triton.cdiv(heads, block_h)
     key_steps = triton.cdiv(length, block_l)
-    splits = _splits(tokens, head_blocks, key_steps)
+    splits = _splits(tokens, heads, block_h, key_steps)
     steps = triton.cdiv(key_steps, splits)
     block_d = triton.next_power_of_2(dim)
     if splits == 1:  # the split kernel writes ``out`` itself: no partials, no merge launch
@@ -395,8 +396,7 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     pairs = _MERGE_PAIRS[wide]
     _mqa_merge_kernel[(tokens, merge_blocks, triton.cdiv(dim // 2, pairs))](
         part_o, part_ml, sink, cos_table, sin_table, positions, out, heads, dim, out.stride(0), out.stride(1),
-        SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), UNROLL=_MERGE_UNROLL, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_PAIRS=pairs,
-        EXACT_CAST=interpreting(),
+        SPLITS=splits, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_PAIRS=pairs, EXACT_CAST=interpreting(),
         num_warps=4 if wide else 1,
     )
     return out

@@ -2,11 +2,9 @@
 
 import pytest
 import torch
-import triton
 
-from fp8chain_kernel import attention
 from fp8chain_kernel import reference as ref
-from fp8chain_kernel.attention import _split_tile, _splits, key_splits, mqa_attention, rope_qkv
+from fp8chain_kernel.attention import _split_tile, key_splits, mqa_attention, rope_qkv
 
 ROPE_DIM = 64
 THETA = 10000.0
@@ -69,10 +67,11 @@ def test_attention_matches_reference_cpu(tokens, heads, dim, length):
 
 @pytest.mark.cpu
 def test_many_tokens_use_wide_merge_programs():
-    """33 tokens x 4 merge head blocks fill 132 SMs: the keys still split in two, and the merge
-    runs 64-pair programs (80 column pairs: the second chunk is partly masked)."""
-    assert key_splits(33, 64, 256) == 2
-    _check_attention(_problem(33, 64, 160, 256, 4, "cpu"))
+    """48 tokens x 4 merge head blocks fill 132 SMs: the keys still split in two (48 x 2 split
+    programs of 32 heads), and the merge runs 64-pair programs (80 column pairs: the second chunk
+    is partly masked)."""
+    assert key_splits(48, 64, 256) == 2
+    _check_attention(_problem(48, 64, 160, 256, 4, "cpu"))
 
 
 @pytest.mark.cpu
@@ -113,16 +112,15 @@ def test_default_split_tile_by_query_rows(tokens, heads, length, tile):
 @pytest.mark.cpu
 def test_key_splits_are_merged():
     """A shape whose keys are split over several programs (merge path, empty splits included)."""
-    assert _splits(1, 1, triton.cdiv(256, 16)) > 1
+    assert key_splits(2, 4, 256) > 1
     positions = torch.tensor([3, 255])  # the first token's later splits see no key at all
     _check_attention(_problem(2, 4, 128, 256, 2, "cpu", positions=positions))
 
 
 @pytest.mark.cpu
-def test_more_key_splits_than_the_merge_loads_at_once():
-    """10 key splits: the merge walks them in groups of _MERGE_UNROLL, the last group partly past
-    the last split; the second token's later splits see no key."""
-    assert key_splits(2, 4, 1280) == 10 and 10 % attention._MERGE_UNROLL
+def test_many_key_splits_are_merged():
+    """10 key splits per token, the second token's later splits without any key."""
+    assert key_splits(2, 4, 1280) == 10
     _check_attention(_problem(2, 4, 128, 1280, 2, "cpu", positions=torch.tensor([1279, 600])))
 
 
