@@ -52,12 +52,11 @@ _SPLIT_TILES = ((256 * 64, (64, 32)), (1024, (32, 64)), (0, (_BLOCK_H, _BLOCK_L)
 # fill the GPU; once those alone fill the SMs, wider four-warp programs read longer rows
 _MERGE_PAIRS = (16, 64)
 _SMS = 132  # H200
-# Key splits aim at one wave of split programs (two for the 64-head tile: one 250-register
-# program per SM), at most _MAX_SPLITS per (token, head block), each reading >= 2 steps of keys:
-# more splits write and merge more fp32 partials than their extra programs gain (H200 sweep,
-# docs/benchmarks.md).
-_TARGET_PROGRAMS = _SMS
-_WIDE_TILE_WAVES = 2
+# Key splits per (token, head block), from an H200 sweep (docs/benchmarks.md): as many as one
+# wave of split programs holds (one per SM: 150-168 KB of shared memory each), at least 2 while
+# the unsplit programs fit in two waves, at most _MAX_SPLITS, each split >= 2 steps of keys. A
+# split count that spills into a partial extra wave costs more than its shorter programs gain
+# (64 heads, M = 16, context 4096: 4 splits 66 us, 5 splits 98 us, 9 splits 77 us).
 _MAX_SPLITS = 16
 _MIN_STEPS_PER_SPLIT = 2
 
@@ -250,12 +249,12 @@ def _mqa_merge_kernel(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, pos_p
 
 
 def _splits(tokens: int, heads: int, block_h: int, key_steps: int) -> int:
-    """Key splits per (token, head block) for a tile of ``block_h`` heads: about
-    ``_TARGET_PROGRAMS`` programs in all (``_WIDE_TILE_WAVES`` times that for 64 heads), at most
-    ``_MAX_SPLITS``, each split at least ``_MIN_STEPS_PER_SPLIT`` steps of keys."""
-    target = _TARGET_PROGRAMS * (_WIDE_TILE_WAVES if block_h >= 64 else 1)
+    """Key splits per (token, head block) for a tile of ``block_h`` heads (see ``_MAX_SPLITS``)."""
+    programs = tokens * triton.cdiv(heads, block_h)  # per split
+    if programs > 2 * _SMS:
+        return 1
     most = max(1, min(_MAX_SPLITS, key_steps // _MIN_STEPS_PER_SPLIT))
-    return max(1, min(most, triton.cdiv(target, max(1, tokens * triton.cdiv(heads, block_h)))))
+    return min(most, max(2, _SMS // programs))
 
 
 def _split_tile(tile: tuple[int, int] | None, tokens: int, heads: int, length: int) -> tuple[int, int]:

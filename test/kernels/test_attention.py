@@ -110,6 +110,18 @@ def test_default_split_tile_by_query_rows(tokens, heads, length, tile):
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("heads,tokens,length,splits", [
+    (64, 1, 1024, 8), (64, 16, 1024, 4), (64, 32, 1024, 2), (64, 64, 1024, 2), (64, 256, 1024, 2),
+    (64, 1, 4096, 16), (64, 4, 4096, 8), (64, 16, 4096, 4), (16, 64, 1024, 2), (16, 16, 4096, 8),
+    (64, 2048, 2048, 1), (16, 300, 1024, 1),
+])
+def test_key_splits_by_batch(heads, tokens, length, splits):
+    """The split counts the H200 sweep found fastest (docs/benchmarks.md): one wave of split
+    programs, at least two splits while the unsplit programs fit in two waves, at most 16."""
+    assert key_splits(tokens, heads, length) == splits
+
+
+@pytest.mark.cpu
 def test_key_splits_are_merged():
     """A shape whose keys are split over several programs (merge path, empty splits included)."""
     assert key_splits(2, 4, 256) > 1
