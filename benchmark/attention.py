@@ -7,7 +7,10 @@ Per case (query heads, M tokens, context), median microseconds per call under CU
   split over several programs); ``split_us`` / ``merge_us``: the GPU time of each kernel
   (torch.profiler, eager), ``key_splits`` how many programs share a token's keys;
 * with ``--tiles``, ``attention_us[HxL]`` and ``key_splits[HxL]`` for each other split-kernel
-  tile (H query heads per program, L keys per step), in the same run.
+  tile (H query heads per program, L keys per step), in the same run;
+* with ``--splits``, ``attention_us[splits=N]`` for other key-split counts of the default tile
+  (counts past a case's key steps are skipped), in the same run: the sweep behind
+  ``attention._splits``.
 
 Roofline, both rates measured in this run: ``bytes`` = the cache rows read (every decode token
 has its own slot; a prefill sequence's keys are read once) + q + o in bf16; ``flops`` = 4 x heads
@@ -50,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=50, help="calls per captured graph")
     parser.add_argument("--tiles", nargs="+", type=parse_tile, default=[],
                         help="other split-kernel tiles to time beside the default, as HEADSxKEYS (e.g. 32x64 64x32)")
+    parser.add_argument("--splits", nargs="+", type=int, default=[],
+                        help="other key-split counts to time beside the default (e.g. 1 2 4 8 16)")
 
 
 def parse_tile(text: str) -> tuple[int, int]:
@@ -111,8 +116,9 @@ def run(args) -> tuple[dict, list[dict]]:
         out = torch.empty_like(q)
         scale = HEAD_DIM ** -0.5
 
-        def attend(tile=None):
-            attention.mqa_attention(q, cache, slots, positions, sink, scale, cos, sin, out=out, tile=tile)
+        def attend(tile=None, splits=None):
+            attention.mqa_attention(q, cache, slots, positions, sink, scale, cos, sin, out=out, tile=tile,
+                                    splits=splits)
 
         rope_us = harness.graph_time_us(lambda: attention.rope_qkv(q2d, kv, cos, sin, cache, slots, positions, 1e-6),
                                         iters=args.iters)
@@ -133,6 +139,11 @@ def run(args) -> tuple[dict, list[dict]]:
             name = f"{tile[0]}x{tile[1]}"
             record[f"attention_us[{name}]"] = harness.graph_time_us(lambda t=tile: attend(t), iters=args.iters)
             record[f"key_splits[{name}]"] = attention.key_splits(tokens, heads, cache.shape[1], tile)
+        key_steps = -(-cache.shape[1] // attention._split_tile(None, tokens, heads, cache.shape[1])[1])
+        for count in args.splits:
+            if count <= key_steps:
+                record[f"attention_us[splits={count}]"] = harness.graph_time_us(lambda n=count: attend(splits=n),
+                                                                                iters=args.iters)
         records.append(record)
     return meta, records
 

@@ -341,12 +341,14 @@ def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_tab
 
 def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                   sink: torch.Tensor, scale: float, cos_table: torch.Tensor, sin_table: torch.Tensor, *,
-                  out: torch.Tensor | None = None, tile: tuple[int, int] | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, tile: tuple[int, int] | None = None,
+                  splits: int | None = None) -> torch.Tensor:
     """See the module docstring for shapes, dtypes and numerics.
 
-    ``tile``: (query heads per program, keys per step) of the split kernel, powers of two >= 16
-    (benchmarks, tests; default: by tokens x heads); the numerics do not depend on it beyond fp32
-    summation order.
+    ``tile``: (query heads per program, keys per step) of the split kernel, powers of two >= 16;
+    ``splits``: programs sharing one token's keys, 1 .. key steps (benchmarks, tests; default: by
+    tokens x heads, ``key_splits``). The numerics do not depend on either beyond fp32 summation
+    order.
     """
     if q.dtype != torch.bfloat16 or q.dim() != 3 or (q.numel() and q.stride(2) != 1):
         raise TypeError(f"q must be bfloat16 [T, nh, D] with unit last stride, got {q.dtype} "
@@ -372,7 +374,10 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     length = kv_cache.shape[1]
     head_blocks = triton.cdiv(heads, block_h)
     key_steps = triton.cdiv(length, block_l)
-    splits = _splits(tokens, heads, block_h, key_steps)
+    if splits is None:
+        splits = _splits(tokens, heads, block_h, key_steps)
+    elif isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= key_steps:
+        raise ValueError(f"splits must be an int in 1..{key_steps} (steps of {block_l} keys), got {splits!r}")
     steps = triton.cdiv(key_steps, splits)
     block_d = triton.next_power_of_2(dim)
     if splits == 1:  # the split kernel writes ``out`` itself: no partials, no merge launch

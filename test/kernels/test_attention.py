@@ -122,6 +122,19 @@ def test_key_splits_by_batch(heads, tokens, length, splits):
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("splits", [1, 3])
+def test_explicit_key_splits(splits):
+    """``splits=`` overrides the count (the benchmark's sweep): one program per token's keys, or
+    three (the last with fewer keys); out of range is an error."""
+    problem = _problem(2, 16, 128, 320, 2, "cpu", positions=torch.tensor([319, 100]))
+    out = torch.full(problem[0].shape, float("nan"), dtype=torch.bfloat16)
+    _assert_attention_close(mqa_attention(*problem, out=out, splits=splits), problem)
+    for bad in (0, 6, 2.0, True):
+        with pytest.raises(ValueError, match="splits"):
+            mqa_attention(*problem, splits=bad)
+
+
+@pytest.mark.cpu
 def test_key_splits_are_merged():
     """A shape whose keys are split over several programs (merge path, empty splits included)."""
     assert key_splits(2, 4, 256) > 1

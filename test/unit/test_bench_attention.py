@@ -42,3 +42,16 @@ def test_tiles_option_and_report(tmp_path):
     assert header.endswith("| attention_us[64x32] | key_splits[64x32] |")
     assert row.endswith("| 5 | 2 |")
     assert (tmp_path / "attention.json").exists() and (tmp_path / "attention.png").exists()
+
+
+def test_splits_option_and_report(tmp_path):
+    bench = _load_benchmark("attention")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args(["--splits", "2", "4"]).splits == [2, 4]
+    record = dict(phase="decode", heads=64, M=16, context=1024, rope_us=1.0, attention_us=30.0, split_us=20.0,
+                  merge_us=9.0, key_splits=4, bytes=1, flops=1, floor_us=1.0, floor_fraction=0.1, kernels={})
+    record.update({"attention_us[splits=2]": 40.0, "attention_us[splits=8]": 37.0})
+    header, _, row = bench.report({"date": "today"}, [record], tmp_path).splitlines()[1:4]
+    assert header.endswith("| attention_us[splits=2] | attention_us[splits=8] |")
+    assert row.endswith("| 40 | 37 |")
