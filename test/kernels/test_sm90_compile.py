@@ -1,5 +1,5 @@
-"""Kernels the CPU interpreter accepts must also compile for Hopper (sm_90); the newest and the
-small ones must not spill registers."""
+"""Kernels the CPU interpreter accepts must also compile for Hopper (sm_90) without spilling
+registers, and the producers' FP8 stores must not shuffle their tile through shared memory."""
 
 import os
 import re
@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
-# Kernels whose compiled code must keep everything in registers (STACK:0). The large-tile GEMM,
-# wo_a and RMSNorm configurations spill a little today (docs/gemm.md); they only have to compile.
-NO_SPILLS = {"_rope_qkv_kernel", "_mqa_split_kernel", "_mqa_merge_kernel", "_boundary_kernel",
-             "_quantize_kernel", "_silu_mul_kernel"}
-EVERY_KERNEL = NO_SPILLS | {"_rms_norm_kernel", "_wo_a_kernel", "_block_scaled_gemm_kernel"}
+EVERY_KERNEL = {"_rope_qkv_kernel", "_mqa_split_kernel", "_mqa_merge_kernel", "_boundary_kernel", "_quantize_kernel",
+                "_silu_mul_kernel", "_rms_norm_kernel", "_wo_a_kernel", "_block_scaled_gemm_kernel"}
+# Producers whose FP8 store must share the layout of their bf16 accesses (fp8_tile.fp8_offsets):
+# only reductions and the scale tile go through shared memory, not the data tile (16 KiB at
+# H = 5120 when the layouts differ).
+SHARED_LAYOUT = {"_rms_norm_kernel", "_silu_mul_kernel"}
+SHARED_LAYOUT_MAX_BYTES = 1024
 
 
 @pytest.mark.cpu
@@ -25,7 +27,7 @@ def test_kernels_compile_for_sm90():
     usage = [line.split(" ", 1) for line in result.stdout.strip().splitlines()]
     assert {name for name, _ in usage} == EVERY_KERNEL, result.stdout
     for name, resources in usage:
-        stack = int(re.search(r"STACK:(\d+)", resources).group(1))
-        assert "LOCAL:0 " in resources, (name, resources)
-        if name in NO_SPILLS:
-            assert stack == 0, f"{name} spills: {resources}"
+        assert "STACK:0 " in resources and "LOCAL:0 " in resources, f"{name} spills: {resources}"
+        if name in SHARED_LAYOUT:
+            shared = int(re.search(r"smem (\d+)", resources).group(1))
+            assert shared <= SHARED_LAYOUT_MAX_BYTES, f"{name} shuffles its tile through shared memory: {resources}"
