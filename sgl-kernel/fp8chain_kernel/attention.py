@@ -52,11 +52,12 @@ _SPLIT_TILES = ((256 * 64, (64, 32)), (1024, (32, 64)), (0, (_BLOCK_H, _BLOCK_L)
 # fill the GPU; once those alone fill the SMs, wider four-warp programs read longer rows
 _MERGE_PAIRS = (16, 64)
 _SMS = 132  # H200
-# Key splits per (token, head block), from an H200 sweep (docs/benchmarks.md): as many as one
-# wave of split programs holds (one per SM: 150-168 KB of shared memory each), at least 2 while
-# the unsplit programs fit in two waves, at most _MAX_SPLITS, each split >= 2 steps of keys. A
-# split count that spills into a partial extra wave costs more than its shorter programs gain
-# (64 heads, M = 16, context 4096: 4 splits 66 us, 5 splits 98 us, 9 splits 77 us).
+# Key splits per (token, head block), from an H200 sweep (`fp8chain bench attention --splits`,
+# docs/benchmarks.md): as many as one wave of split programs holds (one per SM: 150-168 KB of
+# shared memory each), at least 2 while the unsplit programs fit in two waves, at most
+# _MAX_SPLITS, each split >= 2 steps of keys. Programs past one wave cost more than their shorter
+# splits gain (64 heads, M = 16, context 1024: 4 splits 28.5 us, 8 splits 37.8 us); below two
+# waves a second split still pays (M = 64: 2 splits 89 us, 1 split 96 us).
 _MAX_SPLITS = 16
 _MIN_STEPS_PER_SPLIT = 2
 
