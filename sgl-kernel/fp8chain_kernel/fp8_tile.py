@@ -1,8 +1,9 @@
 """Triton device functions every FP8 producer shares: quantize a tile, store its scales.
 
 These are the Triton twin of ``reference.quantize_groups`` (same amax, same exponent bit
-arithmetic, same two fp32 divisions, the clamp as the conversion's saturation), so any kernel that calls ``quantize_tile`` on
-its bf16-rounded output writes bytes and scales equal to ``reference.quantize`` of that output.
+arithmetic, same two fp32 divisions, the clamp as the conversion's saturation), so any kernel
+that calls ``quantize_tile`` on its bf16-rounded output writes bytes and scales equal to
+``reference.quantize`` of that output.
 
 fp32 -> e4m3: compiled for a GPU, the native conversion (``cvt.rn.satfinite``) is used. The Triton
 CPU interpreter's native conversion is wrong for a few percent of values (triton issue #8322), so
