@@ -12,14 +12,13 @@
     ``q`` bf16 ``[T, nh, D]``, ``kv_cache`` bf16 ``[S, L, D]`` contiguous (one latent head, keys =
     values), ``sink`` fp32 ``[nh]`` -> ``o`` bf16 ``[T, nh, D]``: token ``t`` attends to
     ``kv_cache[slots[t], 0..positions[t]]`` with per-head sinks, then the last ``rd`` dims are
-    rotated back (inverse RoPE). One launch spreads (token, head block, key split) over the GPU,
+    rotated back (inverse RoPE). Launch 1 spreads (token, head block, key split) over the GPU,
     each program an online softmax over its share of the keys on the tensor cores: ``q.k`` from
     bf16 operands into fp32 (exact products), the probabilities rounded to bf16 for ``p @ v``
-    (relative error <= 2^-9 per term, as in FlashAttention), softmax statistics in fp32. Split
-    programs store fp32 partials; the last of a (token, head block)'s splits to finish merges
-    them in split order with the sink and applies the inverse RoPE. Where one split holds all of
-    a token's keys (many tokens: the programs fill the GPU without splitting keys) that program
-    does so directly.
+    (relative error <= 2^-9 per term, as in FlashAttention), softmax statistics in fp32.
+    Launch 2 merges the fp32 partials and the sink and applies the inverse RoPE; where one split
+    holds all of a token's keys (many tokens: the programs fill the GPU without splitting keys)
+    launch 1 does that itself and there is no launch 2.
 
 RoPE acts on interleaved pairs ``(x[2i], x[2i+1])``; ``cos_table``/``sin_table`` are fp32
 ``[L, rd/2]`` rows per position (``reference.rope_tables``). Both functions equal their
@@ -34,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .arrivals import arrive, counters as arrival_counters, rearm
 from .fp8_tile import dot_bf16, interpreting, round_bf16
 
 __all__ = ["rope_qkv", "mqa_attention", "key_splits"]
@@ -50,9 +48,9 @@ _BLOCK_L = 64  # keys per step
 # split: with one split its epilogue (sink, normalisation, inverse RoPE of a 64 x 512 fp32
 # accumulator in the split kernel) spills registers on sm_90. ``tile=`` overrides.
 _SPLIT_TILES = ((256 * 64, (64, 32)), (1024, (32, 64)), (0, (_BLOCK_H, _BLOCK_L)))
-# fp32 elements per merge step of the last split's merge (a [heads, columns] chunk of every
-# split's partial in turn): 32 registers per thread at 8 warps, whatever the head tile
-_MERGE_ELEMS = 8192
+# column pairs per merge program: few (token, head block)s -> narrow one-warp programs that still
+# fill the GPU; once those alone fill the SMs, wider four-warp programs read longer rows
+_MERGE_PAIRS = (16, 64)
 _SMS = 132  # H200
 # Key splits per (token, head block), from an H200 sweep (`fp8chain bench attention --splits`,
 # docs/benchmarks.md): as many as one wave of split programs holds (one per SM: 150-168 KB of
@@ -132,55 +130,18 @@ def _rope_qkv_kernel(q_ptr, kv_ptr, kv_w_ptr, cos_ptr, sin_ptr, out_ptr, cache_p
 
 
 @triton.jit
-def _store_rotated_back(o_row, tile, denom, col0, cos_ptr, sin_ptr, pos, offs_h, h_ok, stride_oh, D,
-                        HALF: tl.constexpr, BLOCK_H: tl.constexpr, WIDTH: tl.constexpr,
+def _store_rotated_back(out, even, odd, denom, cos_ptr, sin_ptr, pos, even_d, mask, D, HALF: tl.constexpr,
                         EXACT_CAST: tl.constexpr):
-    """Store ``tile / denom`` (fp32 ``[BLOCK_H, WIDTH]``: columns ``col0 ..`` of heads ``offs_h``)
-    as bf16 at ``o_row``, the pairs ``(2i, 2i+1)`` of the RoPE'd tail rotated back (the others by
-    angle 0: cos 1, sin 0)."""
-    even, odd = tl.split(tl.reshape(tile, (BLOCK_H, WIDTH // 2, 2)))
-    even_d = col0 + 2 * tl.arange(0, WIDTH // 2)
+    """Divide the column pairs ``(2i, 2i+1)`` (``even_d`` = 2i) of a head tile by its softmax
+    denominators, rotate the RoPE'd tail pairs back (the others by angle 0: cos 1, sin 0) and store
+    bf16 at ``out`` (the even columns' pointers)."""
     pair = (even_d - (D - 2 * HALF)) // 2  # RoPE pair index, negative outside the tail
     rope = (pair >= 0) & (even_d < D)
     cos = tl.load(cos_ptr + pos * HALF + pair, mask=rope, other=1.0)[None, :]
     sin = tl.load(sin_ptr + pos * HALF + pair, mask=rope, other=0.0)[None, :]
     even, odd = _rotate_pairs(even / denom[:, None], odd / denom[:, None], cos, sin, True)
-    out = o_row + offs_h[:, None] * stride_oh + even_d[None, :]
-    mask = h_ok[:, None] & (even_d < D)[None, :]
     tl.store(out, round_bf16(even, EXACT_CAST), mask=mask)
     tl.store(out + 1, round_bf16(odd, EXACT_CAST), mask=mask)
-
-
-@triton.jit
-def _merge_splits(part_o_ptr, part_ml_ptr, first, sink, cos_ptr, sin_ptr, pos, o_row, offs_h, h_ok, NH, D,
-                  stride_oh, SPLITS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, EXACT_CAST: tl.constexpr):
-    """Merge the ``SPLITS`` fp32 partials of heads ``offs_h`` (split ``s`` at rows ``first + s * NH``)
-    with the sink, in split order (the result does not depend on which split finished last), and
-    store the output ``CHUNK`` columns at a time (bounded registers for wide head tiles)."""
-    peak = sink
-    for split in range(SPLITS):
-        rows = first + split * NH + offs_h
-        peak = tl.maximum(peak, tl.load(part_ml_ptr + rows * 2, mask=h_ok, other=float("-inf"),
-                                        cache_modifier=".cg"))
-    denom = tl.exp(sink - peak)
-    for split in range(SPLITS):
-        rows = first + split * NH + offs_h
-        m_s = tl.load(part_ml_ptr + rows * 2, mask=h_ok, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(part_ml_ptr + rows * 2 + 1, mask=h_ok, other=0.0, cache_modifier=".cg")
-        denom += l_s * tl.exp(m_s - peak)  # weight 0 for a split that saw no key (m_s = -inf)
-    for col0 in tl.static_range(0, BLOCK_D, CHUNK):
-        cols = col0 + tl.arange(0, CHUNK)
-        mask = h_ok[:, None] & (cols < D)[None, :]
-        total = tl.zeros((BLOCK_H, CHUNK), tl.float32)
-        for split in range(SPLITS):
-            rows = first + split * NH + offs_h
-            weight = tl.exp(tl.load(part_ml_ptr + rows * 2, mask=h_ok, other=float("-inf"),
-                                    cache_modifier=".cg") - peak)
-            total += tl.load(part_o_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0,
-                             cache_modifier=".cg") * weight[:, None]
-        _store_rotated_back(o_row, total, denom, col0, cos_ptr, sin_ptr, pos, offs_h, h_ok, stride_oh, D,
-                            HALF, BLOCK_H, CHUNK, EXACT_CAST)
 
 
 @triton.jit
@@ -204,15 +165,13 @@ def _attend_block(q, kv_ptr, slot, first, last, L, m_i, l_i, acc, scale, stride_
 
 
 @triton.jit
-def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr, count_ptr,
+def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
                       sink_ptr, cos_ptr, sin_ptr, o_ptr, NH, D, L, scale,
                       stride_qt, stride_qh, stride_ks, stride_kl, stride_ot, stride_oh,
                       SPLITS: tl.constexpr, STEPS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
-                      EXACT_CAST: tl.constexpr):
+                      BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EXACT_CAST: tl.constexpr):
     # With SPLITS == 1 the program holds all of its token's keys and writes the final output itself
-    # (sink, normalisation, inverse RoPE); otherwise it stores fp32 partials and the last split of
-    # its (token, head block) to arrive merges them (``arrivals``): one launch either way.
+    # (sink, normalisation, inverse RoPE: the merge's arithmetic); otherwise fp32 partials.
     t = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -239,26 +198,55 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
         for first in range(start, end, BLOCK_L):
             m_i, l_i, acc = _attend_block(q, kv_ptr, slot, first, last, L, m_i, l_i, acc,
                                           scale, stride_kl, offs_d, d_ok, BLOCK_H, BLOCK_L, EXACT_CAST)
-    sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
-    pos = last.to(tl.int64)
-    o_row = o_ptr + t.to(tl.int64) * stride_ot
     if SPLITS == 1:
+        sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
         peak = tl.maximum(sink, m_i)
         weight = tl.exp(m_i - peak)
         denom = tl.exp(sink - peak) + l_i * weight
-        _store_rotated_back(o_row, acc * weight[:, None], denom, 0, cos_ptr, sin_ptr, pos, offs_h, h_ok,
-                            stride_oh, D, HALF, BLOCK_H, BLOCK_D, EXACT_CAST)
+        even, odd = tl.split(tl.reshape(acc * weight[:, None], (BLOCK_H, BLOCK_D // 2, 2)))
+        even_d = 2 * tl.arange(0, BLOCK_D // 2)
+        out = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + even_d[None, :]
+        _store_rotated_back(out, even, odd, denom, cos_ptr, sin_ptr, tl.load(pos_ptr + t).to(tl.int64), even_d,
+                            h_ok[:, None] & (even_d < D)[None, :], D, HALF, EXACT_CAST)
     else:
-        first = (t * SPLITS).to(tl.int64) * NH
-        rows = first + split * NH + offs_h
-        tl.store(part_o_ptr + rows[:, None] * D + offs_d[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
-        tl.store(part_ml_ptr + rows * 2, m_i, mask=h_ok)
-        tl.store(part_ml_ptr + rows * 2 + 1, l_i, mask=h_ok)
-        block = t * tl.num_programs(1) + hb
-        if arrive(count_ptr, block, SPLITS):
-            _merge_splits(part_o_ptr, part_ml_ptr, first, sink, cos_ptr, sin_ptr, pos, o_row, offs_h, h_ok,
-                          NH, D, stride_oh, SPLITS, HALF, BLOCK_H, BLOCK_D, CHUNK, EXACT_CAST)
-            rearm(count_ptr, block)
+        base = (t * SPLITS + split).to(tl.int64) * NH
+        tl.store(part_o_ptr + (base + offs_h[:, None]) * D + offs_d[None, :], acc,
+                 mask=h_ok[:, None] & d_ok[None, :])
+        tl.store(part_ml_ptr + (base + offs_h) * 2, m_i, mask=h_ok)
+        tl.store(part_ml_ptr + (base + offs_h) * 2 + 1, l_i, mask=h_ok)
+
+
+@triton.jit
+def _mqa_merge_kernel(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, pos_ptr, o_ptr, NH, D,
+                      stride_ot, stride_oh, SPLITS: tl.constexpr, HALF: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_PAIRS: tl.constexpr, EXACT_CAST: tl.constexpr):
+    # Program (t, head block, column chunk): BLOCK_PAIRS column pairs (2i, 2i+1) of BLOCK_H heads.
+    # Pairs in the RoPE'd tail are rotated back; the others rotate by angle 0 (cos 1, sin 0).
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    even_d = 2 * (tl.program_id(2) * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS))
+    h_ok = offs_h < NH
+    mask = h_ok[:, None] & (even_d < D)[None, :]
+    sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
+    peak = sink
+    for split in range(SPLITS):
+        base = (t * SPLITS + split).to(tl.int64) * NH
+        peak = tl.maximum(peak, tl.load(part_ml_ptr + (base + offs_h) * 2, mask=h_ok, other=float("-inf")))
+    denom = tl.exp(sink - peak)
+    even = tl.zeros((BLOCK_H, BLOCK_PAIRS), tl.float32)
+    odd = tl.zeros((BLOCK_H, BLOCK_PAIRS), tl.float32)
+    for split in range(SPLITS):
+        base = (t * SPLITS + split).to(tl.int64) * NH
+        m_s = tl.load(part_ml_ptr + (base + offs_h) * 2, mask=h_ok, other=float("-inf"))
+        l_s = tl.load(part_ml_ptr + (base + offs_h) * 2 + 1, mask=h_ok, other=0.0)
+        weight = tl.exp(m_s - peak)  # 0 for a split that saw no key (m_s = -inf)
+        denom += l_s * weight
+        part = part_o_ptr + (base + offs_h[:, None]) * D + even_d[None, :]
+        even += tl.load(part, mask=mask, other=0.0) * weight[:, None]
+        odd += tl.load(part + 1, mask=mask, other=0.0) * weight[:, None]
+    out = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + even_d[None, :]
+    _store_rotated_back(out, even, odd, denom, cos_ptr, sin_ptr, tl.load(pos_ptr + t).to(tl.int64), even_d,
+                        mask, D, HALF, EXACT_CAST)
 
 
 def _splits(tokens: int, heads: int, block_h: int, key_steps: int) -> int:
@@ -288,7 +276,7 @@ def _split_tile(tile: tuple[int, int] | None, tokens: int, heads: int, length: i
 
 def key_splits(tokens: int, heads: int, length: int, tile: tuple[int, int] | None = None) -> int:
     """How many split-kernel programs share one token's keys for a cache of ``length`` positions
-    (1: each program writes its output itself, no partials)."""
+    (1: the split kernel writes the output itself, no merge launch)."""
     block_h, block_l = _split_tile(tile, tokens, heads, length)
     return _splits(tokens, heads, block_h, triton.cdiv(length, block_l))
 
@@ -393,18 +381,27 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
         raise ValueError(f"splits must be an int in 1..{key_steps} (steps of {block_l} keys), got {splits!r}")
     steps = triton.cdiv(key_steps, splits)
     block_d = triton.next_power_of_2(dim)
-    if splits == 1:  # the split kernel writes ``out`` itself: no partials
-        part_o = part_ml = count = out
+    if splits == 1:  # the split kernel writes ``out`` itself: no partials, no merge launch
+        part_o = part_ml = out
     else:
         part_o = torch.empty((tokens, splits, heads, dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((tokens, splits, heads, 2), dtype=torch.float32, device=q.device)
-        count = arrival_counters(q.device, "attention", tokens * head_blocks)
     warps = 8 if block_d >= 512 else 4  # 64 keys x 512 columns: 4 warps spill registers
     _mqa_split_kernel[(tokens, head_blocks, splits)](
-        q, kv_cache, slots, positions, part_o, part_ml, count, sink, cos_table, sin_table, out,
+        q, kv_cache, slots, positions, part_o, part_ml, sink, cos_table, sin_table, out,
         heads, dim, length, float(scale),
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1),
         SPLITS=splits, STEPS=steps, HALF=half, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_D=block_d,
-        CHUNK=min(block_d, _MERGE_ELEMS // block_h), EXACT_CAST=interpreting(), num_warps=warps,
+        EXACT_CAST=interpreting(), num_warps=warps,
+    )
+    if splits == 1:
+        return out
+    merge_blocks = triton.cdiv(heads, _BLOCK_H)
+    wide = tokens * merge_blocks >= _SMS
+    pairs = _MERGE_PAIRS[wide]
+    _mqa_merge_kernel[(tokens, merge_blocks, triton.cdiv(dim // 2, pairs))](
+        part_o, part_ml, sink, cos_table, sin_table, positions, out, heads, dim, out.stride(0), out.stride(1),
+        SPLITS=splits, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_PAIRS=pairs, EXACT_CAST=interpreting(),
+        num_warps=4 if wide else 1,
     )
     return out

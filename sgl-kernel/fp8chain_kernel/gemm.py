@@ -39,7 +39,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .arrivals import arrive, counters as arrival_counters, rearm
 from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair
 from .fp8_tile import interpreting
 from .quant import check_activation, quantize
@@ -225,13 +224,15 @@ def _block_scaled_gemm_kernel(
         tile_elems = BLOCK_N * BLOCK_M
         local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         tl.store(part_ptr + (pid_k * tl.num_programs(0) + tile).to(tl.int64) * tile_elems + local, acc)
-        if arrive(count_ptr, tile, SPLIT):
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(SPLIT):
                 total += tl.load(part_ptr + (s * tl.num_programs(0) + tile).to(tl.int64) * tile_elems
                                  + local, cache_modifier=".cg")
             tl.store(out_ptrs, _to_bf16(total, FP32_DOT), mask=out_mask)
-            rearm(count_ptr, tile)
+            tl.atomic_xchg(count_ptr + tile, 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,6 +319,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
 }
 
 _M_BUCKETS = (16, 32, 64, 128, 256, 1 << 30)
+_COUNTER_SLOTS = 1 << 14
 
 
 def _m_bucket(m: int) -> int:
@@ -377,6 +379,27 @@ def select_config(m: int, n: int, k: int, group: int, device: torch.device, a_fp
 # Host side
 # --------------------------------------------------------------------------------------------
 
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Per-tile arrival counters for split-K (zero between calls: the last arrival resets its own).
+
+    One buffer per device, allocated on first eager use: split-K GEMMs on one device must not run
+    concurrently on two streams. A first use inside CUDA-graph capture gets its own zeroed buffer
+    (allocated from, and zeroed by, the graph), so the cached buffer never lives in a graph's
+    private memory pool.
+    """
+    buf = _counters.get(device)
+    if buf is not None:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    buf = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+    _counters[device] = buf
+    return buf
+
+
 def input_format_for_block(weight_block: int) -> ActFormat:
     """The SM90 activation format the Triton GEMM reads for ``weight_block`` x ``weight_block``
     weight blocks."""
@@ -435,10 +458,12 @@ def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, conf
     split = max(1, min(cfg.split, iters))
     while iters % split:  # equal slices: the largest divisor of the K iterations <= the request
         split -= 1
+    if split > 1 and tiles > _COUNTER_SLOTS:
+        split = 1
     iters_per_split = iters // split
     if split > 1:
         part = torch.empty(split * tiles * cfg.block_n * cfg.block_m, dtype=torch.float32, device=a.device)
-        counters = arrival_counters(a.device, "gemm", tiles)
+        counters = _split_counters(a.device, tiles)
     else:
         part = counters = out  # unused placeholders
     if a_scale is None:

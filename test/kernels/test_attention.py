@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from fp8chain_kernel import reference as ref
-from fp8chain_kernel.arrivals import counters as arrival_counters
 from fp8chain_kernel.attention import _split_tile, key_splits, mqa_attention, rope_qkv
 
 ROPE_DIM = 64
@@ -148,27 +147,6 @@ def test_many_key_splits_are_merged():
     """10 key splits per token, the second token's later splits without any key."""
     assert key_splits(2, 4, 1280) == 10
     _check_attention(_problem(2, 4, 128, 1280, 2, "cpu", positions=torch.tensor([1279, 600])))
-
-
-@pytest.mark.cpu
-def test_wide_head_tile_merges_in_column_chunks():
-    """64-head tiles merge their splits 128 columns at a time: head dim 320 spans three chunks
-    (the third partly masked) of a 512-wide tile whose fourth chunk is all masked."""
-    problem = _problem(3, 64, 320, 96, 2, "cpu", positions=torch.tensor([95, 40, 0]))
-    assert key_splits(3, 64, 96, (64, 16)) == 3
-    out = torch.full(problem[0].shape, float("nan"), dtype=torch.bfloat16)
-    _assert_attention_close(mqa_attention(*problem, out=out, tile=(64, 16)), problem)
-
-
-@pytest.mark.cpu
-def test_the_last_split_rearms_its_counter():
-    """Each (token, head block)'s arrival counter is back at zero after the launch, so a second
-    launch (or a CUDA-graph replay) merges again and is bitwise identical."""
-    problem = _problem(5, 32, 128, 256, 3, "cpu")
-    assert key_splits(5, 32, 256) > 1
-    first = mqa_attention(*problem)
-    assert not arrival_counters(torch.device("cpu"), "attention", 5 * 2).any()
-    assert torch.equal(mqa_attention(*problem), first)
 
 
 @pytest.mark.cpu
