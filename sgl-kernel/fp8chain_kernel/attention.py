@@ -48,9 +48,10 @@ _BLOCK_L = 64  # keys per step
 # split: with one split its epilogue (sink, normalisation, inverse RoPE of a 64 x 512 fp32
 # accumulator in the split kernel) spills registers on sm_90. ``tile=`` overrides.
 _SPLIT_TILES = ((256 * 64, (64, 32)), (1024, (32, 64)), (0, (_BLOCK_H, _BLOCK_L)))
-# column pairs per merge program: few (token, head block)s -> narrow one-warp programs that still
-# fill the GPU; once those alone fill the SMs, wider four-warp programs read longer rows
-_MERGE_PAIRS = (16, 64)
+# columns per merge program: few (token, head block)s -> narrow programs that still fill the GPU;
+# once those alone fill the SMs, wider programs read longer rows
+_MERGE_COLUMNS = (32, 128)
+_MERGE_ELEMS = 8192  # at most this many partial elements per merge program: 64 registers at 4 warps
 _SMS = 132  # H200
 # Key splits per (token, head block), from an H200 sweep (`fp8chain bench attention --splits`,
 # docs/benchmarks.md): as many as one wave of split programs holds (one per SM: 150-168 KB of
@@ -218,35 +219,32 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
 
 @triton.jit
 def _mqa_merge_kernel(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, pos_ptr, o_ptr, NH, D,
-                      stride_ot, stride_oh, SPLITS: tl.constexpr, HALF: tl.constexpr,
-                      BLOCK_H: tl.constexpr, BLOCK_PAIRS: tl.constexpr, EXACT_CAST: tl.constexpr):
-    # Program (t, head block, column chunk): BLOCK_PAIRS column pairs (2i, 2i+1) of BLOCK_H heads.
-    # Pairs in the RoPE'd tail are rotated back; the others rotate by angle 0 (cos 1, sin 0).
+                      stride_ot, stride_oh, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HALF: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, EXACT_CAST: tl.constexpr):
+    # Program (t, head block, column chunk): BLOCK_C columns of BLOCK_H heads. Every split's
+    # softmax state and partial is loaded at once ([SPLITS_P2, BLOCK_H(, BLOCK_C)] tiles, one
+    # round trip each) and reduced over the splits in registers.
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    even_d = 2 * (tl.program_id(2) * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS))
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_s = tl.arange(0, SPLITS_P2)
     h_ok = offs_h < NH
-    mask = h_ok[:, None] & (even_d < D)[None, :]
+    rows = (t * SPLITS).to(tl.int64) * NH + offs_s[:, None] * NH + offs_h[None, :]  # [SPLITS_P2, BLOCK_H]
+    row_ok = (offs_s < SPLITS)[:, None] & h_ok[None, :]
+    m_s = tl.load(part_ml_ptr + rows * 2, mask=row_ok, other=float("-inf"))
+    l_s = tl.load(part_ml_ptr + rows * 2 + 1, mask=row_ok, other=0.0)
+    part = tl.load(part_o_ptr + rows[:, :, None] * D + cols[None, None, :],
+                   mask=row_ok[:, :, None] & (cols < D)[None, None, :], other=0.0)
     sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
-    peak = sink
-    for split in range(SPLITS):
-        base = (t * SPLITS + split).to(tl.int64) * NH
-        peak = tl.maximum(peak, tl.load(part_ml_ptr + (base + offs_h) * 2, mask=h_ok, other=float("-inf")))
-    denom = tl.exp(sink - peak)
-    even = tl.zeros((BLOCK_H, BLOCK_PAIRS), tl.float32)
-    odd = tl.zeros((BLOCK_H, BLOCK_PAIRS), tl.float32)
-    for split in range(SPLITS):
-        base = (t * SPLITS + split).to(tl.int64) * NH
-        m_s = tl.load(part_ml_ptr + (base + offs_h) * 2, mask=h_ok, other=float("-inf"))
-        l_s = tl.load(part_ml_ptr + (base + offs_h) * 2 + 1, mask=h_ok, other=0.0)
-        weight = tl.exp(m_s - peak)  # 0 for a split that saw no key (m_s = -inf)
-        denom += l_s * weight
-        part = part_o_ptr + (base + offs_h[:, None]) * D + even_d[None, :]
-        even += tl.load(part, mask=mask, other=0.0) * weight[:, None]
-        odd += tl.load(part + 1, mask=mask, other=0.0) * weight[:, None]
+    peak = tl.maximum(sink, tl.max(m_s, axis=0))
+    weight = tl.exp(m_s - peak[None, :])  # 0 for a split that saw no key (m_s = -inf)
+    denom = tl.exp(sink - peak) + tl.sum(l_s * weight, axis=0)
+    total = tl.sum(part * weight[:, :, None], axis=0)
+    even, odd = tl.split(tl.reshape(total, (BLOCK_H, BLOCK_C // 2, 2)))
+    even_d = tl.program_id(2) * BLOCK_C + 2 * tl.arange(0, BLOCK_C // 2)
     out = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + even_d[None, :]
     _store_rotated_back(out, even, odd, denom, cos_ptr, sin_ptr, tl.load(pos_ptr + t).to(tl.int64), even_d,
-                        mask, D, HALF, EXACT_CAST)
+                        h_ok[:, None] & (even_d < D)[None, :], D, HALF, EXACT_CAST)
 
 
 def _splits(tokens: int, heads: int, block_h: int, key_steps: int) -> int:
@@ -397,11 +395,11 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     if splits == 1:
         return out
     merge_blocks = triton.cdiv(heads, _BLOCK_H)
-    wide = tokens * merge_blocks >= _SMS
-    pairs = _MERGE_PAIRS[wide]
-    _mqa_merge_kernel[(tokens, merge_blocks, triton.cdiv(dim // 2, pairs))](
+    splits_p2 = triton.next_power_of_2(splits)
+    columns = min(_MERGE_COLUMNS[tokens * merge_blocks >= _SMS], _MERGE_ELEMS // (_BLOCK_H * splits_p2))
+    _mqa_merge_kernel[(tokens, merge_blocks, triton.cdiv(dim, columns))](
         part_o, part_ml, sink, cos_table, sin_table, positions, out, heads, dim, out.stride(0), out.stride(1),
-        SPLITS=splits, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_PAIRS=pairs, EXACT_CAST=interpreting(),
-        num_warps=4 if wide else 1,
+        SPLITS=splits, SPLITS_P2=splits_p2, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_C=columns,
+        EXACT_CAST=interpreting(), num_warps=4,
     )
     return out
