@@ -49,8 +49,10 @@ _BLOCK_L = 64  # keys per step
 # accumulator in the split kernel) spills registers on sm_90. ``tile=`` overrides.
 _SPLIT_TILES = ((256 * 64, (64, 32)), (1024, (32, 64)), (0, (_BLOCK_H, _BLOCK_L)))
 # columns per merge program: few (token, head block)s -> narrow programs that still fill the GPU;
-# once those alone fill the SMs, wider programs read longer rows
-_MERGE_COLUMNS = (32, 128)
+# once those alone fill the SMs, wider programs read longer rows. From an H200 A/B of (16, 64),
+# (32, 128) and (64, 256) (docs/benchmarks.md, attention): the narrowest was fastest or within
+# 0.4 us at every batch (64 heads, M = 1: merge 2.4 / 2.8 / 5.2 us).
+_MERGE_COLUMNS = (16, 64)
 _MERGE_ELEMS = 8192  # at most this many partial elements per merge program: 64 registers at 4 warps
 _SMS = 132  # H200
 # Key splits per (token, head block), from an H200 sweep (`fp8chain bench attention --splits`,

@@ -68,7 +68,7 @@ def test_attention_matches_reference_cpu(tokens, heads, dim, length):
 @pytest.mark.cpu
 def test_many_tokens_use_wide_merge_programs():
     """48 tokens x 4 merge head blocks fill 132 SMs: the keys still split in two (48 x 2 split
-    programs of 32 heads), and the merge runs 64-pair programs (80 column pairs: the second chunk
+    programs of 32 heads), and the merge runs 64-column programs (160 columns: the third chunk
     is partly masked)."""
     assert key_splits(48, 64, 256) == 2
     _check_attention(_problem(48, 64, 160, 256, 4, "cpu"))
