@@ -58,11 +58,11 @@ _SMS = 132  # H200
 # Key splits per (token, head block), from an H200 sweep (`fp8chain bench attention --splits`,
 # docs/benchmarks.md): as many as one wave of split programs holds (one per SM: 150-168 KB of
 # shared memory each), at least 2 while the unsplit programs fit in two waves, at most
-# _MAX_SPLITS, each split >= 2 steps of keys. Programs past one wave cost more than their shorter
-# splits gain (64 heads, M = 16, context 1024: 4 splits 28.5 us, 8 splits 37.8 us); below two
-# waves a second split still pays (M = 64: 2 splits 89 us, 1 split 96 us).
+# _MAX_SPLITS and one per step of keys. Programs past one wave cost more than their shorter
+# splits gain (64 heads, M = 16, context 1024: 4 splits 26.5 us, 8 splits 32.9 us); below two
+# waves a second split still pays (M = 64: 2 splits 85.1 us, 1 split 99.7 us); a one-step split
+# pays where it fills the wave (16 heads, M = 1, context 1024: 16 splits 9.8 us, 8 splits 11.7 us).
 _MAX_SPLITS = 16
-_MIN_STEPS_PER_SPLIT = 2
 
 
 @triton.jit
@@ -254,7 +254,7 @@ def _splits(tokens: int, heads: int, block_h: int, key_steps: int) -> int:
     programs = tokens * triton.cdiv(heads, block_h)  # per split
     if programs > 2 * _SMS:
         return 1
-    most = max(1, min(_MAX_SPLITS, key_steps // _MIN_STEPS_PER_SPLIT))
+    most = max(1, min(_MAX_SPLITS, key_steps))
     return min(most, max(2, _SMS // programs))
 
 
