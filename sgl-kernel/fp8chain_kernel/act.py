@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation
 from .fp8_tile import fp8_offsets, round_bf16, store_pair_tile
+from .launch import await_producer, pdl_options
 from .norm import check_tensor, launch_args, producer_result, resolve_outputs
 
 __all__ = ["silu_mul"]
@@ -32,7 +33,8 @@ def _silu_mul_kernel(gu_ptr, y_ptr, data_ptr, scale_ptr, M, I, limit,
                      stride_gm, stride_ym, stride_dm, stride_sm, stride_sg,
                      HAS_LIMIT: tl.constexpr, STORE_BF16: tl.constexpr, QUANT: tl.constexpr,
                      GROUP: tl.constexpr, POW2: tl.constexpr, PACKED: tl.constexpr,
-                     EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    await_producer(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = offs_m.to(tl.int64)[:, None]
@@ -88,6 +90,6 @@ def silu_mul(gate_up: torch.Tensor, *, limit: float | None = None, out_format: A
         gate_up, a["y"], a["data"], a["scale"], rows, cols, float(limit) if limit is not None else 0.0,
         gate_up.stride(0), a["y_stride"], *a["strides"],
         HAS_LIMIT=limit is not None, STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"],
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **a["consts"],
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **a["consts"], **pdl_options(),
     )
     return producer_result(y, pair)

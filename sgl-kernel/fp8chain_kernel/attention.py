@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .fp8_tile import dot_bf16, interpreting, round_bf16
+from .launch import await_producer, pdl_options
 
 __all__ = ["rope_qkv", "mqa_attention", "key_splits"]
 
@@ -89,8 +90,9 @@ def _latent(src, w_ptr, offs, mask, rstd, KV_NORM: tl.constexpr, EXACT_CAST: tl.
 def _rope_qkv_kernel(q_ptr, kv_ptr, kv_w_ptr, cos_ptr, sin_ptr, out_ptr, cache_ptr, slot_ptr, pos_ptr,
                      NH, D, eps, stride_qt, stride_kvt, stride_ot, stride_oh, stride_cs, stride_cl,
                      KV_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_HALF: tl.constexpr, EXACT_CAST: tl.constexpr):
+                     BLOCK_HALF: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr):
     # Programs (t, 0..heads/BLOCK_H-1) rope the query heads; program (t, last) the latent kv.
+    await_producer(PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -172,9 +174,11 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
                       sink_ptr, cos_ptr, sin_ptr, o_ptr, NH, D, L, scale,
                       stride_qt, stride_qh, stride_ks, stride_kl, stride_ot, stride_oh,
                       SPLITS: tl.constexpr, STEPS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EXACT_CAST: tl.constexpr):
+                      BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EXACT_CAST: tl.constexpr,
+                      PDL: tl.constexpr):
     # With SPLITS == 1 the program holds all of its token's keys and writes the final output itself
     # (sink, normalisation, inverse RoPE: the merge's arithmetic); otherwise fp32 partials.
+    await_producer(PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -222,10 +226,12 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
 @triton.jit
 def _mqa_merge_kernel(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, pos_ptr, o_ptr, NH, D,
                       stride_ot, stride_oh, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HALF: tl.constexpr,
-                      BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, EXACT_CAST: tl.constexpr):
+                      BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, EXACT_CAST: tl.constexpr,
+                      PDL: tl.constexpr):
     # Program (t, head block, column chunk): BLOCK_C columns of BLOCK_H heads. Every split's
     # softmax state and partial is loaded at once ([SPLITS_P2, BLOCK_H(, BLOCK_C)] tiles, one
     # round trip each) and reduced over the splits in registers.
+    await_producer(PDL)
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -335,7 +341,7 @@ def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_tab
         q.stride(0), kv.stride(0), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         KV_NORM=kv_weight is not None, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_HALF=triton.next_power_of_2(max(half, 1)), EXACT_CAST=interpreting(),
-        num_warps=8 if dim >= 512 else 4,
+        num_warps=8 if dim >= 512 else 4, **pdl_options(),
     )
     return out
 
@@ -392,7 +398,7 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
         heads, dim, length, float(scale),
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1),
         SPLITS=splits, STEPS=steps, HALF=half, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_D=block_d,
-        EXACT_CAST=interpreting(), num_warps=warps,
+        EXACT_CAST=interpreting(), num_warps=warps, **pdl_options(),
     )
     if splits == 1:
         return out
@@ -402,6 +408,6 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     _mqa_merge_kernel[(tokens, merge_blocks, triton.cdiv(dim, columns))](
         part_o, part_ml, sink, cos_table, sin_table, positions, out, heads, dim, out.stride(0), out.stride(1),
         SPLITS=splits, SPLITS_P2=splits_p2, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_C=columns,
-        EXACT_CAST=interpreting(), num_warps=4,
+        EXACT_CAST=interpreting(), num_warps=4, **pdl_options(),
     )
     return out

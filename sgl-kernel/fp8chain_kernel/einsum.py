@@ -34,6 +34,7 @@ import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation
 from .fp8_tile import dot_bf16, round_bf16, store_pair_tile
+from .launch import await_producer, pdl_options
 from .norm import check_tensor, launch_args, producer_result, resolve_outputs
 
 __all__ = ["wo_a_einsum"]
@@ -46,9 +47,11 @@ def _wo_a_kernel(o_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, G, R, D,
                  STORE_BF16: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                  POW2: tl.constexpr, PACKED: tl.constexpr, EXACT_CAST: tl.constexpr,
                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                 K_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 K_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     # Axis 0 walks the tiles of one group (M fastest), axis 1 the groups: a group's o rows and
     # weights stay in L2 while its tiles run.
+    await_producer(PDL)
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m = tl.program_id(0) % num_m
     pid_n = tl.program_id(0) // num_m
@@ -200,5 +203,6 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, out_format: ActFormat | 
         a["y_stride"], *a["strides"],
         STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"],
         EVEN_K=d % cfg["BLOCK_K"] == 0, K_TILES=triton.cdiv(d, cfg["BLOCK_K"]), EVEN_N=r % block_n == 0, **cfg, **a["consts"],
+        **pdl_options(),
     )
     return producer_result(y, pair)

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair
 from .fp8_tile import interpreting
+from .launch import await_producer, pdl_options
 from .quant import check_activation, quantize
 
 __all__ = [
@@ -89,7 +90,7 @@ def _block_scaled_gemm_kernel(
     GROUP: tl.constexpr, A_FP8: tl.constexpr, SPLIT: tl.constexpr, ITERS: tl.constexpr,
     DEQUANT: tl.constexpr, BLOCK_DIAG: tl.constexpr,
     FP32_DOT: tl.constexpr,  # the CPU interpreter: fp32 dots and bit-exact bf16 rounding
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE_GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE_GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[m, n] = sum_g (sum_{k in g} a[m, k] w[n, k]) * a_scale[m, g] * w_scale[n // GROUP, g].
 
@@ -97,6 +98,7 @@ def _block_scaled_gemm_kernel(
     of BLOCK_K columns each. The weight block along N equals GROUP (32x32 or 128x128 blocks).
     With A_FP8 = False, ``a`` is bf16 and carries no scales (W8A16).
     """
+    await_producer(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -479,7 +481,7 @@ def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, conf
         GROUP=group, A_FP8=a_fp8, SPLIT=split, ITERS=iters_per_split, DEQUANT=cfg.dequant,
         BLOCK_DIAG=cfg.block_diag, FP32_DOT=interpreting(),
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, TILE_GROUP=cfg.tile_group,
-        num_warps=cfg.warps, **extra,
+        num_warps=cfg.warps, **extra, **pdl_options(),
     )
     return out
 

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation, cdiv
 from .fp8_tile import format_constexprs, interpreting, round_bf16, store_pair_tile
+from .launch import await_producer, pdl_options
 from .quant import prepare_out
 
 __all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary"]
@@ -55,7 +56,7 @@ HC_STREAMS: tl.constexpr = tl.constexpr(HC)
 @triton.jit
 def _stats_partial_kernel(r_ptr, fn_ptr, part_ptr, T, H, stride_rt, stride_rs, stride_fn,
                           CHUNKS_PER_SPLIT: tl.constexpr, NMIX: tl.constexpr, NP: tl.constexpr,
-                          BT: tl.constexpr, BK: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                          BT: tl.constexpr, BK: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
     """Partial ``flatten(R) @ fn^T`` and ``sum(X^2)`` over one range of 4H for BT tokens: one
     row of ``NP`` fp32 per (split, token), the 24 mix columns then the sum of squares.
 
@@ -63,6 +64,7 @@ def _stats_partial_kernel(r_ptr, fn_ptr, part_ptr, T, H, stride_rt, stride_rs, s
     bf16 dots (fp32 accumulate) give the fp32 product on the tensor cores. ``UPCAST_DOT`` (the
     CPU interpreter, whose dot does not read bf16) runs the same three dots on the parts upcast
     to fp32: every product is exact either way."""
+    await_producer(PDL)
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_t = pid_t * BT + tl.arange(0, BT)
@@ -130,7 +132,8 @@ def _pick4(i, v0, v1, v2, v3):
 @triton.jit
 def _stats_finish_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
                          T, K, rms_eps, hc_eps, NSPLIT: tl.constexpr, SP: tl.constexpr,
-                         SINKHORN_ITERS: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr):
+                         SINKHORN_ITERS: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
+                         PDL: tl.constexpr):
     """Sum the split partials, then the sigmoids, softmax and Sinkhorn normalisations for BT
     tokens.
 
@@ -139,6 +142,7 @@ def _stats_finish_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_
     = comb[i][j], and pre/post as ``[t, 0|1, k]``), so each Sinkhorn half step costs each lane
     one IEEE division and a four-lane sum: the divisions of a token run side by side rather
     than one after another."""
+    await_producer(PDL)
     offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
     t_ok = offs_t < T
     rows = offs_t.to(tl.int64)
@@ -260,7 +264,9 @@ def _boundary_kernel(
     BM: tl.constexpr, SLICE: tl.constexpr, BLOCK: tl.constexpr, BLOCK1: tl.constexpr,
     CHUNKS1: tl.constexpr,
     GROUP: tl.constexpr, POW2: tl.constexpr, PACKED: tl.constexpr, EXACT_CAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_producer(PDL)
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     m_ok = offs_m < T
     rows = offs_m.to(tl.int64)
@@ -525,7 +531,7 @@ def _launch(y, residual, pre, post, comb, norm_weight, norm_eps, new_residual, x
         DO_POST=do_post, DO_NORM=do_norm, STORE_X=store_x, QUANT=quant,
         BM=cfg["BM"], SLICE=cfg["SLICE"], BLOCK=cfg["BLOCK"], BLOCK1=cfg["BLOCK1"],
         CHUNKS1=cdiv(cols, cfg["BLOCK1"]),
-        num_warps=4, enable_fp_fusion=False, **consts,
+        num_warps=4, enable_fp_fusion=False, **consts, **pdl_options(),
     )
 
 
@@ -568,13 +574,13 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     part = torch.empty((splits, rows, np_), dtype=torch.float32, device=device)
     _stats_partial_kernel[(cdiv(rows, bt), splits)](
         residual, fn, part, rows, cols, residual.stride(0), residual.stride(1), fn.stride(0),
-        per_split, NMIX=NMIX, NP=np_, BT=bt, BK=bk, UPCAST_DOT=interpreting(), num_warps=4,
+        per_split, NMIX=NMIX, NP=np_, BT=bt, BK=bk, UPCAST_DOT=interpreting(), num_warps=4, **pdl_options(),
     )
     sp = triton.next_power_of_2(splits)
     bt2 = max(1, min(triton.next_power_of_2(rows), 256 // sp))  # [BT, SP] tiles of <= 256
     _stats_finish_kernel[(cdiv(rows, bt2),)](
         part, scale, base, pre, post, comb, rows, HC * cols, float(rms_eps), float(hc_eps),
-        NSPLIT=splits, SP=sp, SINKHORN_ITERS=int(sinkhorn_iters), NP=np_, BT=bt2, num_warps=4,
+        NSPLIT=splits, SP=sp, SINKHORN_ITERS=int(sinkhorn_iters), NP=np_, BT=bt2, num_warps=4, **pdl_options(),
     )
     return pre, post, comb
 

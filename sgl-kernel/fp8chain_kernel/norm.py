@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation
 from .fp8_tile import format_constexprs, fp8_offsets, interpreting, round_bf16, store_pair_tile
+from .launch import await_producer, pdl_options
 from .quant import prepare_out
 
 __all__ = ["rms_norm"]
@@ -127,8 +128,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, H, ep
                      stride_xm, stride_rm, stride_ym, stride_dm, stride_sm, stride_sg,
                      HAS_RESIDUAL: tl.constexpr, STORE_BF16: tl.constexpr, QUANT: tl.constexpr,
                      GROUP: tl.constexpr, POW2: tl.constexpr, PACKED: tl.constexpr,
-                     EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+                     EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     # One program normalises BLOCK_M whole rows held in registers (BLOCK_H >= H).
+    await_producer(PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, BLOCK_H)
     rows = offs_m.to(tl.int64)[:, None]
@@ -190,6 +192,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
         x, res, weight, a["y"], a["data"], a["scale"], rows, cols, float(eps),
         x.stride(0), res.stride(0), a["y_stride"], *a["strides"],
         HAS_RESIDUAL=residual is not None, STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"],
-        BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps, **a["consts"],
+        BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps, **a["consts"], **pdl_options(),
     )
     return producer_result(y, pair)

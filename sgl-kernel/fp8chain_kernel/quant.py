@@ -13,12 +13,14 @@ import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation, check_pair, empty_pair
 from .fp8_tile import format_constexprs, quantize_tile, store_scale_tile
+from .launch import await_producer, pdl_options
 
 
 @triton.jit
 def _quantize_kernel(x_ptr, data_ptr, scale_ptr, M, K, stride_xm, stride_dm, stride_sm, stride_sg,
                      GROUP: tl.constexpr, POW2: tl.constexpr, PACKED: tl.constexpr,
-                     EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                     EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    await_producer(PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     rows = offs_m.to(tl.int64)[:, None]
@@ -81,5 +83,6 @@ def quantize(x: torch.Tensor, fmt: ActFormat | str, out: QuantizedActivation | N
         x, out.data, out.scale, rows, cols, x.stride(0), out.data.stride(0),
         out.scale.stride(0), out.scale.stride(1),
         BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps, **format_constexprs(fmt),
+        **pdl_options(),
     )
     return out
