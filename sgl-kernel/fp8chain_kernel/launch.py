@@ -1,22 +1,26 @@
 """Programmatic dependent launch (PDL) for every fp8chain kernel, Hopper and later.
 
 A decode step is a chain of small dependent launches; between two of them the GPU idles for the
-next grid's launch. Under ``programmatic_launches()`` every fp8chain kernel is launched with the
+next grid's launch. With PDL every fp8chain kernel is launched with the
 programmatic-stream-serialization attribute (``launch_pdl``): its programs may be scheduled while
 the kernel before it in the stream still runs, and each program first executes
 ``griddepcontrol.wait`` (``await_producer``), which returns once that kernel has completed and its
 writes are visible, before it touches memory. Right after, it lets the next kernel's programs be
-scheduled behind its own (``griddepcontrol.launch_dependents``), so the launch overlaps this
+scheduled behind its own (``griddepcontrol.launch_dependents``), so the next launch overlaps this
 kernel's work. Numerics do not change: every read and write still happens after the previous
-kernel finished. Works inside CUDA-graph capture (the edge becomes a programmatic dependency).
+kernel finished (the layer step is bitwise identical with and without, eager and in CUDA graphs;
+docs/benchmarks.md). Works inside CUDA-graph capture (the edge becomes a programmatic dependency).
 
-Outside the context, or on the CPU interpreter or a GPU before sm_90, kernels launch as usual
-(``PDL=False`` compiles without the two instructions).
+On by default on GPUs of compute capability >= 9.0; off on older GPUs and the CPU interpreter
+(``PDL=False`` compiles without the two instructions). ``FP8CHAIN_PDL=0`` in the environment
+turns it off for the process, ``programmatic_launches(False)`` for a block.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 
 import torch
 import triton
@@ -25,9 +29,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .fp8_tile import interpreting
 
-__all__ = ["await_producer", "programmatic_launches", "pdl_options"]
+__all__ = ["await_producer", "enabled", "programmatic_launches", "pdl_options", "supported"]
 
-_enabled = False
+_override: list[bool] = []  # innermost programmatic_launches() block last
 
 
 @triton.jit
@@ -39,25 +43,35 @@ def await_producer(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-def supported(device: torch.device | None = None) -> bool:
-    """PDL needs a CUDA GPU of compute capability 9.0 or later (and compiled kernels)."""
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def supported() -> bool:
+    """PDL needs compiled kernels on a CUDA GPU of compute capability 9.0 or later (the current
+    device)."""
     if interpreting() or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return _capability_major(torch.cuda.current_device()) >= 9
 
 
 @contextlib.contextmanager
 def programmatic_launches(enabled: bool = True):
-    """Launch fp8chain kernels with PDL inside this block (where ``supported``); nests."""
-    global _enabled
-    previous = _enabled
-    _enabled = enabled and supported()
+    """Launch fp8chain kernels with (or without) PDL inside this block, where ``supported``."""
+    _override.append(enabled)
     try:
         yield
     finally:
-        _enabled = previous
+        _override.pop()
+
+
+def enabled() -> bool:
+    """Whether kernels launched now use PDL (the innermost block, else ``FP8CHAIN_PDL``, else on)."""
+    wanted = _override[-1] if _override else os.environ.get("FP8CHAIN_PDL", "1") != "0"
+    return wanted and supported()
 
 
 def pdl_options() -> dict:
     """Launch keywords for a kernel that starts with ``await_producer(PDL)`` (pass with ``**``)."""
-    return {"PDL": True, "launch_pdl": True} if _enabled else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if enabled() else {"PDL": False}

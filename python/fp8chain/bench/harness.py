@@ -152,8 +152,11 @@ def _git_commit() -> str:
 
 
 def bench_meta() -> dict:
-    """Date, device, commit and versions: what every recorded figure carries."""
+    """Date, device, commit, versions and whether kernels launch with PDL: what every recorded
+    figure carries."""
     import triton
+
+    from fp8chain_kernel import launch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {
@@ -162,6 +165,7 @@ def bench_meta() -> dict:
         "commit": _git_commit(),
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "programmatic_dependent_launch": launch.enabled(),
     }
 
 

@@ -1,0 +1,73 @@
+"""Programmatic dependent launch: when kernels use it, and that it changes no byte (GPU)."""
+
+import pytest
+import torch
+
+from fp8chain_kernel import launch
+from fp8chain_kernel.gemm import fp8_gemm
+from fp8chain_kernel.mhc import mhc_mega_boundary
+from fp8chain_kernel.norm import rms_norm
+
+
+@pytest.mark.cpu
+def test_off_on_the_interpreter_and_without_a_gpu():
+    assert not launch.supported()
+    with launch.programmatic_launches():
+        assert launch.pdl_options() == {"PDL": False}
+
+
+@pytest.mark.cpu
+def test_on_by_default_where_supported(monkeypatch):
+    """Default on; FP8CHAIN_PDL=0 turns it off; blocks override both and nest."""
+    monkeypatch.setattr(launch, "supported", lambda: True)
+    monkeypatch.delenv("FP8CHAIN_PDL", raising=False)
+    assert launch.pdl_options() == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv("FP8CHAIN_PDL", "0")
+    assert launch.pdl_options() == {"PDL": False}
+    with launch.programmatic_launches():
+        assert launch.enabled()
+        with launch.programmatic_launches(False):
+            assert not launch.enabled()
+        assert launch.enabled()
+    assert not launch.enabled()
+
+
+def _chain(y, residual, mixes, weight, w, w_scale, fmt):
+    """mHC boundary (FP8 pair) -> GEMM -> RMSNorm: three dependent launches."""
+    pre, post, comb = mixes
+    new_residual, x, pair = mhc_mega_boundary(y, residual, pre, post, comb, weight, 1e-6, out_format=fmt)
+    out = fp8_gemm(pair, w, w_scale, weight_block=32)
+    return new_residual, x, pair.data, pair.scale, out, rms_norm(out, weight[: out.shape[1]], 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_programmatic_launches_change_no_byte(rows):
+    """The same chain eagerly without PDL and replayed from a CUDA graph captured with it."""
+    if not launch.supported():
+        pytest.skip("PDL needs sm_90 or later")
+    h, n = 5120, 1792
+    fmt = "sm90_g32_fp32_mn"
+    y = torch.randn(rows, h, device="cuda").bfloat16()
+    residual = torch.randn(rows, 4, h, device="cuda").bfloat16()
+    mixes = (torch.rand(rows, 4, device="cuda"), 2 * torch.rand(rows, 4, device="cuda"),
+             torch.rand(rows, 4, 4, device="cuda"))
+    weight = (1 + 0.1 * torch.randn(h, device="cuda")).bfloat16()
+    w = (torch.randn(n, h, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+    w_scale = torch.exp2(torch.randint(-10, -4, (n // 32, h // 32), device="cuda").float())
+    args = (y, residual, mixes, weight, w, w_scale, fmt)
+    with launch.programmatic_launches(False):
+        want = _chain(*args)
+    with launch.programmatic_launches():
+        _chain(*args)  # compile and warm up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = _chain(*args)
+    for t in got:
+        t.fill_(float("nan")) if t.is_floating_point() and t.dtype != torch.float8_e4m3fn else t.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(want, got):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
