@@ -107,14 +107,18 @@ def bf16_matmul_rate(device=None, size: int = 8192) -> float:
 
 def kernel_profile(fn: Callable[[], object]) -> dict[str, dict[str, float]]:
     """Kernel name -> ``{"launches": n, "us": total GPU time}`` during one eager call of ``fn``
-    (torch.profiler, CUDA activity), after one warm-up call."""
+    (torch.profiler, CUDA activity), after one warm-up call. Kernels launch without PDL here: with
+    it, a kernel's span would include its programs' wait for the kernel before it."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    from fp8chain_kernel.launch import programmatic_launches
+
+    with programmatic_launches(False):
         fn()
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
     kernels: dict[str, dict[str, float]] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
