@@ -136,8 +136,12 @@ def _cmd_info(args) -> int:
     from fp8chain_kernel import backends
     from fp8chain_kernel.formats import ActFormat
 
+    from fp8chain_kernel import launch
+
     caps = backends.probe()
     print(f"capabilities: {caps}")
+    print("programmatic dependent launch: " + ("on" if launch.enabled() else
+          "off (" + ("FP8CHAIN_PDL=0" if launch.supported() else "needs sm_90+ and compiled kernels") + ")"))
     for block, fmt in ((32, backends.input_format_for(32)), (128, ActFormat.SM90_G128_FP32_MN)):
         for n, k in ((1792, 5120), (5120, 8192)):
             print(f"weight block {block}, {fmt.value}, N={n} K={k}:")
