@@ -254,9 +254,9 @@ def run(args) -> tuple[dict, list[dict]]:
         unit = LayerUnit(layer, config, rows, args.context, "cuda", prefill=is_prefill)
         record = {"shapes": shapes, "M": rows, "phase": "prefill" if is_prefill else "decode"}
         with torch.no_grad():
+            _time_arms(unit, record, "", args.iters)
             for arm, on in ARMS:
                 unit.set_chain(on)
-                record[f"{arm}_us"] = harness.graph_time_us(unit.step, iters=args.iters, repeats=5)
                 kernels = harness.kernel_profile(unit.step)
                 launches = harness.launch_counts(kernels)
                 record[f"{arm}_launches"] = sum(launches.values())
