@@ -31,6 +31,7 @@ from .fp8_tile import interpreting
 
 __all__ = ["await_producer", "enabled", "programmatic_launches", "pdl_options", "supported"]
 
+release_at_start = True  # EXPERIMENT: False -> dependents launch at exit
 _override: list[bool] = []  # innermost programmatic_launches() block last
 
 
@@ -40,7 +41,8 @@ def await_producer(PDL: tl.constexpr):
     next one."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
+        if PDL == 1:
+            gdc_launch_dependents()
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,4 +76,4 @@ def enabled() -> bool:
 
 def pdl_options() -> dict:
     """Launch keywords for a kernel that starts with ``await_producer(PDL)`` (pass with ``**``)."""
-    return {"PDL": True, "launch_pdl": True} if enabled() else {"PDL": False}
+    return {"PDL": 1 if release_at_start else 2, "launch_pdl": True} if enabled() else {"PDL": False}
