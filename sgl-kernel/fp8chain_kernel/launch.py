@@ -2,17 +2,17 @@
 
 A decode step is a chain of small dependent launches; between two of them the GPU idles for the
 next grid's launch. With PDL every fp8chain kernel is launched with the
-programmatic-stream-serialization attribute (``launch_pdl``): its programs may be scheduled while
-the kernel before it in the stream still runs, and each program first executes
-``griddepcontrol.wait`` (``await_producer``), which returns once that kernel has completed and its
-writes are visible, before it touches memory. Right after, it lets the next kernel's programs be
-scheduled behind its own (``griddepcontrol.launch_dependents``), so the next launch overlaps this
-kernel's work. Numerics do not change: every read and write still happens after the previous
-kernel finished (the layer step is bitwise identical with and without, eager and in CUDA graphs;
-docs/benchmarks.md). Works inside CUDA-graph capture (the edge becomes a programmatic dependency).
+programmatic-stream-serialization attribute (``launch_pdl``): the GPU may launch it before the
+kernel ahead of it in the stream has fully completed, and each of its programs first executes
+``griddepcontrol.wait`` (``await_producer``), which returns once that kernel has completed and
+its writes are visible, before it touches memory. The launch thus overlaps the previous kernel's
+last programs instead of following its completion. Numerics do not change: every read and write
+still happens after the previous kernel finished (the layer step is bitwise identical with and
+without, eagerly and in CUDA graphs; docs/benchmarks.md). Works inside CUDA-graph capture (the
+edge becomes a programmatic dependency).
 
 On by default on GPUs of compute capability >= 9.0; off on older GPUs and the CPU interpreter
-(``PDL=False`` compiles without the two instructions). ``FP8CHAIN_PDL=0`` in the environment
+(``PDL=False`` compiles without the wait). ``FP8CHAIN_PDL=0`` in the environment
 turns it off for the process, ``programmatic_launches(False)`` for a block.
 """
 
@@ -25,24 +25,23 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from .fp8_tile import interpreting
 
 __all__ = ["await_producer", "enabled", "programmatic_launches", "pdl_options", "supported"]
 
-release_at_start = True  # EXPERIMENT: False -> dependents launch at exit
 _override: list[bool] = []  # innermost programmatic_launches() block last
 
 
 @triton.jit
 def await_producer(PDL: tl.constexpr):
-    """First statement of every kernel: with PDL, wait for the previous kernel, then release the
-    next one."""
+    """First statement of every kernel: with PDL, wait for the previous kernel. The next kernel is
+    released as this one's programs exit (no ``griddepcontrol.launch_dependents``: released at
+    program start, the next kernel's programs wait on SMs beside the running ones, which measured
+    slower wherever a kernel has more programs than SMs)."""
     if PDL:
         gdc_wait()
-        if PDL == 1:
-            gdc_launch_dependents()
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,4 +75,4 @@ def enabled() -> bool:
 
 def pdl_options() -> dict:
     """Launch keywords for a kernel that starts with ``await_producer(PDL)`` (pass with ``**``)."""
-    return {"PDL": 1 if release_at_start else 2, "launch_pdl": True} if enabled() else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if enabled() else {"PDL": False}

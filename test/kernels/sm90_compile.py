@@ -7,7 +7,8 @@ sm_90 with Triton's own ptxas, and prints ``kernel REG:.. STACK:.. LOCAL:..`` pe
 compile error exits non-zero. It catches what the CPU interpreter accepts but the compiler
 rejects (branch-local shapes, dot shapes, layouts) and register spills (STACK/LOCAL > 0).
 Kernels whose launch configuration depends on the GPU they run on (the mHC boundary) are
-called with the H200's configuration patched in.
+called with the H200's configuration patched in, and every kernel with programmatic dependent
+launch on, as on sm_90 (``fp8chain_kernel.launch``).
 """
 
 import os
@@ -23,12 +24,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from fp8chain_kernel import act, attention, einsum, gemm, mhc, norm, quant, reference  # noqa: E402
+from fp8chain_kernel import act, attention, einsum, gemm, launch, mhc, norm, quant, reference  # noqa: E402
 from fp8chain_kernel.formats import FP8_DTYPE, ActFormat  # noqa: E402
 
 TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv", torch.int32: "i32",
          torch.int64: "i64", torch.uint8: "u8"}
-OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl")
 launches = []
 
 
@@ -116,6 +117,7 @@ def record_boundary_launches() -> None:
 
 def main() -> int:
     JITFunction.run = _record
+    launch.supported = lambda: True  # the launches an sm_90 GPU makes
     with torch.no_grad():
         record_launches()
         record_boundary_launches()
