@@ -15,6 +15,9 @@ Arms, timed in one process with CUDA-graph replay (median):
 - ``chained_no_stats`` / ``unchained_no_stats`` (diagnostic): both steps with the mixes computed
   once outside the step (no stats launches), so what the overlapped stats still cost each arm
   is the difference to ``chained`` / ``unchained``;
+- ``chained_no_pdl`` / ``unchained_no_pdl`` (where kernels launch with programmatic dependent
+  launch, ``fp8chain_kernel.launch``): both steps with it off, so what PDL buys each arm is the
+  difference to ``chained`` / ``unchained``;
 - ``compiled_peer``: the same unit in plain torch ops with cuBLAS blockwise FP8 GEMMs
   (128x128 weight blocks, a torch-composed quantize before each), ``torch.compile``d;
 - ``floor``: weight bytes of the unit / copy bandwidth measured in the same run.
@@ -39,7 +42,7 @@ from fp8chain.layers.quantization.fp8 import Fp8Config  # noqa: E402
 from fp8chain.models.deepseek_v41 import (  # noqa: E402
     DeepseekV41Config, DeepseekV41DecoderLayer, _chain_format,
 )
-from fp8chain_kernel import quant, reference  # noqa: E402
+from fp8chain_kernel import launch, quant, reference  # noqa: E402
 from fp8chain_kernel.formats import ActFormat, align4  # noqa: E402
 
 ROWS = [1, 4, 16, 64, 256]
@@ -267,6 +270,9 @@ def run(args) -> tuple[dict, list[dict]]:
             layer.overlap_stats = True
             with precomputed_stats(layer, unit.residual):
                 _time_arms(unit, record, "_no_stats", args.iters)
+            if launch.enabled():
+                with launch.programmatic_launches(False):
+                    _time_arms(unit, record, "_no_pdl", args.iters)
             unit.set_chain(True)
             if peer is not None:
                 inputs = (unit.residual, unit.x, unit.positions, unit.slots, unit.kv_cache)
@@ -289,7 +295,8 @@ def run(args) -> tuple[dict, list[dict]]:
 
 
 COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "chained_serial_stats_us",
-           "unchained_serial_stats_us", "chained_no_stats_us", "unchained_no_stats_us", "compiled_peer_us",
+           "unchained_serial_stats_us", "chained_no_stats_us", "unchained_no_stats_us", "chained_no_pdl_us",
+           "unchained_no_pdl_us", "compiled_peer_us",
            "floor_us", "chained_over_unchained", "serial_chained_over_unchained",
            "no_stats_chained_over_unchained", "chained_over_peer", "chained_over_floor", "chained_launches",
            "unchained_launches", "chained_quantize_launches", "unchained_quantize_launches"]
