@@ -133,10 +133,8 @@ def _cmd_info(args) -> int:
               f"{props.total_memory / 2**30:.0f} GiB")
     else:
         print("GPU: none (kernels run on the Triton CPU interpreter)")
-    from fp8chain_kernel import backends
+    from fp8chain_kernel import backends, launch
     from fp8chain_kernel.formats import ActFormat
-
-    from fp8chain_kernel import launch
 
     caps = backends.probe()
     print(f"capabilities: {caps}")
