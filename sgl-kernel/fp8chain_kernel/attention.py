@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_tile import dot_bf16, interpreting, round_bf16
+from .fp8_tile import dot_bf16, interpreting, rms_rstd, round_bf16
 from .launch import await_producer, pdl_options
 
 __all__ = ["rope_qkv", "mqa_attention", "key_splits"]
@@ -108,7 +108,7 @@ def _rope_qkv_kernel(q_ptr, kv_ptr, kv_w_ptr, cos_ptr, sin_ptr, out_ptr, cache_p
         h_ok = offs_h < NH
         row = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * D
         q = tl.load(row + offs_d[None, :], mask=h_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt_rn(tl.sum(q * q, axis=1) / D + eps)
+        rstd = rms_rstd(tl.sum(q * q, axis=1), D, eps)
         pair_mask = h_ok[:, None] & i_ok[None, :]
         q_even = tl.load(row + even_d[None, :], mask=pair_mask, other=0.0).to(tl.float32) * rstd[:, None]
         q_odd = tl.load(row + even_d[None, :] + 1, mask=pair_mask, other=0.0).to(tl.float32) * rstd[:, None]
@@ -124,7 +124,7 @@ def _rope_qkv_kernel(q_ptr, kv_ptr, kv_w_ptr, cos_ptr, sin_ptr, out_ptr, cache_p
         kv_rstd = 0.0
         if KV_NORM:
             h = tl.load(src + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-            kv_rstd = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=0) / D + eps)
+            kv_rstd = rms_rstd(tl.sum(h * h, axis=0), D, eps)
         kv = _latent(src, kv_w_ptr, offs_d, offs_d < nope, kv_rstd, KV_NORM, EXACT_CAST)
         tl.store(dst + offs_d, kv.to(tl.bfloat16), mask=offs_d < nope)
         kv_even = _latent(src, kv_w_ptr, even_d, i_ok, kv_rstd, KV_NORM, EXACT_CAST)
@@ -135,11 +135,16 @@ def _rope_qkv_kernel(q_ptr, kv_ptr, kv_w_ptr, cos_ptr, sin_ptr, out_ptr, cache_p
 
 
 @triton.jit
-def _store_rotated_back(out, even, odd, denom, cos_ptr, sin_ptr, pos, even_d, mask, D, HALF: tl.constexpr,
+def _store_rotated_back(o_rows, tile, first_col, denom, h_ok, cos_ptr, sin_ptr, pos, D, HALF: tl.constexpr,
                         EXACT_CAST: tl.constexpr):
-    """Divide the column pairs ``(2i, 2i+1)`` (``even_d`` = 2i) of a head tile by its softmax
-    denominators, rotate the RoPE'd tail pairs back (the others by angle 0: cos 1, sin 0) and store
-    bf16 at ``out`` (the even columns' pointers)."""
+    """Output columns ``first_col ..`` of a head tile (fp32 ``[heads, columns]``, columns even): the
+    column pairs ``(2i, 2i+1)`` divided by the heads' softmax denominators, the RoPE'd tail pairs
+    rotated back (the others by angle 0: cos 1, sin 0), stored bf16 at ``o_rows`` (``[heads, 1]``
+    pointers to column 0)."""
+    even, odd = tl.split(tl.reshape(tile, (tile.shape[0], tile.shape[1] // 2, 2)))
+    even_d = first_col + 2 * tl.arange(0, tile.shape[1] // 2)
+    out = o_rows + even_d[None, :]
+    mask = h_ok[:, None] & (even_d < D)[None, :]
     pair = (even_d - (D - 2 * HALF)) // 2  # RoPE pair index, negative outside the tail
     rope = (pair >= 0) & (even_d < D)
     cos = tl.load(cos_ptr + pos * HALF + pair, mask=rope, other=1.0)[None, :]
@@ -210,11 +215,9 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
         peak = tl.maximum(sink, m_i)
         weight = tl.exp(m_i - peak)
         denom = tl.exp(sink - peak) + l_i * weight
-        even, odd = tl.split(tl.reshape(acc * weight[:, None], (BLOCK_H, BLOCK_D // 2, 2)))
-        even_d = 2 * tl.arange(0, BLOCK_D // 2)
-        out = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + even_d[None, :]
-        _store_rotated_back(out, even, odd, denom, cos_ptr, sin_ptr, tl.load(pos_ptr + t).to(tl.int64), even_d,
-                            h_ok[:, None] & (even_d < D)[None, :], D, HALF, EXACT_CAST)
+        o_rows = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
+        _store_rotated_back(o_rows, acc * weight[:, None], 0, denom, h_ok, cos_ptr, sin_ptr, last.to(tl.int64), D,
+                            HALF, EXACT_CAST)
     else:
         base = (t * SPLITS + split).to(tl.int64) * NH
         tl.store(part_o_ptr + (base + offs_h[:, None]) * D + offs_d[None, :], acc,
@@ -248,11 +251,9 @@ def _mqa_merge_kernel(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, pos_p
     weight = tl.exp(m_s - peak[None, :])  # 0 for a split that saw no key (m_s = -inf)
     denom = tl.exp(sink - peak) + tl.sum(l_s * weight, axis=0)
     total = tl.sum(part * weight[:, :, None], axis=0)
-    even, odd = tl.split(tl.reshape(total, (BLOCK_H, BLOCK_C // 2, 2)))
-    even_d = tl.program_id(2) * BLOCK_C + 2 * tl.arange(0, BLOCK_C // 2)
-    out = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + even_d[None, :]
-    _store_rotated_back(out, even, odd, denom, cos_ptr, sin_ptr, tl.load(pos_ptr + t).to(tl.int64), even_d,
-                        h_ok[:, None] & (even_d < D)[None, :], D, HALF, EXACT_CAST)
+    o_rows = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
+    _store_rotated_back(o_rows, total, tl.program_id(2) * BLOCK_C, denom, h_ok, cos_ptr, sin_ptr,
+                        tl.load(pos_ptr + t).to(tl.int64), D, HALF, EXACT_CAST)
 
 
 def _splits(tokens: int, heads: int, block_h: int, key_steps: int) -> int:

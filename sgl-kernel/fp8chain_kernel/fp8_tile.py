@@ -72,6 +72,13 @@ def dot_bf16(a, b, acc, EXACT_CAST: tl.constexpr):
 
 
 @triton.jit
+def rms_rstd(sum_sq, n, eps):
+    """RMSNorm's ``1 / sqrt(sum_sq / n + eps)`` in fp32 (correctly rounded square root), the one
+    expression every fused norm uses so they all round as ``norm.rms_norm`` does."""
+    return 1.0 / tl.sqrt_rn(sum_sq / n + eps)
+
+
+@triton.jit
 def round_bf16(x, EXACT_CAST: tl.constexpr):
     """fp32 tile -> bf16 tile, round to nearest even (NaN kept, overflow to inf).
 

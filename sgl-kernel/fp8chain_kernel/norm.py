@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation
-from .fp8_tile import format_constexprs, fp8_offsets, interpreting, round_bf16, store_pair_tile
+from .fp8_tile import format_constexprs, fp8_offsets, interpreting, rms_rstd, round_bf16, store_pair_tile
 from .launch import await_producer, pdl_options
 from .quant import prepare_out
 
@@ -142,8 +142,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, H, ep
         hb = round_bf16(h + r, EXACT_CAST)
         tl.store(r_ptrs, hb, mask=mask)
         h = hb.to(tl.float32)
-    mean_sq = tl.sum(h * h, axis=1) / H
-    rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
+    rstd = rms_rstd(tl.sum(h * h, axis=1), H, eps)
     w = tl.load(w_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
     yb = round_bf16(h * rstd[:, None] * w[None, :], EXACT_CAST)
     if STORE_BF16:
