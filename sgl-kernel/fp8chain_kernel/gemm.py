@@ -41,7 +41,7 @@ import triton.language as tl
 
 from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair
 from .fp8_tile import interpreting
-from .launch import await_producer, pdl_options
+from .launch import ARRIVAL_SLOTS, arrival_counters, await_producer, pdl_options
 from .quant import check_activation, quantize
 
 __all__ = [
@@ -321,7 +321,6 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
 }
 
 _M_BUCKETS = (16, 32, 64, 128, 256, 1 << 30)
-_COUNTER_SLOTS = 1 << 14
 
 
 def _m_bucket(m: int) -> int:
@@ -381,27 +380,6 @@ def select_config(m: int, n: int, k: int, group: int, device: torch.device, a_fp
 # Host side
 # --------------------------------------------------------------------------------------------
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Per-tile arrival counters for split-K (zero between calls: the last arrival resets its own).
-
-    One buffer per device, allocated on first eager use: split-K GEMMs on one device must not run
-    concurrently on two streams. A first use inside CUDA-graph capture gets its own zeroed buffer
-    (allocated from, and zeroed by, the graph), so the cached buffer never lives in a graph's
-    private memory pool.
-    """
-    buf = _counters.get(device)
-    if buf is not None:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(tiles, dtype=torch.int32, device=device)
-    buf = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    _counters[device] = buf
-    return buf
-
-
 def input_format_for_block(weight_block: int) -> ActFormat:
     """The SM90 activation format the Triton GEMM reads for ``weight_block`` x ``weight_block``
     weight blocks."""
@@ -460,12 +438,12 @@ def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, conf
     split = max(1, min(cfg.split, iters))
     while iters % split:  # equal slices: the largest divisor of the K iterations <= the request
         split -= 1
-    if split > 1 and tiles > _COUNTER_SLOTS:
+    if split > 1 and tiles > ARRIVAL_SLOTS:
         split = 1
     iters_per_split = iters // split
     if split > 1:
         part = torch.empty(split * tiles * cfg.block_n * cfg.block_m, dtype=torch.float32, device=a.device)
-        counters = _split_counters(a.device, tiles)
+        counters = arrival_counters("gemm", a.device, tiles)
     else:
         part = counters = out  # unused placeholders
     if a_scale is None:

@@ -29,7 +29,8 @@ from triton.language.extra.cuda import gdc_wait
 
 from .fp8_tile import interpreting
 
-__all__ = ["await_producer", "enabled", "programmatic_launches", "pdl_options", "supported"]
+__all__ = ["ARRIVAL_SLOTS", "arrival_counters", "await_producer", "enabled", "programmatic_launches", "pdl_options",
+           "supported"]
 
 _override: list[bool] = []  # innermost programmatic_launches() block last
 
@@ -76,3 +77,27 @@ def enabled() -> bool:
 def pdl_options() -> dict:
     """Launch keywords for a kernel that starts with ``await_producer(PDL)`` (pass with ``**``)."""
     return {"PDL": True, "launch_pdl": True} if enabled() else {"PDL": False}
+
+
+ARRIVAL_SLOTS = 1 << 14
+_arrival: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def arrival_counters(user: str, device: torch.device, slots: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the "last program to arrive finishes" kernels (split-K
+    GEMM, the row-split mHC boundary): each program bumps its counter once; the one that sees the
+    final count does the finishing work and re-arms the counter to zero for the next call.
+
+    One ``ARRIVAL_SLOTS`` buffer per (``user``, device), allocated on first eager use: launches of
+    one user on one device must not run concurrently on two streams. A first use inside CUDA-graph
+    capture gets its own zeroed ``slots`` buffer (allocated from, and zeroed by, the graph), so the
+    cached buffer never lives in a graph's private memory pool.
+    """
+    buf = _arrival.get((user, device))
+    if buf is not None:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(slots, dtype=torch.int32, device=device)
+    buf = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
+    _arrival[(user, device)] = buf
+    return buf

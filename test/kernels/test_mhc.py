@@ -439,11 +439,39 @@ def test_gpu_launch_configs_on_interpreter(monkeypatch):
     h, t = 1280, 3
     residual, y, weight, pre, post, comb = make_inputs(t, h, "cpu")
     cfg = mhc._boundary_config(t, h, residual.device)
-    assert cfg["grid"] == (3, 10) and cfg["BM"] == 1 and cfg["SLICE"] == 128
+    assert cfg["grid"] == (3, 10) and cfg["BM"] == 1 and cfg["SLICE"] == 128 and cfg["SPLIT_ROW"]
     for fmt in (ActFormat.SM90_G128_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN):
         new_r, x, pair = mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, EPS,
                                                out_format=fmt, out=poisoned_pair(t, h, fmt, "cpu"))
         check_boundary_outputs(y, residual, pre, post, comb, weight, new_r, x, pair, fmt)
+
+
+@cpu
+@pytest.mark.parametrize("targets", [1, 16], ids=["whole-rows", "split-rows"])
+def test_row_split_and_whole_row_programs(monkeypatch, targets):
+    """A normalized row owned by one program, or split over programs whose last arrival normalizes
+    it: both within the bounds, every output written (poisoned buffers), and the arrival counters
+    re-armed (the second call would otherwise normalize nothing)."""
+    monkeypatch.setattr(mhc, "_target_programs", lambda device: targets)
+    t, h = 5, 512
+    assert mhc._boundary_config(t, h, torch.device("cpu"))["SPLIT_ROW"] == (targets > 1)
+    residual, y, weight, pre, post, comb = make_inputs(t, h, "cpu")
+    residual[2] = float("nan")
+    for _ in range(2):
+        for fmt in (FORMATS[0], FORMATS[-1]):
+            out_r, out_x = nan_poison((t, 4, h), "cpu"), nan_poison((t, h), "cpu")
+            new_r, x, pair = mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, EPS, out_format=fmt,
+                                                   out_residual=out_r, out_bf16=out_x,
+                                                   out=poisoned_pair(t, h, fmt, "cpu"))
+            ok = [0, 1, 3, 4]
+            assert torch.isnan(x[2]).all() and torch.isnan(new_r[2]).all()
+            check_boundary_outputs(y[ok], residual[ok], pre[ok], post[ok], comb[ok], weight, new_r[ok], x[ok],
+                                   reference.quantize(x[ok], fmt), fmt)
+            assert_pairs_equal(pair, reference.quantize(x, fmt))
+            out_x = nan_poison((t, h), "cpu")
+            x_only = mhc.mhc_combine_norm(new_r, pre, weight, EPS, out_bf16=out_x)
+            assert_close_bf16(x_only[ok], ref_mhc.mhc_norm_fp32(ref_mhc.mhc_combine(new_r[ok], pre[ok]), weight, EPS),
+                              ulps=1.0)
 
 
 # --------------------------------------------------------------------------- validation
