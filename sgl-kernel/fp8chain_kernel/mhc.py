@@ -384,9 +384,10 @@ def _boundary_kernel(
                 row_mask = m_ok[:, None] & v_ok[None, :]
                 v_row = tl.load(v_ptr + fp8_offsets(rows[:, None], H, offs_v), mask=row_mask, other=0.0,
                                 cache_modifier=".cg").to(tl.float32)
-                _store_x(v_row, _rms_scale(tl.sum(parts, axis=1), H, eps, BM), w_row, offs_v, 0, row_mask, rows, offs_m,
-                         T, H, x_ptr, q_ptr, s_ptr, stride_xt, stride_qt, stride_sm, stride_sg, STORE_X,
-                         QUANT, BM, ROW_BLOCK, GROUP, POW2, PACKED, EXACT_CAST)
+                rs = _rms_scale(tl.sum(parts, axis=1), H, eps, BM)
+                _store_x(v_row, rs, w_row, offs_v, 0, row_mask, rows, offs_m, T, H, x_ptr, q_ptr, s_ptr,
+                         stride_xt, stride_qt, stride_sm, stride_sg, STORE_X, QUANT, BM, ROW_BLOCK, GROUP,
+                         POW2, PACKED, EXACT_CAST)
                 tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
         else:
             if DO_POST:
