@@ -1,28 +1,41 @@
 #!/usr/bin/env bash
 # Run the GPU test suite and the benchmarks on a CUDA machine, in one call, without network.
 #
-#   scripts/device.sh OUTDIR [all|tests|bench|bench:NAME[,NAME...]] [--quick] [-- PYTEST_ARGS...]
+#   scripts/device.sh OUTDIR [all|tests|bench|bench:NAME[,NAME...]] [--quick] [--jobs N] [-- PYTEST_ARGS...]
 #
 # bench:NAME,... runs only those benchmarks (quant, producers, gemm, attention, layer), e.g. bench:layer,gemm.
+# --jobs N runs the test files in N pytest processes at once on the one GPU (files dealt by size,
+# largest first); PYTEST_ARGS that are not paths (options) go to every process.
 #
-# Writes under OUTDIR: gpu-tests.xml (junit), gpu-tests.log, bench.log, results.tar.gz
-# (benchmark/results JSON + PNG). Installs nothing: it runs from the source tree with the
-# machine's python3 (torch, triton, numpy, safetensors, pytest, rich, tqdm, matplotlib).
+# Writes under OUTDIR: gpu-tests.xml (junit) and gpu-tests.log (gpu-tests-K.* per process with
+# --jobs), bench.log, results.tar.gz (benchmark/results JSON + PNG). Installs nothing: it runs from
+# the source tree with the machine's python3 (torch, triton, numpy, safetensors, pytest, rich,
+# tqdm, matplotlib).
 #
-# On an H200 the whole gpu suite takes ~12 minutes (Triton compilation dominates) and the full
-# benchmark sweeps longer; where one call is limited to 10 minutes, split it, e.g.
-#   scripts/device.sh $OUT tests -- test/kernels/test_quant.py test/kernels/test_norm.py ...
-#   scripts/device.sh $OUT bench --quick
+# On an H200 the whole gpu suite takes ~12 minutes in one process (Triton compilation dominates)
+# and ~4 minutes with --jobs 3; the full benchmark sweeps take longer. Where one call is limited to
+# 10 minutes, split the work, e.g.
+#   scripts/device.sh $OUT tests --jobs 3
+#   scripts/device.sh $OUT bench:layer,producers
 # The tree travels without its own git metadata (what git reports there can be an older commit):
 # pass FP8CHAIN_COMMIT=<hash> so results name the commit they measured.
 set -uo pipefail
-out=${1:?usage: scripts/device.sh OUTDIR [all|tests|bench|bench:NAME[,NAME...]] [--quick] [-- PYTEST_ARGS...]}
+usage="usage: scripts/device.sh OUTDIR [all|tests|bench|bench:NAME[,NAME...]] [--quick] [--jobs N] [-- PYTEST_ARGS...]"
+out=${1:?$usage}
 shift
 what=${1:-all}
 [ $# -gt 0 ] && shift
 quick=""
-if [ "${1:-}" = "--quick" ]; then quick="--quick"; shift; fi
-[ "${1:-}" = "--" ] && shift
+jobs=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) quick="--quick"; shift ;;
+    --jobs) jobs=${2:?$usage}; shift 2 ;;
+    --) shift; break ;;
+    *) echo "$usage" >&2; exit 2 ;;
+  esac
+done
+case "$jobs" in ''|*[!0-9]*|0) echo "--jobs takes a positive integer, got '$jobs'" >&2; exit 2 ;; esac
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -31,10 +44,53 @@ export PYTHONUNBUFFERED=1
 status=0
 [ -z "${FP8CHAIN_COMMIT:-}" ] && echo "note: FP8CHAIN_COMMIT is not set; results name whatever commit git reports here" >&2
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$out/device.txt"
+
+# pytest -m gpu over the given files; exit status 5 (no test selected) counts as success.
+run_gpu_tests() {
+  local name=$1; shift
+  python3 -m pytest -q -m gpu --durations=30 --junitxml="$out/$name.xml" -p no:cacheprovider "$@" \
+    > "$out/$name.log" 2>&1
+  local rc=$?
+  [ "$rc" -eq 5 ] && rc=0
+  return "$rc"
+}
+
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  python3 -m pytest -q -m gpu --durations=30 --junitxml="$out/gpu-tests.xml" -p no:cacheprovider "${@:-test}" \
-    2>&1 | tee "$out/gpu-tests.log" | tail -n 40
-  status=${PIPESTATUS[0]}
+  if [ "$jobs" -eq 1 ]; then
+    run_gpu_tests gpu-tests "${@:-test}"
+    status=$?
+    tail -n 40 "$out/gpu-tests.log"
+  else
+    options=() paths=()
+    for arg in "${@:-test}"; do
+      if [ -e "$arg" ]; then paths+=("$arg"); else options+=("$arg"); fi
+    done
+    # test files, largest first, each to the process with the fewest bytes so far
+    mapfile -t files < <(find "${paths[@]}" -name 'test_*.py' -printf '%s %p\n' | sort -rn | cut -d' ' -f2-)
+    if [ "${#files[@]}" -eq 0 ]; then
+      echo "no test_*.py files under: ${paths[*]}" >&2
+      status=1
+    fi
+    declare -a groups loads
+    for ((k = 0; k < jobs; k++)); do groups[k]=""; loads[k]=0; done
+    for f in "${files[@]}"; do
+      least=0
+      for ((k = 1; k < jobs; k++)); do [ "${loads[k]}" -lt "${loads[least]}" ] && least=$k; done
+      groups[least]+="$f "
+      loads[least]=$((loads[least] + $(stat -c %s "$f")))
+    done
+    pids=()
+    for ((k = 0; k < jobs; k++)); do
+      [ -z "${groups[k]}" ] && continue
+      # shellcheck disable=SC2086
+      run_gpu_tests "gpu-tests-$k" "${options[@]}" ${groups[k]} &
+      pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+    for ((k = 0; k < jobs; k++)); do
+      [ -f "$out/gpu-tests-$k.log" ] && { echo "== process $k: ${groups[k]}"; tail -n 3 "$out/gpu-tests-$k.log"; }
+    done
+  fi
 fi
 benches=""
 case "$what" in
