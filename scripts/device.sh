@@ -12,9 +12,9 @@
 # the source tree with the machine's python3 (torch, triton, numpy, safetensors, pytest, rich,
 # tqdm, matplotlib).
 #
-# On an H200 the whole gpu suite takes ~12 minutes in one process (Triton compilation dominates)
-# and ~4 minutes with --jobs 3; the full benchmark sweeps take longer. Where one call is limited to
-# 10 minutes, split the work, e.g.
+# On an H200 the whole gpu suite takes ~12 minutes in one process (Triton compilation dominates);
+# split over three processes its files took 82-144 s each (2026-11-29). The full benchmark sweeps
+# take longer. Where one call is limited to 10 minutes, split the work, e.g.
 #   scripts/device.sh $OUT tests --jobs 3
 #   scripts/device.sh $OUT bench:layer,producers
 # The tree travels without its own git metadata (what git reports there can be an older commit):
