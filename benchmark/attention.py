@@ -131,14 +131,14 @@ def run(args) -> tuple[dict, list[dict]]:
             "rope_us": rope_us, "attention_us": attention_us,
             "split_us": kernels.get("_mqa_split_kernel", {}).get("us", 0.0),
             "merge_us": kernels.get("_mqa_merge_kernel", {}).get("us", 0.0),
-            "key_splits": attention.key_splits(tokens, heads, cache.shape[1]),
+            "key_splits": attention.key_splits(tokens, heads, cache.shape[1], device=cache.device),
             "bytes": nbytes, "flops": flops, "floor_us": floor_us, "floor_fraction": floor_us / attention_us,
             "kernels": kernels,
         }
         for tile in args.tiles:
             name = f"{tile[0]}x{tile[1]}"
             record[f"attention_us[{name}]"] = harness.graph_time_us(lambda t=tile: attend(t), iters=args.iters)
-            record[f"key_splits[{name}]"] = attention.key_splits(tokens, heads, cache.shape[1], tile)
+            record[f"key_splits[{name}]"] = attention.key_splits(tokens, heads, cache.shape[1], tile, cache.device)
         for count in args.splits:
             try:
                 record[f"attention_us[splits={count}]"] = harness.graph_time_us(lambda n=count: attend(splits=n),

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .fp8_tile import dot_bf16, interpreting, rms_rstd, round_bf16
-from .launch import await_producer, pdl_options
+from .launch import await_producer, pdl_options, sm_count
 
 __all__ = ["rope_qkv", "mqa_attention", "key_splits"]
 
@@ -55,7 +55,7 @@ _SPLIT_TILES = ((256 * 64, (64, 32)), (1024, (32, 64)), (0, (_BLOCK_H, _BLOCK_L)
 # 0.4 us at every batch (64 heads, M = 1: merge 2.4 / 2.8 / 5.2 us).
 _MERGE_COLUMNS = (16, 64)
 _MERGE_ELEMS = 8192  # at most this many partial elements per merge program: 64 registers at 4 warps
-_SMS = 132  # H200
+_H200_SMS = 132  # the SM count the tiles and splits were tuned on; key_splits' default
 # Key splits per (token, head block), from an H200 sweep (`fp8chain bench attention --splits`,
 # docs/benchmarks.md): as many as one wave of split programs holds (one per SM: 150-168 KB of
 # shared memory each), at least 2 while the unsplit programs fit in two waves, at most
@@ -256,16 +256,17 @@ def _mqa_merge_kernel(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, pos_p
                         tl.load(pos_ptr + t).to(tl.int64), D, HALF, EXACT_CAST)
 
 
-def _splits(tokens: int, heads: int, block_h: int, key_steps: int) -> int:
-    """Key splits per (token, head block) for a tile of ``block_h`` heads (see ``_MAX_SPLITS``)."""
+def _splits(tokens: int, heads: int, block_h: int, key_steps: int, sms: int) -> int:
+    """Key splits per (token, head block) for a tile of ``block_h`` heads on a GPU of ``sms`` SMs
+    (see ``_MAX_SPLITS``)."""
     programs = tokens * triton.cdiv(heads, block_h)  # per split
-    if programs > 2 * _SMS:
+    if programs > 2 * sms:
         return 1
     most = max(1, min(_MAX_SPLITS, key_steps))
-    return min(most, max(2, _SMS // programs))
+    return min(most, max(2, sms // programs))
 
 
-def _split_tile(tile: tuple[int, int] | None, tokens: int, heads: int, length: int) -> tuple[int, int]:
+def _split_tile(tile: tuple[int, int] | None, tokens: int, heads: int, length: int, sms: int) -> tuple[int, int]:
     """``tile`` checked, or the default for ``tokens`` x ``heads`` query rows over ``length`` keys
     (``_SPLIT_TILES``)."""
     if tile is None:
@@ -273,7 +274,7 @@ def _split_tile(tile: tuple[int, int] | None, tokens: int, heads: int, length: i
         for least, (block_h, block_l) in _SPLIT_TILES:
             # never more heads per program than there are heads: the rest would be masked
             if rows >= least and block_h <= max(heads, _BLOCK_H) and (
-                    block_h < 64 or _splits(tokens, heads, block_h, triton.cdiv(length, block_l)) > 1):
+                    block_h < 64 or _splits(tokens, heads, block_h, triton.cdiv(length, block_l), sms) > 1):
                 return block_h, block_l
     block_h, block_l = tile
     if any(v < 16 or v & (v - 1) for v in (block_h, block_l)):
@@ -281,11 +282,13 @@ def _split_tile(tile: tuple[int, int] | None, tokens: int, heads: int, length: i
     return block_h, block_l
 
 
-def key_splits(tokens: int, heads: int, length: int, tile: tuple[int, int] | None = None) -> int:
+def key_splits(tokens: int, heads: int, length: int, tile: tuple[int, int] | None = None,
+               device: torch.device | None = None) -> int:
     """How many split-kernel programs share one token's keys for a cache of ``length`` positions
-    (1: the split kernel writes the output itself, no merge launch)."""
-    block_h, block_l = _split_tile(tile, tokens, heads, length)
-    return _splits(tokens, heads, block_h, triton.cdiv(length, block_l))
+    (1: the split kernel writes the output itself, no merge launch) on ``device`` (None: an H200)."""
+    sms = _H200_SMS if device is None else sm_count(device, interpreter=_H200_SMS)
+    block_h, block_l = _split_tile(tile, tokens, heads, length, sms)
+    return _splits(tokens, heads, block_h, triton.cdiv(length, block_l), sms)
 
 
 def _check_tables(cos_table: torch.Tensor, sin_table: torch.Tensor, dim: int, device) -> int:
@@ -363,7 +366,8 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
                         f"{tuple(q.shape)} strides {q.stride()}")
     tokens, heads, dim = q.shape
     _check_cache(kv_cache, dim)
-    block_h, block_l = _split_tile(tile, tokens, heads, kv_cache.shape[1])
+    sms = sm_count(q.device, interpreter=_H200_SMS)
+    block_h, block_l = _split_tile(tile, tokens, heads, kv_cache.shape[1], sms)
     _check_index(slots, "slots", tokens)
     _check_index(positions, "positions", tokens)
     if sink.dtype != torch.float32 or tuple(sink.shape) != (heads,):
@@ -383,7 +387,7 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     head_blocks = triton.cdiv(heads, block_h)
     key_steps = triton.cdiv(length, block_l)
     if splits is None:
-        splits = _splits(tokens, heads, block_h, key_steps)
+        splits = _splits(tokens, heads, block_h, key_steps, sms)
     elif isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= key_steps:
         raise ValueError(f"splits must be an int in 1..{key_steps} (steps of {block_l} keys), got {splits!r}")
     steps = triton.cdiv(key_steps, splits)
@@ -405,7 +409,7 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
         return out
     merge_blocks = triton.cdiv(heads, _BLOCK_H)
     splits_p2 = triton.next_power_of_2(splits)
-    columns = min(_MERGE_COLUMNS[tokens * merge_blocks >= _SMS], _MERGE_ELEMS // (_BLOCK_H * splits_p2))
+    columns = min(_MERGE_COLUMNS[tokens * merge_blocks >= sms], _MERGE_ELEMS // (_BLOCK_H * splits_p2))
     _mqa_merge_kernel[(tokens, merge_blocks, triton.cdiv(dim, columns))](
         part_o, part_ml, sink, cos_table, sin_table, positions, out, heads, dim, out.stride(0), out.stride(1),
         SPLITS=splits, SPLITS_P2=splits_p2, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_C=columns,

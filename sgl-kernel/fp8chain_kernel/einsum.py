@@ -26,15 +26,13 @@ exponent bytes into the int32 words (bytes past the last group are written as ze
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation
 from .fp8_tile import dot_bf16, round_bf16, store_pair_tile
-from .launch import await_producer, pdl_options
+from .launch import await_producer, pdl_options, sm_count
 from .norm import check_tensor, launch_args, producer_result, resolve_outputs
 
 __all__ = ["wo_a_einsum"]
@@ -93,13 +91,6 @@ def _wo_a_kernel(o_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, G, R, D,
         store_pair_tile(data_ptr + rows * stride_dm + cols[None, :], scale_ptr, yb.to(tl.float32), mask,
                         offs_m, (g * R + pid_n * BLOCK_N) // GROUP, M, tl.cdiv(G * R, GROUP), stride_sm,
                         stride_sg, BLOCK_M, BLOCK_N, GROUP, POW2, PACKED, EXACT_CAST)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # H200; only the tile choice depends on it
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: int = 132) -> dict:
@@ -194,7 +185,7 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, out_format: ActFormat | 
         cfg = _check_config(config, r, min_n)
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(d)))
     else:
-        cfg = _launch_config(rows, groups, r, d, min_n, _num_sms(o.device))
+        cfg = _launch_config(rows, groups, r, d, min_n, sm_count(o.device, interpreter=132))  # H200 tiles
     block_n = cfg["BLOCK_N"]
     grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(r, block_n), groups)
     _wo_a_kernel[grid](

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair
 from .fp8_tile import interpreting
-from .launch import ARRIVAL_SLOTS, arrival_counters, await_producer, pdl_options
+from .launch import ARRIVAL_SLOTS, arrival_counters, await_producer, pdl_options, sm_count
 from .quant import check_activation, quantize
 
 __all__ = [
@@ -330,12 +330,6 @@ def _m_bucket(m: int) -> int:
     return _M_BUCKETS[-1]
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: small, so CPU tests exercise split-K
-
-
 def _heuristic_config(m: int, n: int, k: int, group: int, sms: int, a_fp8: bool = True) -> GemmConfig:
     """For shapes outside the table; shaped after what won the H200 sweeps: 32-groups (power-of-two
     scales) run block-diagonal FP8 dots for FP8 tokens at M <= 16 and bf16-dequantized operands
@@ -373,7 +367,7 @@ def select_config(m: int, n: int, k: int, group: int, device: torch.device, a_fp
                 hit = hit._replace(block_m=min(hit.block_m, bucket))
         if hit is not None and k % hit.block_k == 0:
             return hit
-    return _heuristic_config(m, n, k, group, _num_sms(device), a_fp8)
+    return _heuristic_config(m, n, k, group, sm_count(device, interpreter=4), a_fp8)  # CPU tests: split-K
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from triton.language.extra.cuda import gdc_wait
 from .fp8_tile import interpreting
 
 __all__ = ["ARRIVAL_SLOTS", "arrival_counters", "await_producer", "enabled", "programmatic_launches", "pdl_options",
-           "supported"]
+           "sm_count", "supported"]
 
 _override: list[bool] = []  # innermost programmatic_launches() block last
 
@@ -48,6 +48,20 @@ def await_producer(PDL: tl.constexpr):
 @functools.lru_cache(maxsize=None)
 def _capability_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device, interpreter: int) -> int:
+    """Streaming multiprocessors of ``device``'s GPU, which launch shapes are sized against;
+    ``interpreter`` where kernels run on the Triton CPU interpreter (a stand-in each caller picks
+    for the shapes its CPU tests should take)."""
+    if device.type != "cuda" or interpreting():
+        return interpreter
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def supported() -> bool:

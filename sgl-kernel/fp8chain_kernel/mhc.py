@@ -35,15 +35,13 @@ reference bit for bit, and the FP8 pair equals ``reference.quantize`` of the ker
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation, cdiv
 from .fp8_tile import format_constexprs, fp8_offsets, interpreting, round_bf16, store_pair_tile
-from .launch import ARRIVAL_SLOTS, arrival_counters, await_producer, pdl_options
+from .launch import ARRIVAL_SLOTS, arrival_counters, await_producer, pdl_options, sm_count
 from .quant import prepare_out
 
 __all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary"]
@@ -412,16 +410,9 @@ def _boundary_kernel(
 # ------------------------------------------------------------------------------ host side
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _target_programs(device: torch.device) -> int:
     """About two programs per SM on a GPU; a small count on the CPU interpreter."""
-    if device.type == "cuda" and not interpreting():
-        return 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return 16
+    return 2 * sm_count(device, interpreter=8)
 
 
 def _max_rows_per_program(device: torch.device) -> int:

@@ -32,6 +32,17 @@ def test_on_by_default_where_supported(monkeypatch):
     assert not launch.enabled()
 
 
+@pytest.mark.cpu
+def test_sm_count_stand_in_off_the_gpu(monkeypatch):
+    """Off a GPU each caller's stand-in sizes the launch; on one the device's own count is asked."""
+    assert launch.sm_count(torch.device("cpu"), interpreter=7) == 7
+    monkeypatch.setattr(launch, "_multiprocessors", lambda index: 78)
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    assert launch.sm_count(torch.device("cuda", 1), interpreter=7) == 78
+    monkeypatch.setattr(launch, "interpreting", lambda: True)
+    assert launch.sm_count(torch.device("cuda", 1), interpreter=7) == 7
+
+
 def _chain(y, residual, mixes, weight, w, w_scale, fmt):
     """mHC boundary (FP8 pair) -> GEMM -> RMSNorm: three dependent launches."""
     pre, post, comb = mixes
