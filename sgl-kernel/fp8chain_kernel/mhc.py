@@ -19,6 +19,8 @@ then bumps the row block's arrival counter (``launch.arrival_counters``); the la
 arrive adds the slices' sums in slice order (the same bits whatever the arrival order) and writes
 ``x`` and its FP8 data and scales for the whole row as one tile. A program that owns whole rows
 (large ``T``) normalizes them itself, recombining ``v`` from the ``R'`` it has just written.
+Boundary launches share their arrival counters per device, so two must not run concurrently on
+two streams of one device (the stats, on the side stream, use none).
 Programs write their slices while others still read theirs, so the outputs must not overlap
 the inputs (checked).
 

@@ -43,6 +43,18 @@ def test_sm_count_stand_in_off_the_gpu(monkeypatch):
     assert launch.sm_count(torch.device("cuda", 1), interpreter=7) == 7
 
 
+@pytest.mark.cpu
+def test_arrival_counters_one_zeroed_buffer_per_user():
+    """Each user gets one zeroed buffer per device, the same one on every later call (a captured
+    graph reuses the buffer its eager warm-up made: no zeroing node per launch)."""
+    cpu = torch.device("cpu")
+    gemm_counters = launch.arrival_counters("test-gemm", cpu, 8)
+    assert gemm_counters.dtype == torch.int32 and gemm_counters.numel() == launch.ARRIVAL_SLOTS
+    assert not gemm_counters.any()
+    assert launch.arrival_counters("test-gemm", cpu, 8) is gemm_counters
+    assert launch.arrival_counters("test-boundary", cpu, 8) is not gemm_counters
+
+
 def _chain(y, residual, mixes, weight, w, w_scale, fmt):
     """mHC boundary (FP8 pair) -> GEMM -> RMSNorm: three dependent launches."""
     pre, post, comb = mixes
