@@ -14,6 +14,10 @@ edge becomes a programmatic dependency).
 On by default on GPUs of compute capability >= 9.0; off on older GPUs and the CPU interpreter
 (``PDL=False`` compiles without the wait). ``FP8CHAIN_PDL=0`` in the environment
 turns it off for the process, ``programmatic_launches(False)`` for a block.
+
+Also here, for every kernel family that sizes or finishes its launches: ``sm_count`` (the SM
+count launch shapes are sized against) and ``arrival_counters`` (for the programs of one launch
+that finish an output together: the last to arrive does it).
 """
 
 from __future__ import annotations
