@@ -65,20 +65,22 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     for arg in "${@:-test}"; do
       if [ -e "$arg" ]; then paths+=("$arg"); else options+=("$arg"); fi
     done
+    [ "${#paths[@]}" -eq 0 ] && paths=(test)
     # test files, largest first, each to the process with the fewest bytes so far
-    mapfile -t files < <(find "${paths[@]}" -name 'test_*.py' -printf '%s %p\n' | sort -rn | cut -d' ' -f2-)
-    if [ "${#files[@]}" -eq 0 ]; then
-      echo "no test_*.py files under: ${paths[*]}" >&2
-      status=1
-    fi
     declare -a groups loads
     for ((k = 0; k < jobs; k++)); do groups[k]=""; loads[k]=0; done
-    for f in "${files[@]}"; do
+    found=0
+    while read -r size f; do
       least=0
       for ((k = 1; k < jobs; k++)); do [ "${loads[k]}" -lt "${loads[least]}" ] && least=$k; done
       groups[least]+="$f "
-      loads[least]=$((loads[least] + $(stat -c %s "$f")))
-    done
+      loads[least]=$((loads[least] + size))
+      found=$((found + 1))
+    done < <(find "${paths[@]}" -name 'test_*.py' -printf '%s %p\n' | sort -rn)
+    if [ "$found" -eq 0 ]; then
+      echo "no test_*.py files under: ${paths[*]}" >&2
+      status=1
+    fi
     pids=()
     for ((k = 0; k < jobs; k++)); do
       [ -z "${groups[k]}" ] && continue
