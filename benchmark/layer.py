@@ -15,6 +15,8 @@ Arms, timed in one process with CUDA-graph replay (median):
 - ``chained_no_stats`` / ``unchained_no_stats`` (diagnostic): both steps with the mixes computed
   once outside the step (no stats launches), so what the overlapped stats still cost each arm
   is the difference to ``chained`` / ``unchained``;
+- ``chained_silu_launch`` (diagnostic): the chained step with SiLU*mul as its own launch after the
+  gate_up GEMM instead of the GEMM's SiLU*mul epilogue (``SharedExpert.fuse_silu_mul``);
 - ``chained_no_pdl`` / ``unchained_no_pdl`` (where kernels launch with programmatic dependent
   launch, ``fp8chain_kernel.launch``): both steps with it off, so what PDL buys each arm is the
   difference to ``chained`` / ``unchained``;
@@ -265,6 +267,11 @@ def run(args) -> tuple[dict, list[dict]]:
                 record[f"{arm}_launches"] = sum(launches.values())
                 record[f"{arm}_quantize_launches"] = harness.quantize_launches(launches)
                 record[f"{arm}_kernels"] = kernels
+            shared = layer.ffn.shared_experts
+            shared.fuse_silu_mul = False
+            unit.set_chain(True)
+            record["chained_silu_launch_us"] = harness.graph_time_us(unit.step, iters=args.iters, repeats=5)
+            shared.fuse_silu_mul = True
             layer.overlap_stats = False  # both steps again with the mHC stats in line
             _time_arms(unit, record, "_serial_stats", args.iters)
             layer.overlap_stats = True
@@ -294,7 +301,7 @@ def run(args) -> tuple[dict, list[dict]]:
     return meta, records
 
 
-COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "chained_serial_stats_us",
+COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "chained_silu_launch_us", "chained_serial_stats_us",
            "unchained_serial_stats_us", "chained_no_stats_us", "unchained_no_stats_us", "chained_no_pdl_us",
            "unchained_no_pdl_us", "compiled_peer_us",
            "floor_us", "chained_over_unchained", "serial_chained_over_unchained",

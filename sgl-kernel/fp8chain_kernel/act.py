@@ -25,7 +25,18 @@ from .fp8_tile import fp8_offsets, round_bf16, store_pair_tile
 from .launch import await_producer, pdl_options
 from .norm import check_tensor, launch_args, producer_result, resolve_outputs
 
-__all__ = ["silu_mul"]
+__all__ = ["silu_mul", "swiglu", "check_limit"]
+
+
+@triton.jit
+def swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
+    """fp32 ``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (NaN kept), before rounding: the one
+    expression ``silu_mul`` and the gate_up GEMM's SiLU*mul epilogue (``gemm.fp8_gemm_silu_mul``)
+    share, so the two round alike."""
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.clamp(up, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
+    return gate / (1.0 + tl.exp(-gate)) * up
 
 
 @triton.jit
@@ -42,11 +53,7 @@ def _silu_mul_kernel(gu_ptr, y_ptr, data_ptr, scale_ptr, M, I, limit,
     g_ptrs = gu_ptr + rows * stride_gm + offs_n[None, :]
     gate = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(g_ptrs + I, mask=mask, other=0.0).to(tl.float32)
-    if HAS_LIMIT:
-        gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
-        up = tl.clamp(up, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
-    silu = gate / (1.0 + tl.exp(-gate))
-    yb = round_bf16(silu * up, EXACT_CAST)
+    yb = round_bf16(swiglu(gate, up, limit, HAS_LIMIT), EXACT_CAST)
     if STORE_BF16:
         tl.store(y_ptr + rows * stride_ym + offs_n[None, :], yb, mask=mask)
     if QUANT:
@@ -66,6 +73,13 @@ def _launch_config(rows: int, cols: int) -> tuple[int, int, int]:
     return block_m, block_n, num_warps
 
 
+def check_limit(limit) -> None:
+    """``swiglu_limit``: a positive number or None (ValueError otherwise)."""
+    if limit is not None:
+        if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0:
+            raise ValueError(f"limit must be a positive number or None, got {limit!r}")
+
+
 def silu_mul(gate_up: torch.Tensor, *, limit: float | None = None, out_format: ActFormat | str | None = None,
              out: QuantizedActivation | None = None, out_bf16: torch.Tensor | None = None,
              return_bf16: bool = True):
@@ -76,9 +90,7 @@ def silu_mul(gate_up: torch.Tensor, *, limit: float | None = None, out_format: A
         raise ValueError(f"gate_up must have an even number of columns [T, 2I], got {tuple(gate_up.shape)}")
     if gate_up.numel() and gate_up.stride(1) != 1:
         raise ValueError(f"gate_up must have unit column stride, got strides {gate_up.stride()}")
-    if limit is not None:
-        if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0:
-            raise ValueError(f"limit must be a positive number or None, got {limit!r}")
+    check_limit(limit)
     cols = cols2 // 2
     fmt, pair, y = resolve_outputs(rows, cols, gate_up.device, out_format, out, out_bf16, return_bf16)
     if rows == 0 or cols == 0:

@@ -40,12 +40,14 @@ import triton
 import triton.language as tl
 
 from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair
-from .fp8_tile import interpreting
+from .act import check_limit, swiglu
+from .fp8_tile import fp8_offsets, interpreting, round_bf16, store_pair_tile
 from .launch import ARRIVAL_SLOTS, arrival_counters, await_producer, pdl_options, sm_count
+from .norm import launch_args, producer_result, resolve_outputs
 from .quant import check_activation, quantize
 
 __all__ = [
-    "GemmConfig", "fp8_gemm", "w8a16_gemm", "input_format_for_block", "check_weight",
+    "GemmConfig", "fp8_gemm", "fp8_gemm_silu_mul", "w8a16_gemm", "input_format_for_block", "check_weight",
     "select_config", "CONFIG_TABLE",
 ]
 
@@ -53,17 +55,6 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------
-
-@triton.jit
-def _to_bf16(x, EXACT: tl.constexpr):
-    """fp32 -> bf16, round to nearest even. Compiled, the native conversion does that; the CPU
-    interpreter's native conversion truncates, so there it is done on the bits."""
-    if EXACT:
-        bits = x.to(tl.int32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        x = tl.where(x == x, rounded.to(tl.float32, bitcast=True), x)
-    return x.to(tl.bfloat16)
-
 
 @triton.jit
 def _e4m3_to_f32_exact(x):
@@ -83,37 +74,26 @@ def _scale_tiles(ws_rows, as_rows, g0, stride_wsk, stride_asg, n_ok, m_ok, SUB: 
 
 
 @triton.jit
-def _block_scaled_gemm_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, count_ptr,
-    M, N, K,
-    stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsk, stride_om,
-    GROUP: tl.constexpr, A_FP8: tl.constexpr, SPLIT: tl.constexpr, ITERS: tl.constexpr,
-    DEQUANT: tl.constexpr, BLOCK_DIAG: tl.constexpr,
-    FP32_DOT: tl.constexpr,  # the CPU interpreter: fp32 dots and bit-exact bf16 rounding
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE_GROUP: tl.constexpr, PDL: tl.constexpr,
-):
-    """out[m, n] = sum_g (sum_{k in g} a[m, k] w[n, k]) * a_scale[m, g] * w_scale[n // GROUP, g].
-
-    Grid: (tiles, SPLIT); slice ``pid_k`` covers K iterations ``[pid_k * ITERS, (pid_k + 1) * ITERS)``
-    of BLOCK_K columns each. The weight block along N equals GROUP (32x32 or 128x128 blocks).
-    With A_FP8 = False, ``a`` is bf16 and carries no scales (W8A16).
-    """
-    await_producer(PDL)
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    # Grouped order: TILE_GROUP consecutive programs share one weight tile column band.
+def _tile_coords(pid, tiles_n, tiles_m, TILE_GROUP: tl.constexpr):
+    """(pid_m, pid_n) of program ``pid`` in grouped order: TILE_GROUP consecutive programs share
+    one weight tile column band."""
     per_band = TILE_GROUP * tiles_n
     band = pid // per_band
     first_m = band * TILE_GROUP
     band_m = tl.minimum(tiles_m - first_m, TILE_GROUP)
-    pid_m = first_m + (pid % per_band) % band_m
-    pid_n = (pid % per_band) // band_m
+    return first_m + (pid % per_band) % band_m, (pid % per_band) // band_m
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_ok = offs_n < N
+
+@triton.jit
+def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, n_ok, m0, M, it_begin,
+                  stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsk,
+                  GROUP: tl.constexpr, A_FP8: tl.constexpr, ITERS: tl.constexpr, DEQUANT: tl.constexpr,
+                  BLOCK_DIAG: tl.constexpr, FP32_DOT: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 ``[BLOCK_N, BLOCK_M]``: weight rows ``offs_n`` (any rows; ``n_ok`` masks them) times
+    tokens ``m0 .. m0 + BLOCK_M`` over the ITERS K iterations from ``it_begin``, scaled per group:
+    ``sum_g (sum_{k in g} a[m, k] w[n, k]) * a_scale[m, g] * w_scale[n // GROUP, g]``."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     rows_n = offs_n.to(tl.int64)
     rows_m = offs_m.to(tl.int64)
@@ -125,7 +105,6 @@ def _block_scaled_gemm_kernel(
     w_tile = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
     a_tile = a_ptr + rows_m[:, None] * stride_am + offs_k[None, :]
 
-    it_begin = pid_k * ITERS
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if DEQUANT:
         # Dequantize both operands to bf16 in registers (exact for power-of-two scales: an e4m3
@@ -145,15 +124,15 @@ def _block_scaled_gemm_kernel(
             else:
                 wf = w.to(tl.float32)
             wd = tl.reshape(tl.reshape(wf, (BLOCK_N, SUB, GROUP)) * w_s[:, :, None], (BLOCK_N, BLOCK_K))
-            wd = _to_bf16(wd, FP32_DOT)
+            wd = round_bf16(wd, FP32_DOT)
             if A_FP8:
                 a_s = tl.load(as_rows[:, None] + (g0 + offs_s)[None, :] * stride_asg, mask=m_ok[:, None], other=0.0)
                 if FP32_DOT:
                     af = _e4m3_to_f32_exact(a)
                 else:
                     af = a.to(tl.float32)
-                ad = _to_bf16(tl.reshape(tl.reshape(af, (BLOCK_M, SUB, GROUP)) * a_s[:, :, None],
-                                         (BLOCK_M, BLOCK_K)), FP32_DOT)
+                ad = round_bf16(tl.reshape(tl.reshape(af, (BLOCK_M, SUB, GROUP)) * a_s[:, :, None],
+                                           (BLOCK_M, BLOCK_K)), FP32_DOT)
             else:
                 ad = a
             if FP32_DOT:
@@ -166,7 +145,7 @@ def _block_scaled_gemm_kernel(
         # product column j * BLOCK_M + t is token t's group-j partial sum, scaled in fp32 like the
         # per-group dots but with one wgmma and one wait per BLOCK_K instead of SUB.
         offs_c = tl.arange(0, SUB * BLOCK_M)
-        c_row = pid_m * BLOCK_M + offs_c % BLOCK_M
+        c_row = m0 + offs_c % BLOCK_M
         b_tile = a_ptr + c_row.to(tl.int64)[None, :] * stride_am + offs_k[:, None]
         b_mask = (c_row < M)[None, :] & ((offs_k // GROUP)[:, None] == (offs_c // BLOCK_M)[None, :])
         acc3 = tl.zeros((BLOCK_N, SUB, BLOCK_M), dtype=tl.float32)
@@ -214,26 +193,130 @@ def _block_scaled_gemm_kernel(
                     else:
                         part = tl.dot(w.to(tl.bfloat16), tl.trans(a))
                     acc += part * w_s[:, None]
+    return acc
 
-    out_ptrs = out_ptr + rows_m[None, :] * stride_om + rows_n[:, None]
-    out_mask = n_ok[:, None] & m_ok[None, :]
+
+@triton.jit
+def _publish_partial(acc, part_ptr, count_ptr, tile, pid_k, SPLIT: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Deterministic split-K, first half: store this K slice's fp32 partial tile to the workspace
+    and bump the tile's counter; true for the slice that arrives last (it finishes the tile)."""
+    local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(part_ptr + (pid_k * tl.num_programs(0) + tile).to(tl.int64) * (BLOCK_N * BLOCK_M) + local, acc)
+    tl.debug_barrier()
+    return tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1
+
+
+@triton.jit
+def _gather_partials(part_ptr, count_ptr, tile, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Second half, in the last slice: the sum of all partial tiles in slice order (independent of
+    the arrival order, so the result is reproducible). The caller re-arms the tile's counter for the
+    next call after its own stores (re-armed before them, the sm_90 build spills at 64x64 tiles)."""
+    local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        total += tl.load(part_ptr + (s * tl.num_programs(0) + tile).to(tl.int64) * (BLOCK_N * BLOCK_M) + local,
+                         cache_modifier=".cg")
+    return total
+
+
+@triton.jit
+def _block_scaled_gemm_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, count_ptr,
+    M, N, K,
+    stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsk, stride_om,
+    GROUP: tl.constexpr, A_FP8: tl.constexpr, SPLIT: tl.constexpr, ITERS: tl.constexpr,
+    DEQUANT: tl.constexpr, BLOCK_DIAG: tl.constexpr,
+    FP32_DOT: tl.constexpr,  # the CPU interpreter: fp32 dots and bit-exact bf16 rounding
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE_GROUP: tl.constexpr, PDL: tl.constexpr,
+):
+    """out[m, n] = sum_g (sum_{k in g} a[m, k] w[n, k]) * a_scale[m, g] * w_scale[n // GROUP, g].
+
+    Grid: (tiles, SPLIT); slice ``pid_k`` covers K iterations ``[pid_k * ITERS, (pid_k + 1) * ITERS)``
+    of BLOCK_K columns each. The weight block along N equals GROUP (32x32 or 128x128 blocks).
+    With A_FP8 = False, ``a`` is bf16 and carries no scales (W8A16).
+    """
+    await_producer(PDL)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tiles_n, tl.cdiv(M, BLOCK_M), TILE_GROUP)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n.to(tl.int64)[:, None]
+    out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    acc = _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, offs_n < N, pid_m * BLOCK_M, M,
+                        pid_k * ITERS, stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsk,
+                        GROUP, A_FP8, ITERS, DEQUANT, BLOCK_DIAG, FP32_DOT, BLOCK_N, BLOCK_M, BLOCK_K)
     if SPLIT == 1:
-        tl.store(out_ptrs, _to_bf16(acc, FP32_DOT), mask=out_mask)
+        tl.store(out_ptrs, round_bf16(acc, FP32_DOT), mask=out_mask)
     else:
-        # Deterministic split-K: partial tiles to the workspace, the last arrival reduces them
-        # in slice order, writes bf16 and re-arms the tile's counter for the next call.
         tile = pid_m * tiles_n + pid_n
-        tile_elems = BLOCK_N * BLOCK_M
-        local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        tl.store(part_ptr + (pid_k * tl.num_programs(0) + tile).to(tl.int64) * tile_elems + local, acc)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in tl.static_range(SPLIT):
-                total += tl.load(part_ptr + (s * tl.num_programs(0) + tile).to(tl.int64) * tile_elems
-                                 + local, cache_modifier=".cg")
-            tl.store(out_ptrs, _to_bf16(total, FP32_DOT), mask=out_mask)
+        if _publish_partial(acc, part_ptr, count_ptr, tile, pid_k, SPLIT, BLOCK_N, BLOCK_M):
+            total = _gather_partials(part_ptr, count_ptr, tile, SPLIT, BLOCK_N, BLOCK_M)
+            tl.store(out_ptrs, round_bf16(total, FP32_DOT), mask=out_mask)
+            tl.atomic_xchg(count_ptr + tile, 0)
+
+
+@triton.jit
+def _silu_mul_epilogue(acc, y_ptr, data_ptr, scale_ptr, pid_m, pid_n, M, I, limit,
+                       stride_ym, stride_dm, stride_sm, stride_sg,
+                       HAS_LIMIT: tl.constexpr, STORE_BF16: tl.constexpr, QUANT: tl.constexpr,
+                       QGROUP: tl.constexpr, POW2: tl.constexpr, PACKED: tl.constexpr, EXACT_CAST: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``acc [BLOCK_N, BLOCK_M]`` holds gate rows then the matching up rows: round both to bf16
+    (the gate_up GEMM's output), apply ``act.swiglu``, round, store bf16 and / or the FP8 pair of
+    output columns ``pid_n * BLOCK_N / 2 ..`` (tokens on rows, as every producer writes them)."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    gate_up = round_bf16(acc, EXACT_CAST).to(tl.float32)
+    gate, up = tl.split(tl.permute(tl.reshape(gate_up, (2, HALF, BLOCK_M)), (1, 2, 0)))
+    y = tl.trans(round_bf16(swiglu(gate, up, limit, HAS_LIMIT), EXACT_CAST))  # [BLOCK_M, HALF]
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_c = pid_n * HALF + tl.arange(0, HALF)
+    rows = offs_m.to(tl.int64)[:, None]
+    mask = (offs_m < M)[:, None] & (offs_c < I)[None, :]
+    if STORE_BF16:
+        tl.store(y_ptr + rows * stride_ym + offs_c[None, :], y, mask=mask)
+    if QUANT:
+        store_pair_tile(data_ptr + fp8_offsets(rows, stride_dm, offs_c), scale_ptr, y.to(tl.float32), mask,
+                        offs_m, pid_n * (HALF // QGROUP), M, tl.cdiv(I, QGROUP), stride_sm, stride_sg,
+                        BLOCK_M, HALF, QGROUP, POW2, PACKED, EXACT_CAST)
+
+
+@triton.jit
+def _gemm_silu_mul_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, data_ptr, scale_ptr, part_ptr, count_ptr,
+    M, I, K, limit,
+    stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsk, stride_ym, stride_dm, stride_sm, stride_sg,
+    GROUP: tl.constexpr, SPLIT: tl.constexpr, ITERS: tl.constexpr, DEQUANT: tl.constexpr, BLOCK_DIAG: tl.constexpr,
+    FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    TILE_GROUP: tl.constexpr, HAS_LIMIT: tl.constexpr, STORE_BF16: tl.constexpr, QUANT: tl.constexpr,
+    QGROUP: tl.constexpr, POW2: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr,
+):
+    """``y = swiglu(gate_up)`` of ``gate_up = a @ w^T`` (``w = [gate; up]``, ``[2I, K]``), one launch:
+    a tile's first BLOCK_N / 2 weight rows are gate rows, its last the up rows of the same output
+    columns, so the GEMM epilogue has both halves of its BLOCK_N / 2 outputs."""
+    await_producer(PDL)
+    HALF: tl.constexpr = BLOCK_N // 2
+    tiles_n = tl.cdiv(I, HALF)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tiles_n, tl.cdiv(M, BLOCK_M), TILE_GROUP)
+    pid_k = tl.program_id(1)
+    local = tl.arange(0, BLOCK_N)
+    cols = pid_n * HALF + local % HALF
+    acc = _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, cols + (local // HALF) * I, cols < I,
+                        pid_m * BLOCK_M, M, pid_k * ITERS, stride_am, stride_asm, stride_asg, stride_wn,
+                        stride_wsn, stride_wsk, GROUP, True, ITERS, DEQUANT, BLOCK_DIAG, FP32_DOT,
+                        BLOCK_N, BLOCK_M, BLOCK_K)
+    if SPLIT == 1:
+        _silu_mul_epilogue(acc, y_ptr, data_ptr, scale_ptr, pid_m, pid_n, M, I, limit, stride_ym, stride_dm,
+                           stride_sm, stride_sg, HAS_LIMIT, STORE_BF16, QUANT, QGROUP, POW2, PACKED, FP32_DOT,
+                           BLOCK_N, BLOCK_M)
+    else:
+        tile = pid_m * tiles_n + pid_n
+        if _publish_partial(acc, part_ptr, count_ptr, tile, pid_k, SPLIT, BLOCK_N, BLOCK_M):
+            total = _gather_partials(part_ptr, count_ptr, tile, SPLIT, BLOCK_N, BLOCK_M)
+            _silu_mul_epilogue(total, y_ptr, data_ptr, scale_ptr, pid_m, pid_n, M, I, limit, stride_ym,
+                               stride_dm, stride_sm, stride_sg, HAS_LIMIT, STORE_BF16, QUANT, QGROUP, POW2,
+                               PACKED, FP32_DOT, BLOCK_N, BLOCK_M)
             tl.atomic_xchg(count_ptr + tile, 0)
 
 
@@ -417,36 +500,45 @@ def _prepare_out(out: torch.Tensor | None, m: int, n: int, device) -> torch.Tens
     return out
 
 
+def _split_plan(tiles: int, k: int, cfg: GemmConfig, device):
+    """``(split, iters_per_split, workspace, counters)`` for ``tiles`` output tiles: the largest
+    divisor of the K iterations up to the config's split (1 where there are more tiles than
+    arrival counters); workspace and counters are None without a split."""
+    iters = k // cfg.block_k
+    split = max(1, min(cfg.split, iters))
+    while iters % split:  # equal slices
+        split -= 1
+    if split > 1 and tiles > ARRIVAL_SLOTS:
+        split = 1
+    if split == 1:
+        return 1, iters, None, None
+    part = torch.empty(split * tiles * cfg.block_n * cfg.block_m, dtype=torch.float32, device=device)
+    return split, iters // split, part, arrival_counters("gemm", device, tiles)
+
+
+def _check_config(cfg: GemmConfig, k: int, group: int, a_fp8: bool) -> None:
+    if k % cfg.block_k or cfg.block_k % group:
+        raise ValueError(f"config block_k={cfg.block_k} must divide K={k} and be a multiple of {group}")
+    if cfg.block_diag and (cfg.dequant or not a_fp8):
+        raise ValueError("a block_diag config runs FP8 dots on an FP8 pair: not with dequant=True or W8A16")
+
+
 def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, config: GemmConfig | None):
     m, k = a.shape
     n = weight.shape[0]
     if m == 0 or n == 0:
         return out
     cfg = config or select_config(m, n, k, group, a.device, a_fp8)
-    if k % cfg.block_k or cfg.block_k % group:
-        raise ValueError(f"config block_k={cfg.block_k} must divide K={k} and be a multiple of {group}")
-    if cfg.block_diag and (cfg.dequant or not a_fp8):
-        raise ValueError("a block_diag config runs FP8 dots on an FP8 pair: not with dequant=True or W8A16")
+    _check_config(cfg, k, group, a_fp8)
     tiles = cdiv(n, cfg.block_n) * cdiv(m, cfg.block_m)
-    iters = k // cfg.block_k
-    split = max(1, min(cfg.split, iters))
-    while iters % split:  # equal slices: the largest divisor of the K iterations <= the request
-        split -= 1
-    if split > 1 and tiles > ARRIVAL_SLOTS:
-        split = 1
-    iters_per_split = iters // split
-    if split > 1:
-        part = torch.empty(split * tiles * cfg.block_n * cfg.block_m, dtype=torch.float32, device=a.device)
-        counters = arrival_counters("gemm", a.device, tiles)
-    else:
-        part = counters = out  # unused placeholders
+    split, iters_per_split, part, counters = _split_plan(tiles, k, cfg, a.device)
     if a_scale is None:
         a_scale, stride_asm, stride_asg = a, 0, 0
     else:
         stride_asm, stride_asg = a_scale.stride(0), a_scale.stride(1)
     extra = {} if interpreting() else {"num_stages": cfg.stages}
     _block_scaled_gemm_kernel[(tiles, split)](
-        a, a_scale, weight, weight_scale, out, part, counters,
+        a, a_scale, weight, weight_scale, out, out if part is None else part, out if counters is None else counters,
         m, n, k,
         a.stride(0), stride_asm, stride_asg, weight.stride(0),
         weight_scale.stride(0), weight_scale.stride(1), out.stride(0),
@@ -456,6 +548,38 @@ def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, conf
         num_warps=cfg.warps, **extra, **pdl_options(),
     )
     return out
+
+
+def _pair_operand(a, weight_block: int, fmt) -> QuantizedActivation:
+    """The GEMM's activation as a pair in the format ``weight_block`` reads: ``a`` itself, or a bf16
+    ``a`` quantized into ``fmt`` (which must be that format)."""
+    want = input_format_for_block(weight_block)
+    if isinstance(a, QuantizedActivation):
+        if fmt is not None and ActFormat(fmt) is not a.fmt:
+            raise TypeError(f"fmt={ActFormat(fmt).value} given with a pair in {a.fmt.value}")
+        if a.fmt is not want:
+            raise TypeError(f"fp8_gemm with {weight_block}x{weight_block} weight blocks reads "
+                            f"{want.value}, got a pair in {a.fmt.value}")
+        check_pair(a)
+        return a
+    if fmt is None:
+        raise TypeError("fp8_gemm on a plain tensor needs fmt= (the format to quantize into)")
+    if ActFormat(fmt) is not want:
+        raise TypeError(f"fp8_gemm with {weight_block}x{weight_block} weight blocks reads "
+                        f"{want.value}, got fmt={ActFormat(fmt).value}")
+    check_activation(a, "a")
+    return quantize(a, want)
+
+
+def _check_operands(pair: QuantizedActivation, weight, weight_scale, weight_block: int) -> tuple[int, int, int]:
+    """``(M, N, K)`` of ``pair`` times ``weight`` (ValueError / TypeError on a mismatch)."""
+    n, k = check_weight(weight, weight_scale, weight_block)
+    m, ka = pair.data.shape
+    if ka != k:
+        raise ValueError(f"activation has K={ka}, weight has K={k}")
+    if pair.data.device != weight.device:
+        raise ValueError(f"activation on {pair.data.device}, weight on {weight.device}")
+    return m, n, k
 
 
 def fp8_gemm(a: QuantizedActivation | torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
@@ -470,31 +594,63 @@ def fp8_gemm(a: QuantizedActivation | torch.Tensor, weight: torch.Tensor, weight
     ``out``: optional caller buffer (bf16 ``[M, N]``, unit column stride). ``config``: override
     the table (benchmarks, tests).
     """
-    want = input_format_for_block(weight_block)
-    if isinstance(a, QuantizedActivation):
-        if fmt is not None and ActFormat(fmt) is not a.fmt:
-            raise TypeError(f"fmt={ActFormat(fmt).value} given with a pair in {a.fmt.value}")
-        if a.fmt is not want:
-            raise TypeError(f"fp8_gemm with {weight_block}x{weight_block} weight blocks reads "
-                            f"{want.value}, got a pair in {a.fmt.value}")
-        check_pair(a)
-        pair = a
-    else:
-        if fmt is None:
-            raise TypeError("fp8_gemm on a plain tensor needs fmt= (the format to quantize into)")
-        if ActFormat(fmt) is not want:
-            raise TypeError(f"fp8_gemm with {weight_block}x{weight_block} weight blocks reads "
-                            f"{want.value}, got fmt={ActFormat(fmt).value}")
-        check_activation(a, "a")
-        pair = quantize(a, want)
-    n, k = check_weight(weight, weight_scale, weight_block)
-    m, ka = pair.data.shape
-    if ka != k:
-        raise ValueError(f"activation has K={ka}, weight has K={k}")
-    if pair.data.device != weight.device:
-        raise ValueError(f"activation on {pair.data.device}, weight on {weight.device}")
+    pair = _pair_operand(a, weight_block, fmt)
+    m, n, _ = _check_operands(pair, weight, weight_scale, weight_block)
     out = _prepare_out(out, m, n, weight.device)
     return _launch(pair.data, pair.scale, weight, weight_scale, out, weight_block, True, config)
+
+
+def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor, *,
+                      weight_block: int, limit: float | None = None, out_format: ActFormat | str | None = None,
+                      out: QuantizedActivation | None = None, out_bf16: torch.Tensor | None = None,
+                      return_bf16: bool = True, config: GemmConfig | None = None):
+    """``act.silu_mul(fp8_gemm(a, weight, ...), limit=limit, out_format=...)`` in one launch.
+
+    ``weight`` is a gate_up projection, e4m3 ``[2I, K]``: gate rows ``0 .. I``, up rows
+    ``I .. 2I`` (32- or 128-row weight blocks, so I a multiple of the block). ``a`` is an FP8 pair
+    as for ``fp8_gemm``. Each program's tile takes BLOCK_N / 2 gate rows and the matching up rows,
+    so its epilogue rounds the gate_up product to bf16 (the bf16 GEMM's output, bit for bit: the
+    same config, the same per-element sums), applies ``act.swiglu``, rounds ``y [M, I]`` and
+    writes it the way ``act.silu_mul`` does: bf16 ``y``, ``(y, pair)`` or the pair alone
+    (``return_bf16=False``), the pair in ``out_format`` equal to ``reference.quantize(y)``. The
+    outputs and their buffers (``out``, ``out_bf16``) follow ``norm.rms_norm``'s convention.
+    """
+    if not isinstance(a, QuantizedActivation):
+        raise TypeError(f"fp8_gemm_silu_mul reads an FP8 pair, got {type(a).__name__}")
+    pair = _pair_operand(a, weight_block, None)
+    m, n, k = _check_operands(pair, weight, weight_scale, weight_block)
+    if n % (2 * weight_block):
+        raise ValueError(f"gate_up weight must have 2I rows with I a multiple of the {weight_block}-row "
+                         f"block, got N={n}")
+    check_limit(limit)
+    inter = n // 2
+    fmt, out_pair, y = resolve_outputs(m, inter, weight.device, out_format, out, out_bf16, return_bf16)
+    if m == 0:
+        return producer_result(y, out_pair)
+    cfg = config or select_config(m, n, k, weight_block, weight.device)
+    _check_config(cfg, k, weight_block, True)
+    if fmt is not None and cfg.block_n < 2 * fmt.group_size:  # whole quantization groups per tile
+        cfg = cfg._replace(block_n=2 * fmt.group_size)
+    if cfg.block_n * cfg.block_m >= 128 * 64:  # the epilogue's registers: no spill on sm_90 with 8 warps
+        cfg = cfg._replace(warps=max(cfg.warps, 8))  # (each sum is the same for any warp count)
+    tiles = cdiv(inter, cfg.block_n // 2) * cdiv(m, cfg.block_m)
+    split, iters_per_split, part, counters = _split_plan(tiles, k, cfg, weight.device)
+    args = launch_args(fmt, out_pair, y, pair.data)
+    extra = {} if interpreting() else {"num_stages": cfg.stages}
+    consts = args["consts"]
+    _gemm_silu_mul_kernel[(tiles, split)](
+        pair.data, pair.scale, weight, weight_scale, args["y"], args["data"], args["scale"],
+        pair.data if part is None else part, pair.data if counters is None else counters,
+        m, inter, k, float(limit) if limit is not None else 0.0,
+        pair.data.stride(0), pair.scale.stride(0), pair.scale.stride(1), weight.stride(0),
+        weight_scale.stride(0), weight_scale.stride(1), args["y_stride"], *args["strides"],
+        GROUP=weight_block, SPLIT=split, ITERS=iters_per_split, DEQUANT=cfg.dequant, BLOCK_DIAG=cfg.block_diag,
+        FP32_DOT=interpreting(), BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+        TILE_GROUP=cfg.tile_group, HAS_LIMIT=limit is not None, STORE_BF16=args["STORE_BF16"],
+        QUANT=args["QUANT"], QGROUP=consts["GROUP"], POW2=consts["POW2"], PACKED=consts["PACKED"],
+        num_warps=cfg.warps, **extra, **pdl_options(),
+    )
+    return producer_result(y, out_pair)
 
 
 def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *, weight_block: int,

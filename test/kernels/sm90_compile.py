@@ -84,6 +84,12 @@ def record_launches() -> None:
         scale = torch.ones(1792 // block, 5120 // block)
         for rows in (1, 64, 2048):
             gemm.fp8_gemm(quant.quantize(bf16(rows, 5120), fmt), weight, scale, weight_block=block)
+    gate_up = torch.zeros(4608, 5120, dtype=FP8_DTYPE)
+    for fmt in (ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN):
+        for rows in (1, 64, 2048):
+            gemm.fp8_gemm_silu_mul(quant.quantize(bf16(rows, 5120), ActFormat.SM90_G32_FP32_MN), gate_up,
+                                   torch.ones(4608 // 32, 5120 // 32), weight_block=32, limit=10.0, out_format=fmt,
+                                   return_bf16=False)
     cos, sin = reference.rope_tables(1024, 64, 10000.0)
     cache = torch.zeros(64, 1024, 512, dtype=torch.bfloat16)
     # default tiles 16 x 64 (8 key splits, merged), 32 x 64 and 64 x 32 wgmma (2 splits, merged), and

@@ -7,10 +7,10 @@ bf16 rounding is done on the bits there). GPU: DSv4.1 shapes, both formats, many
 import pytest
 import torch
 
-from fp8chain_kernel import gemm, quant
+from fp8chain_kernel import act, gemm, quant
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import ActFormat, empty_pair
-from helpers import rel_error
+from helpers import assert_pairs_equal, poisoned_pair, rel_error
 
 G32, G128 = ActFormat.SM90_G32_FP32_MN, ActFormat.SM90_G128_FP32_MN
 FORMATS = [(G32, 32), (G128, 128)]
@@ -175,6 +175,82 @@ def test_w8a16_matches_reference_cpu(block, dequant, device):
 
 
 # ------------------------------------------------------------------------------------------
+# The gate_up GEMM with the SiLU*mul epilogue (fp8_gemm_silu_mul)
+# ------------------------------------------------------------------------------------------
+
+def check_gemm_silu_mul(m, inter, k, config, out_fmt, limit, device, x=None):
+    """The fused launch against the two launches it replaces (the bf16 gate_up GEMM with the same
+    config, then ``act.silu_mul``): the bf16 output bit for bit, the pair equal to the standalone
+    quantization of that output, both outputs fully written; and near the fp64 reference."""
+    w, s = ref.random_fp8_weight(2 * inter, k, 32, device)
+    pair = ref.quantize(make_activation(m, k, device) if x is None else x, G32)
+    cfg = config or gemm.select_config(m, 2 * inter, k, 32, device)
+    cfg = cfg._replace(block_n=max(cfg.block_n, 2 * out_fmt.group_size))  # what the fused launch runs
+    out = poisoned_pair(m, inter, out_fmt, device)
+    y, got = gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, limit=limit, out_format=out_fmt, out=out,
+                                    out_bf16=poisoned_out(m, inter, device), config=config)
+    assert got is out
+    gate_up = gemm.fp8_gemm(pair, w, s, weight_block=32, config=cfg)
+    assert torch.equal(y.view(torch.int16), act.silu_mul(gate_up, limit=limit).view(torch.int16))
+    assert_pairs_equal(got, ref.quantize(y, out_fmt))
+    only = gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, limit=limit, out_format=out_fmt,
+                                  out=poisoned_pair(m, inter, out_fmt, device), return_bf16=False, config=config)
+    assert_pairs_equal(only, got)
+    return y, ref.fp8_gemm_silu_mul(pair, w, s, 32, limit=limit)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("out_fmt", list(ActFormat), ids=lambda f: f.value)
+@pytest.mark.parametrize("m,inter,k,config", [
+    (1, 128, 512, None),                  # the heuristic: split-K
+    (3, 96, 256, None),                   # I not a multiple of the tile: masked columns
+    (17, 64, 512, SPLIT_CFG),
+    (40, 128, 256, gemm.GemmConfig(64, 32, 128, 1, 2, 4, 2)),  # several M tiles, grouped order
+    (5, 96, 512, gemm.GemmConfig(128, 16, 256, 2, 2, 4, 8, dequant=True)),
+    (19, 64, 512, gemm.GemmConfig(64, 16, 128, 2, 2, 4, 8, block_diag=True)),
+])
+def test_gemm_silu_mul_equals_the_two_launches_cpu(out_fmt, m, inter, k, config, device):
+    y, want = check_gemm_silu_mul(m, inter, k, config, out_fmt, 7.0 if m % 2 else None, device)
+    assert rel_error(y, want) < TOL
+    if m >= 3:  # the all-zero activation row
+        assert torch.equal(y[1].float(), torch.zeros_like(y[1].float()))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("config", [None, SPLIT_CFG._replace(split=1)], ids=["splitk", "direct"])
+def test_gemm_silu_mul_nan_row_stays_in_its_row(config, device):
+    m, inter, k = 6, 64, 256
+    x = make_activation(m, k, device)
+    x[4, 100] = float("nan")
+    y, _ = check_gemm_silu_mul(m, inter, k, config, G32, None, device, x=x)
+    assert not torch.isfinite(y[4]).any()
+    assert torch.isfinite(y[[0, 1, 2, 3, 5]]).all()
+
+
+@pytest.mark.cpu
+def test_gemm_silu_mul_rejects_bad_input(device):
+    w, s = ref.random_fp8_weight(128, 256, 32, device)
+    x = make_activation(2, 256, device)
+    with pytest.raises(TypeError, match="FP8 pair"):
+        gemm.fp8_gemm_silu_mul(x, w, s, weight_block=32, out_format=G32)
+    with pytest.raises(TypeError, match="sm90_g32_fp32_mn.*sm90_g128_fp32_mn"):
+        gemm.fp8_gemm_silu_mul(ref.quantize(x, G128), w, s, weight_block=32, out_format=G32)
+    pair = ref.quantize(x, G32)
+    w96, s96 = ref.random_fp8_weight(96, 256, 32, device)
+    with pytest.raises(ValueError, match="2I rows"):
+        gemm.fp8_gemm_silu_mul(pair, w96, s96, weight_block=32, out_format=G32)
+    with pytest.raises(ValueError, match="limit"):
+        gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, limit=-1.0)
+    with pytest.raises(TypeError):
+        gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, out_format=G32,
+                               out=poisoned_pair(2, 64, G128, device))
+    with pytest.raises(ValueError, match="return_bf16=False"):
+        gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, return_bf16=False)
+    y, empty = gemm.fp8_gemm_silu_mul(empty_pair(0, 256, G32, device), w, s, weight_block=32, out_format=G32)
+    assert y.shape == (0, 64) and empty.data.shape == (0, 64)
+
+
+# ------------------------------------------------------------------------------------------
 # GPU (DSv4.1 shapes)
 # ------------------------------------------------------------------------------------------
 
@@ -273,6 +349,18 @@ def test_torch_blockwise_dsv41_shapes_gpu(n, k):
         out = backend.gemm(pair, w, s, derived, out=poisoned_out(m, n, "cuda"))
         err = rel_error(out, ref.dequantize(pair).double() @ w_ref.t())
         assert err < TOL, f"M={m}: relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_fmt", [G32, ActFormat.SM100_G32_UE8M0_PACKED_MN], ids=lambda f: f.value)
+def test_gemm_silu_mul_dsv41_gate_up_gpu(out_fmt):
+    """The shared expert's gate_up (I = 2304, K = 5120) with DSv4.1's swiglu clamp, table configs
+    (the fused launch may run more warps than the bf16 GEMM it must match bit for bit)."""
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    for m in GPU_MS:
+        y, want = check_gemm_silu_mul(m, 2304, 5120, None, out_fmt, 10.0 if m % 2 else None, device)
+        assert rel_error(y, want) < TOL, m
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ from fp8chain_kernel.formats import QuantizedActivation
 
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .norm import split_producer_result
+from .quantization.fp8 import consumer_gemm_silu_mul
 
 __all__ = [
     "E2M1_VALUES", "MXFP4_GROUP", "dequantize_mxfp4", "quantize_mxfp4", "TopKRouter",
@@ -143,7 +144,9 @@ class SharedExpert(nn.Module):
 
     Both linears request a pre-quantized input (``deepgemm_mxfp8_input``). With ``chain`` on,
     the SiLU*mul launch writes ``down``'s FP8 pair itself; off, it writes bf16 and ``down``
-    quantizes its own input.
+    quantizes its own input. Chained, with ``fuse_silu_mul`` (the default) and a gate_up backend
+    that has the epilogue (Triton: ``gemm.fp8_gemm_silu_mul``), SiLU*mul and the pair come out of
+    the gate_up GEMM itself: one launch fewer, the same bytes.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, swiglu_limit: float | None,
@@ -160,10 +163,15 @@ class SharedExpert(nn.Module):
                                       tp_rank=tp_rank, tp_size=tp_size)
         self.gate_up.deepgemm_mxfp8_input = True
         self.down.deepgemm_mxfp8_input = True
+        self.fuse_silu_mul = True
 
     def forward(self, x: torch.Tensor, x_pair: QuantizedActivation | None = None) -> torch.Tensor:
-        gate_up = self.gate_up(x_pair if (self.chain and x_pair is not None) else x)
         fmt = self.down.input_format if self.chain else None
+        if fmt is not None and x_pair is not None and self.fuse_silu_mul:
+            h_pair = consumer_gemm_silu_mul(self.gate_up, x_pair, self.swiglu_limit, fmt)
+            if h_pair is not None:
+                return self.down(h_pair)
+        gate_up = self.gate_up(x_pair if (self.chain and x_pair is not None) else x)
         result = act_kernels.silu_mul(gate_up, limit=self.swiglu_limit, out_format=fmt)
         h, h_pair = split_producer_result(result, fmt)
         return self.down(h_pair if h_pair is not None else h)

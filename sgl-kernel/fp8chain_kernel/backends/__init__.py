@@ -66,6 +66,13 @@ class GemmBackend:
         """bf16 ``[M, N]`` = dequant(pair) @ dequant(weight)^T."""
         raise NotImplementedError
 
+    def gemm_silu_mul(self, pair: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      derived: dict, limit: float | None, out_format: ActFormat) -> QuantizedActivation | None:
+        """The FP8 pair (``out_format``) of ``act.silu_mul(gemm(...), limit=limit)`` for a gate_up
+        weight ``[2I, K]``, in one launch, bit for bit what ``gemm`` followed by ``act.silu_mul``
+        writes; None where this backend has no such epilogue (the caller runs the two launches)."""
+        return None
+
     def __repr__(self) -> str:
         return f"<GemmBackend {self.name}>"
 

@@ -41,3 +41,8 @@ class TritonBackend(GemmBackend):
     def gemm(self, pair: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
              derived: dict, out: torch.Tensor | None = None) -> torch.Tensor:
         return _gemm.fp8_gemm(pair, weight, weight_scale, weight_block=pair.fmt.group_size, out=out)
+
+    def gemm_silu_mul(self, pair: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      derived: dict, limit: float | None, out_format: ActFormat) -> QuantizedActivation:
+        return _gemm.fp8_gemm_silu_mul(pair, weight, weight_scale, weight_block=pair.fmt.group_size, limit=limit,
+                                       out_format=out_format, return_bf16=False)
