@@ -228,6 +228,21 @@ def test_gemm_silu_mul_nan_row_stays_in_its_row(config, device):
 
 
 @pytest.mark.cpu
+def test_silu_mul_epilogue_only_where_it_pays(device):
+    """DSv4.1 gate_up: the fused launch at decode tiles and M = 256, the two launches where the
+    fused tile needs 8 warps (M = 64, 2048; measured slower there), and the backend follows."""
+    from fp8chain_kernel.backends import get_backend
+
+    n, k = 4608, 5120
+    assert [gemm.silu_mul_epilogue_pays(m, n, k, 32, device) for m in (1, 16, 64, 256, 2048)] == \
+        [True, True, False, True, False]
+    w = torch.zeros(n, k, dtype=torch.float8_e4m3fn, device=device)
+    s = torch.ones(n // 32, k // 32, device=device)
+    pair = ref.quantize(make_activation(64, k, device), G32)
+    assert get_backend("triton").gemm_silu_mul(pair, w, s, {}, 10.0, G32) is None
+
+
+@pytest.mark.cpu
 def test_gemm_silu_mul_rejects_bad_input(device):
     w, s = ref.random_fp8_weight(128, 256, 32, device)
     x = make_activation(2, 256, device)

@@ -70,7 +70,8 @@ class GemmBackend:
                       derived: dict, limit: float | None, out_format: ActFormat) -> QuantizedActivation | None:
         """The FP8 pair (``out_format``) of ``act.silu_mul(gemm(...), limit=limit)`` for a gate_up
         weight ``[2I, K]``, in one launch, bit for bit what ``gemm`` followed by ``act.silu_mul``
-        writes; None where this backend has no such epilogue (the caller runs the two launches)."""
+        writes; None where this backend has no such epilogue, or it does not pay for this problem (the
+        caller runs the two launches)."""
         return None
 
     def __repr__(self) -> str:
