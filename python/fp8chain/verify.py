@@ -126,7 +126,19 @@ def check_gemm(device, quick) -> str:
             err = ((out.double() - want).norm() / want.norm()).item()
             _require(err < 5e-3, f"GEMM {fmt.value} M={rows}: relative error {err:.2e}")
             worst = max(worst, err)
-    return f"fp8_gemm {n}x{k}, both Hopper formats, worst relative error {worst:.1e}"
+    # the gate_up GEMM's SiLU*mul epilogue: the bytes of the GEMM followed by act.silu_mul
+    from fp8chain_kernel import act
+
+    fmt = ActFormat.SM90_G32_FP32_MN
+    weight, scale = ref.random_fp8_weight(2 * n, k, 32, device, log2_scale=-8)
+    for rows in (1, 3, 64):
+        pair = quant.quantize(_random_rows(rows, k, device), fmt)
+        y, h_pair = gemm.fp8_gemm_silu_mul(pair, weight, scale, weight_block=32, limit=10.0, out_format=fmt)
+        want_y = act.silu_mul(gemm.fp8_gemm(pair, weight, scale, weight_block=32), limit=10.0)
+        _require(torch.equal(y.view(torch.int16), want_y.view(torch.int16)), f"fp8_gemm_silu_mul bf16 M={rows}")
+        _require(_pairs_equal(h_pair, ref.quantize(y, fmt)), f"fp8_gemm_silu_mul pair M={rows}")
+    return (f"fp8_gemm {n}x{k}, both Hopper formats, worst relative error {worst:.1e}; "
+            f"fp8_gemm_silu_mul {2 * n}x{k} bitwise")
 
 
 CHECKS: dict[str, Check] = {
