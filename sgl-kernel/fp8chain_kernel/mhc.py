@@ -110,7 +110,7 @@ def _stats_partial_kernel(r_ptr, fn_ptr, part_ptr, T, H, stride_rt, stride_rs, s
 
 
 @triton.jit
-def _split_sums(part_ptr, rows, t_ok, offs_s, NSPLIT: tl.constexpr, T, NP: tl.constexpr):
+def _split_sums(part_ptr, rows, t_ok, offs_s, NSPLIT: tl.constexpr, T, NMIX: tl.constexpr, NP: tl.constexpr):
     """The partials summed over the splits for BT tokens, read into the tiles that use them: the
     sum of squares ``[BT]``, pre / post ``[BT, 4, 4]`` (``[t, 0|1, k]``; rows 2 and 3 repeat post)
     and the comb mixes ``[BT, 4, 4]`` (``[t, i, j]``). One contiguous load per tile, fixed
@@ -131,8 +131,8 @@ def _split_sums(part_ptr, rows, t_ok, offs_s, NSPLIT: tl.constexpr, T, NP: tl.co
 @triton.jit
 def _stats_finish_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
                          T, K, rms_eps, hc_eps, NSPLIT: tl.constexpr, SP: tl.constexpr,
-                         SINKHORN_ITERS: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
-                         PDL: tl.constexpr):
+                         SINKHORN_ITERS: tl.constexpr, NMIX: tl.constexpr, NP: tl.constexpr,
+                         BT: tl.constexpr, PDL: tl.constexpr):
     """Sum the split partials, then the sigmoids, softmax and Sinkhorn normalisations for BT
     tokens.
 
@@ -152,7 +152,7 @@ def _stats_finish_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_
     j3 = a4[None, None, :]                                               # [1, 1, 4]
     t3 = rows[:, None, None]
     ok3 = t_ok[:, None, None]
-    sumsq, mp, m = _split_sums(part_ptr, rows, t_ok, offs_s, NSPLIT, T, NP)
+    sumsq, mp, m = _split_sums(part_ptr, rows, t_ok, offs_s, NSPLIT, T, NMIX, NP)
     mean = tl.math.div_rn(sumsq, tl.zeros(sumsq.shape, tl.float32) + K)
     r3 = tl.math.div_rn(tl.full(sumsq.shape, 1.0, tl.float32), tl.sqrt_rn(mean + rms_eps))[:, None, None]
 
@@ -609,7 +609,8 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     bt2 = max(1, min(triton.next_power_of_2(rows), 256 // sp))  # [BT, SP] tiles of <= 256
     _stats_finish_kernel[(cdiv(rows, bt2),)](
         part, scale, base, pre, post, comb, rows, HC * cols, float(rms_eps), float(hc_eps),
-        NSPLIT=splits, SP=sp, SINKHORN_ITERS=int(sinkhorn_iters), NP=np_, BT=bt2, num_warps=4, **pdl_options(),
+        NSPLIT=splits, SP=sp, SINKHORN_ITERS=int(sinkhorn_iters), NMIX=NMIX, NP=np_, BT=bt2, num_warps=4,
+        **pdl_options(),
     )
     return pre, post, comb
 
