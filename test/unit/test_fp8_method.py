@@ -244,3 +244,45 @@ def test_get_quantization_config():
     assert get_quantization_config({"hidden_size": 8}) is None
     with pytest.raises(ValueError, match="unsupported quant_method"):
         get_quantization_config({"quantization_config": {"quant_method": "gptq"}})
+
+
+def test_gate_up_silu_mul_epilogue_is_the_two_launches(monkeypatch):
+    """``consumer_gemm_silu_mul``: on the Triton backend the pair of ``act.silu_mul(layer(pair))``
+    from one launch, byte for byte; None for a backend without the epilogue or a layer with a bias."""
+    from fp8chain.layers.quantization.fp8 import consumer_gemm_silu_mul
+    from fp8chain_kernel import act
+    from helpers import assert_pairs_equal
+
+    layer, _ = make_layer(256, 256, request=True, prefix="gate_up")
+    fmt = layer.input_format
+    pair = quantize(torch.randn(3, 256).bfloat16(), fmt)
+    got = consumer_gemm_silu_mul(layer, pair, 7.0, fmt)
+    assert got is not None
+    assert_pairs_equal(got, act.silu_mul(layer(pair), limit=7.0, out_format=fmt, return_bf16=False))
+    biased, _ = make_layer(256, 256, request=True, prefix="gate_up", bias=True)
+    assert consumer_gemm_silu_mul(biased, pair, 7.0, fmt) is None
+    monkeypatch.setattr(layer, "gemm_backend", object())  # a backend with no such epilogue
+    assert consumer_gemm_silu_mul(layer, pair, 7.0, fmt) is None
+
+
+def test_shared_expert_epilogue_on_off_and_chain_off_agree(monkeypatch):
+    """The chained shared expert takes the gate_up GEMM's SiLU*mul epilogue (one launch); without
+    it, and with the chain off, the output is the same bits."""
+    from fp8chain.layers.moe import SharedExpert
+    from fp8chain_kernel import gemm
+
+    expert = SharedExpert(256, 128, swiglu_limit=7.0, quant_config=CFG32, prefix="shared")
+    for linear in (expert.gate_up, expert.down):
+        load_weights(linear, checkpoint(*linear.weight.shape, 32).items())
+    calls = []
+    fused_gemm = gemm.fp8_gemm_silu_mul
+    monkeypatch.setattr(gemm, "fp8_gemm_silu_mul", lambda *a, **kw: calls.append(1) or fused_gemm(*a, **kw))
+    x = torch.randn(3, 256).bfloat16()
+    pair = quantize(x, expert.gate_up.input_format)
+    fused = expert(x, pair)
+    assert calls == [1]
+    expert.fuse_silu_mul = False
+    assert torch.equal(bits(expert(x, pair)), bits(fused))
+    expert.fuse_silu_mul, expert.chain = True, False
+    assert torch.equal(bits(expert(x, pair)), bits(fused))
+    assert calls == [1]

@@ -279,12 +279,12 @@ def consumer_gemm_silu_mul(layer, pair: QuantizedActivation, limit: float | None
                            out_format) -> QuantizedActivation | None:
     """The FP8 pair of ``act.silu_mul(layer(pair), limit=limit)`` in ``out_format`` from one launch,
     where the layer (a gate_up projection, no bias) runs on a backend with that epilogue; else None."""
-    backend = layer.gemm_backend
-    if backend is None or layer.forward_bias is not None:
+    fused = getattr(layer.gemm_backend, "gemm_silu_mul", None)  # a backend need not have it
+    if fused is None or layer.forward_bias is not None:
         return None
     check_pair_input(layer, pair, layer.display_name)
     derived = {name: getattr(layer, name) for name in layer.derived_weight_names}
-    return backend.gemm_silu_mul(pair, layer.weight, layer.weight_scale_inv, derived, limit, out_format)
+    return fused(pair, layer.weight, layer.weight_scale_inv, derived, limit, out_format)
 
 
 def _fallback_gemm(pair: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
