@@ -517,6 +517,7 @@ def _split_plan(tiles: int, k: int, cfg: GemmConfig, device):
 
 
 def _check_config(cfg: GemmConfig, k: int, group: int, a_fp8: bool) -> None:
+    """A config the kernels can run for K in groups of ``group`` (ValueError otherwise)."""
     if k % cfg.block_k or cfg.block_k % group:
         raise ValueError(f"config block_k={cfg.block_k} must divide K={k} and be a multiple of {group}")
     if cfg.block_diag and (cfg.dequant or not a_fp8):

@@ -1,4 +1,5 @@
-"""FP8 GEMM consumers against the fp64 reference on dequantized operands.
+"""FP8 GEMM consumers against the fp64 reference on dequantized operands, and the gate_up GEMM's
+SiLU*mul epilogue against the two launches it replaces (bit for bit).
 
 CPU: the Triton interpreter at small shapes (its fp8 tl.dot is exact in fp32, and the kernel's
 bf16 rounding is done on the bits there). GPU: DSv4.1 shapes, both formats, many M.
