@@ -639,7 +639,7 @@ def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale
     check_limit(limit)
     inter = n // 2
     fmt, out_pair, y = resolve_outputs(m, inter, weight.device, out_format, out, out_bf16, return_bf16)
-    if m == 0:
+    if m == 0 or inter == 0:
         return producer_result(y, out_pair)
     cfg = config or select_config(m, n, k, weight_block, weight.device)
     _check_config(cfg, k, weight_block, True)

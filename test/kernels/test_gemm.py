@@ -264,6 +264,8 @@ def test_gemm_silu_mul_rejects_bad_input(device):
         gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, return_bf16=False)
     y, empty = gemm.fp8_gemm_silu_mul(empty_pair(0, 256, G32, device), w, s, weight_block=32, out_format=G32)
     assert y.shape == (0, 64) and empty.data.shape == (0, 64)
+    y, empty = gemm.fp8_gemm_silu_mul(pair, w[:0], s[:0], weight_block=32, out_format=G32)  # I = 0
+    assert y.shape == (2, 0) and empty.data.shape == (2, 0)
 
 
 # ------------------------------------------------------------------------------------------
