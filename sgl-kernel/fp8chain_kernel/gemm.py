@@ -607,11 +607,10 @@ def fp8_gemm(a: QuantizedActivation | torch.Tensor, weight: torch.Tensor, weight
 SILU_MUL_WIDE_TILE = 128 * 64
 
 
-def silu_mul_epilogue_pays(m: int, n: int, k: int, group: int, device: torch.device) -> bool:
-    """Whether ``fp8_gemm_silu_mul`` beats ``fp8_gemm`` + ``act.silu_mul`` for this gate_up problem:
-    where its table tile is narrower than ``SILU_MUL_WIDE_TILE``."""
-    cfg = select_config(m, n, k, group, device)
-    return cfg.block_n * cfg.block_m < SILU_MUL_WIDE_TILE
+def silu_mul_epilogue_pays(config: GemmConfig) -> bool:
+    """Whether ``fp8_gemm_silu_mul`` beats ``fp8_gemm`` + ``act.silu_mul`` with the gate_up problem's
+    ``config`` (``select_config``): where its tile is narrower than ``SILU_MUL_WIDE_TILE``."""
+    return config.block_n * config.block_m < SILU_MUL_WIDE_TILE
 
 
 def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor, *,

@@ -45,7 +45,8 @@ class TritonBackend(GemmBackend):
     def gemm_silu_mul(self, pair: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
                       derived: dict, limit: float | None, out_format: ActFormat) -> QuantizedActivation | None:
         n, k = weight.shape
-        if not _gemm.silu_mul_epilogue_pays(pair.data.shape[0], n, k, pair.fmt.group_size, weight.device):
+        config = _gemm.select_config(pair.data.shape[0], n, k, pair.fmt.group_size, weight.device)
+        if not _gemm.silu_mul_epilogue_pays(config):
             return None
         return _gemm.fp8_gemm_silu_mul(pair, weight, weight_scale, weight_block=pair.fmt.group_size, limit=limit,
-                                       out_format=out_format, return_bf16=False)
+                                       out_format=out_format, return_bf16=False, config=config)

@@ -271,8 +271,7 @@ def consumer_gemm(layer, pair: QuantizedActivation, block: int) -> torch.Tensor:
     backend = layer.gemm_backend
     if backend is None:
         return _fallback_gemm(pair, layer.weight, layer.weight_scale_inv, block)
-    derived = {name: getattr(layer, name) for name in layer.derived_weight_names}
-    return backend.gemm(pair, layer.weight, layer.weight_scale_inv, derived)
+    return backend.gemm(pair, layer.weight, layer.weight_scale_inv, _derived_tensors(layer))
 
 
 def consumer_gemm_silu_mul(layer, pair: QuantizedActivation, limit: float | None,
@@ -283,8 +282,12 @@ def consumer_gemm_silu_mul(layer, pair: QuantizedActivation, limit: float | None
     if fused is None or layer.forward_bias is not None:
         return None
     check_pair_input(layer, pair, layer.display_name)
-    derived = {name: getattr(layer, name) for name in layer.derived_weight_names}
-    return fused(pair, layer.weight, layer.weight_scale_inv, derived, limit, out_format)
+    return fused(pair, layer.weight, layer.weight_scale_inv, _derived_tensors(layer), limit, out_format)
+
+
+def _derived_tensors(layer) -> dict:
+    """The load-time tensors ``prepare_consumer`` derived for the layer's backend, by name."""
+    return {name: getattr(layer, name) for name in layer.derived_weight_names}
 
 
 def _fallback_gemm(pair: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
