@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=None, help="calls per captured graph")
     parser.add_argument("--sweep", action="store_true", help="time candidate configs, print the best")
     parser.add_argument("--groups", default="32,128", help="weight block sizes the sweep covers")
+    parser.add_argument("--stages", default="4", help="comma-separated pipeline depths of the M <= 64 candidates")
+    parser.add_argument("--modes", default=",".join(OPERAND_MODES),
+                        help=f"comma-separated operand modes of the M <= 64 candidates ({', '.join(OPERAND_MODES)})")
     parser.add_argument("--sweep-budget-s", type=float, default=150.0, help="stop the sweep's timing after this")
     parser.add_argument("--precompile", type=int, default=0,
                         help="compile the planned kernels in this many worker processes first")
@@ -78,12 +81,17 @@ def _splits(iters: int) -> list[int]:
     return [d for d in (1, 2, 3, 4, 5, 6, 8) if iters % d == 0 and iters // d >= 2] or [1]
 
 
-def sweep_candidates(m: int, n: int, k: int, group: int) -> list[gemm.GemmConfig]:
+OPERAND_MODES = {"fp8": (False, False), "dequant": (True, False), "block_diag": (False, True)}
+
+
+def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...] = (4,),
+                     modes: tuple[str, ...] = tuple(OPERAND_MODES)) -> list[gemm.GemmConfig]:
     """Launch configs worth timing for one (M bucket, N, K, group); bf16-dequantized operands
-    only for 32-groups (power-of-two scales: exact)."""
+    and block-diagonal FP8 dots only for 32-groups (power-of-two scales: exact). ``stages`` and
+    ``modes`` (keys of ``OPERAND_MODES``) narrow or widen the decode (M <= 64) candidates."""
     cands = []
     # (dequant, block_diag) operand modes; both alternatives to the per-group FP8 dot need 32-groups
-    modes = ((False, False), (True, False), (False, True)) if group == 32 else ((False, False),)
+    modes = tuple(OPERAND_MODES[name] for name in modes if group == 32 or name == "fp8")
     if m <= 64:
         bm = max(16, 1 << (m - 1).bit_length())
         for dequant, block_diag in modes:
@@ -92,11 +100,13 @@ def sweep_candidates(m: int, n: int, k: int, group: int) -> list[gemm.GemmConfig
                 for bn in (64, 128):
                     for bk in (128, 256):
                         token_cols = (bk // group) * block_m if block_diag else block_m
-                        # accumulator <= 128 columns; 4 stages of both tiles fit the 227 KB of smem
-                        if k % bk or token_cols > 128 or 4 * bk * (bn + token_cols) > 200 << 10:
+                        if k % bk or token_cols > 128:
                             continue
-                        for split in _splits(k // bk)[-4:]:
-                            cands.append(gemm.GemmConfig(bn, block_m, bk, split, 4, 4, 8, dequant, block_diag))
+                        for depth in stages:
+                            if depth * bk * (bn + token_cols) > 200 << 10:  # the stages fit the 227 KB of smem
+                                continue
+                            for split in _splits(k // bk)[-4:]:
+                                cands.append(gemm.GemmConfig(bn, block_m, bk, split, depth, 4, 8, dequant, block_diag))
         return cands
     if m <= 256:
         fp8 = [(128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4), (128, 128, 128, 1, 3, 8),
@@ -117,6 +127,14 @@ def sweep_candidates(m: int, n: int, k: int, group: int) -> list[gemm.GemmConfig
     return cands
 
 
+def _candidates(args, m: int, n: int, k: int, group: int) -> list[gemm.GemmConfig]:
+    modes = tuple(v for v in args.modes.split(",") if v)
+    unknown = set(modes) - set(OPERAND_MODES)
+    if unknown:
+        raise SystemExit(f"--modes: unknown operand modes {sorted(unknown)}; known: {', '.join(OPERAND_MODES)}")
+    return sweep_candidates(m, n, k, group, tuple(int(v) for v in args.stages.split(",") if v), modes)
+
+
 def _sweep_points(args):
     shapes = [s for s in args.shapes.split(",") if s]
     ms = [16, 64, 256, 2048] if not args.quick else [16, 64, 2048]  # one M per table bucket
@@ -135,7 +153,7 @@ def _plan(args):
     plan = []
     if args.sweep:
         for name, n, k, group, m in _sweep_points(args):
-            for cfg in sweep_candidates(m, n, k, group):
+            for cfg in _candidates(args, m, n, k, group):
                 plan.append(("fp8", name, group, m, cfg))
     else:
         for name in shapes:
@@ -185,7 +203,7 @@ def _precompile(args):
         argv.append("--sweep")
     if args.ms:
         argv += ["--ms", args.ms]
-    argv += ["--groups", args.groups]
+    argv += ["--groups", args.groups, "--stages", args.stages, "--modes", args.modes]
     if args.table_from:
         argv += ["--table-from", args.table_from]
     procs = [subprocess.Popen([sys.executable, __file__, *argv, "--worker", f"{i}/{args.precompile}"])
@@ -217,7 +235,7 @@ def run_sweep(args, device, copy_bw):
         results = []
 
         want = reference.fp8_gemm(pair, ws[0][0], ws[0][1], group)
-        for cfg in sweep_candidates(m, n, k, group) + [None]:
+        for cfg in _candidates(args, m, n, k, group) + [None]:
             try:
                 got = gemm.fp8_gemm(pair, ws[0][0], ws[0][1], weight_block=group, config=cfg)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: not a candidate

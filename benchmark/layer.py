@@ -109,17 +109,21 @@ class LayerUnit:
             self.positions = torch.full((rows,), context - 1, dtype=torch.long, device=device)
             self.slots = torch.arange(rows, device=device)
             self.kv_cache = torch.randn(rows, context, config.head_dim, device=device).bfloat16()
+        self._x_pairs: dict[bool, object] = {}
         self.set_chain(True)
 
     def set_chain(self, on: bool) -> None:
         """Switch every producer; the attention input pair is what the previous layer's
-        boundary would have written (made here, outside the timed step)."""
+        boundary would have written (made here, outside the timed step, once per arm and kept, so
+        a graph captured for one arm still reads it while the other arm is set)."""
         self.chain = on
         for module in self.layer.modules():
             if hasattr(module, "chain"):
                 module.chain = on
-        fmt = _chain_format(self.layer.attn.wqkv_a, on)
-        self.x_pair = quant.quantize(self.x, fmt) if fmt is not None else None
+        if on not in self._x_pairs:
+            fmt = _chain_format(self.layer.attn.wqkv_a, on)
+            self._x_pairs[on] = quant.quantize(self.x, fmt) if fmt is not None else None
+        self.x_pair = self._x_pairs[on]
 
     def step(self):
         layer, chain, overlap = self.layer, self.chain, self.layer.overlap_stats
@@ -226,10 +230,14 @@ ARMS = (("chained", True), ("unchained", False))
 
 
 def _time_arms(unit: LayerUnit, record: dict, variant: str, iters: int) -> None:
-    """``record["{arm}{variant}_us"]`` for both arms of ``unit`` as the layer is now configured."""
+    """``record["{arm}{variant}_us"]`` for both arms of ``unit`` as the layer is now configured:
+    one graph per arm, their replays alternated (``harness.replay_times_us``)."""
+    graphs = {}
     for arm, on in ARMS:
         unit.set_chain(on)
-        record[f"{arm}{variant}_us"] = harness.graph_time_us(unit.step, iters=iters, repeats=5)
+        graphs[arm] = harness.capture_graph(unit.step, iters)
+    for arm, us in harness.replay_times_us(graphs, iters, rounds=7).items():
+        record[f"{arm}{variant}_us"] = us
 
 
 def run(args) -> tuple[dict, list[dict]]:

@@ -42,7 +42,7 @@ import triton.language as tl
 from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair
 from .act import check_limit, swiglu
 from .fp8_tile import fp8_offsets, interpreting, round_bf16, store_pair_tile
-from .launch import ARRIVAL_SLOTS, arrival_counters, await_producer, pdl_options, sm_count
+from .launch import ARRIVAL_SLOTS, arrival_counters, arrive_last, await_producer, pdl_options, rearm, sm_count
 from .norm import launch_args, producer_result, resolve_outputs
 from .quant import check_activation, quantize
 
@@ -203,8 +203,7 @@ def _publish_partial(acc, part_ptr, count_ptr, tile, pid_k, SPLIT: tl.constexpr,
     and bump the tile's counter; true for the slice that arrives last (it finishes the tile)."""
     local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
     tl.store(part_ptr + (pid_k * tl.num_programs(0) + tile).to(tl.int64) * (BLOCK_N * BLOCK_M) + local, acc)
-    tl.debug_barrier()
-    return tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1
+    return arrive_last(count_ptr, tile, SPLIT)
 
 
 @triton.jit
@@ -254,7 +253,7 @@ def _block_scaled_gemm_kernel(
         if _publish_partial(acc, part_ptr, count_ptr, tile, pid_k, SPLIT, BLOCK_N, BLOCK_M):
             total = _gather_partials(part_ptr, count_ptr, tile, SPLIT, BLOCK_N, BLOCK_M)
             tl.store(out_ptrs, round_bf16(total, FP32_DOT), mask=out_mask)
-            tl.atomic_xchg(count_ptr + tile, 0)
+            rearm(count_ptr, tile)
 
 
 @triton.jit
@@ -317,7 +316,7 @@ def _gemm_silu_mul_kernel(
             _silu_mul_epilogue(total, y_ptr, data_ptr, scale_ptr, pid_m, pid_n, M, I, limit, stride_ym,
                                stride_dm, stride_sm, stride_sg, HAS_LIMIT, STORE_BF16, QUANT, QGROUP, POW2,
                                PACKED, FP32_DOT, BLOCK_N, BLOCK_M)
-            tl.atomic_xchg(count_ptr + tile, 0)
+            rearm(count_ptr, tile)
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ On by default on GPUs of compute capability >= 9.0; off on older GPUs and the CP
 turns it off for the process, ``programmatic_launches(False)`` for a block.
 
 Also here, for every kernel family that sizes or finishes its launches: ``sm_count`` (the SM
-count launch shapes are sized against) and ``arrival_counters`` (for the programs of one launch
-that finish an output together: the last to arrive does it).
+count launch shapes are sized against) and the last-arrival protocol for the programs of one
+launch that finish an output together (split-K GEMM, the row-split mHC boundary):
+``arrival_counters`` on the host, ``arrive_last`` and ``rearm`` in the kernels.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from triton.language.extra.cuda import gdc_wait
 
 from .fp8_tile import interpreting
 
-__all__ = ["ARRIVAL_SLOTS", "arrival_counters", "await_producer", "enabled", "programmatic_launches", "pdl_options",
-           "sm_count", "supported"]
+__all__ = ["ARRIVAL_SLOTS", "arrival_counters", "arrive_last", "await_producer", "compiled_for_gpu", "enabled",
+           "programmatic_launches", "pdl_options", "rearm", "sm_count", "supported"]
 
 _override: list[bool] = []  # innermost programmatic_launches() block last
 
@@ -59,11 +60,16 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def compiled_for_gpu(device: torch.device) -> bool:
+    """Whether kernels on ``device`` run compiled on a GPU (not on the Triton CPU interpreter)."""
+    return device.type == "cuda" and not interpreting()
+
+
 def sm_count(device: torch.device, interpreter: int) -> int:
     """Streaming multiprocessors of ``device``'s GPU, which launch shapes are sized against;
     ``interpreter`` where kernels run on the Triton CPU interpreter (a stand-in each caller picks
     for the shapes its CPU tests should take)."""
-    if device.type != "cuda" or interpreting():
+    if not compiled_for_gpu(device):
         return interpreter
     return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -95,6 +101,22 @@ def enabled() -> bool:
 def pdl_options() -> dict:
     """Launch keywords for a kernel that starts with ``await_producer(PDL)`` (pass with ``**``)."""
     return {"PDL": True, "launch_pdl": True} if enabled() else {"PDL": False}
+
+
+@triton.jit
+def arrive_last(count_ptr, slot, programs):
+    """Call after this program's partial stores: true in the last of the ``programs`` programs
+    sharing counter ``slot`` to arrive, which then finishes their output. The CTA barrier orders
+    every thread's stores before the one acq_rel atomic, whose acquire side makes the other
+    programs' stores visible to the last one."""
+    tl.debug_barrier()
+    return tl.atomic_add(count_ptr + slot, 1, sem="acq_rel") == programs - 1
+
+
+@triton.jit
+def rearm(count_ptr, slot):
+    """The last program's final act: zero the counter for the next launch."""
+    tl.atomic_xchg(count_ptr + slot, 0)
 
 
 ARRIVAL_SLOTS = 1 << 14

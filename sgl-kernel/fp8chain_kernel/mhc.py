@@ -43,7 +43,7 @@ import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation, cdiv
 from .fp8_tile import format_constexprs, fp8_offsets, interpreting, round_bf16, store_pair_tile
-from .launch import ARRIVAL_SLOTS, arrival_counters, await_producer, pdl_options, sm_count
+from .launch import ARRIVAL_SLOTS, arrival_counters, arrive_last, await_producer, compiled_for_gpu, pdl_options, rearm, sm_count
 from .quant import prepare_out
 
 __all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary"]
@@ -54,6 +54,13 @@ HC_STREAMS: tl.constexpr = tl.constexpr(HC)
 
 
 # ----------------------------------------------------------------------------- stats kernels
+
+
+@triton.jit
+def _rms_scale(sum_sq, H, eps, BM: tl.constexpr):
+    """``1 / sqrt(sum_sq / H + eps)`` per row as a ``[BM, 1]`` column (correctly rounded steps)."""
+    mean = tl.math.div_rn(sum_sq, tl.zeros((BM,), tl.float32) + H)
+    return tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), tl.sqrt_rn(mean + eps))[:, None]
 
 
 @triton.jit
@@ -153,8 +160,7 @@ def _stats_finish_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_
     t3 = rows[:, None, None]
     ok3 = t_ok[:, None, None]
     sumsq, mp, m = _split_sums(part_ptr, rows, t_ok, offs_s, NSPLIT, T, NMIX, NP)
-    mean = tl.math.div_rn(sumsq, tl.zeros(sumsq.shape, tl.float32) + K)
-    r3 = tl.math.div_rn(tl.full(sumsq.shape, 1.0, tl.float32), tl.sqrt_rn(mean + rms_eps))[:, None, None]
+    r3 = _rms_scale(sumsq, K, rms_eps, BT)[:, :, None]
 
     # pre (i = 0) and post (i = 1), one value per lane; rows 2 and 3 repeat post and are not stored.
     i_pp = tl.minimum(i3, 1)
@@ -213,13 +219,6 @@ def _combine(n0, n1, n2, n3, p0, p1, p2, p3, EXACT_CAST: tl.constexpr):
     v = v + p2 * n2
     v = v + p3 * n3
     return round_bf16(v, EXACT_CAST).to(tl.float32)
-
-
-@triton.jit
-def _rms_scale(sum_sq, H, eps, BM: tl.constexpr):
-    """``1 / sqrt(sum_sq / H + eps)`` per row as a ``[BM, 1]`` column (correctly rounded steps)."""
-    mean = tl.math.div_rn(sum_sq, tl.zeros((BM,), tl.float32) + H)
-    return tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), tl.sqrt_rn(mean + eps))[:, None]
 
 
 @triton.jit
@@ -337,9 +336,8 @@ def _boundary_kernel(
 
     if DO_NORM:
         # Phase 2: x and its pair. With the row split over programs, each stores its slice's v
-        # (bf16, exact) and sum of squares; the last program of the row block to arrive (one
-        # acq_rel atomic per program, after a CTA barrier that orders every thread's stores
-        # before it) sums the partials in slice order (deterministic whatever the arrival order)
+        # (bf16, exact) and sum of squares; the last program of the row block to arrive
+        # (``launch.arrive_last``) sums the partials in slice order (deterministic whatever the arrival order)
         # and normalizes the whole row as one tile: one round trip for v, w loaded before the
         # atomic. A whole-row program recombines v from the streams it just wrote (R') or read (R).
         partial = tl.sum(sq, axis=1)
@@ -349,9 +347,7 @@ def _boundary_kernel(
             w_row = tl.load(w_ptr + offs_v, mask=v_ok, other=0.0).to(tl.float32)[None, :]
             n_split = tl.num_programs(1)
             tl.store(part_ptr + rows * n_split + tl.program_id(1), partial, mask=m_ok)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
-            if arrived == n_split - 1:
+            if arrive_last(count_ptr, tl.program_id(0), n_split):
                 offs_s = tl.arange(0, SPLITS)
                 parts = tl.load(part_ptr + rows[:, None] * n_split + offs_s[None, :],
                                 mask=m_ok[:, None] & (offs_s[None, :] < n_split), other=0.0,
@@ -363,7 +359,7 @@ def _boundary_kernel(
                 _store_x(v_row, rs, w_row, offs_v, 0, row_mask, rows, offs_m, T, H, x_ptr, q_ptr, s_ptr,
                          stride_xt, stride_qt, stride_sm, stride_sg, STORE_X, QUANT, BM, ROW_BLOCK, GROUP,
                          POW2, PACKED, EXACT_CAST)
-                tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
+                rearm(count_ptr, tl.program_id(0))
         else:
             if DO_POST:
                 src_ptr, stride_src_t, stride_src_s = rout_ptr, stride_ot, stride_os
@@ -394,7 +390,7 @@ def _target_programs(device: torch.device) -> int:
 
 def _max_rows_per_program(device: torch.device) -> int:
     """One row per program on a GPU; the interpreter's cost is per program, so it takes 64."""
-    return 1 if device.type == "cuda" and not interpreting() else 64
+    return 1 if compiled_for_gpu(device) else 64
 
 
 def _boundary_config(rows: int, cols: int, device: torch.device, norm: bool = True) -> dict:

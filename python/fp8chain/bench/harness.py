@@ -1,7 +1,9 @@
 """Benchmark harness: CUDA-graph replay timing, copy bandwidth, launch counts, results on disk.
 
 Every benchmark times both arms of a comparison in the same process with ``graph_time_us``
-(many calls captured in one CUDA graph, replayed several times, median per call), measures the
+(many calls captured in one CUDA graph, replayed several times, median per call) or, where the
+arms' differences are a few percent, ``capture_graph`` + ``replay_times_us`` (the arms' replays
+alternated round by round), measures the
 device's copy bandwidth in the same run for the bytes floor, and writes JSON + PNG under
 ``benchmark/results/``.
 """
@@ -22,14 +24,15 @@ import torch
 RESULTS_DIR = Path(__file__).resolve().parents[3] / "benchmark" / "results"
 
 
-def graph_time_us(fn: Callable[[], object], iters: int = 100, repeats: int = 7) -> float:
-    """Median microseconds per call of ``fn``, from CUDA-graph replays of ``iters`` calls.
+def capture_graph(fn: Callable[[], object], iters: int = 100) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``iters`` calls of ``fn``, replayed once (warm).
 
-    ``fn`` must be capturable (no host sync, no allocation that changes between calls is fine:
-    the graph owns its pool). Warms up eagerly first so compilation stays outside the timing.
+    ``fn`` must be capturable (no host sync; allocations come from the graph's own pool). Warms up
+    eagerly first so compilation stays outside the graph. Whatever ``fn`` reads must stay alive as
+    long as the graph is replayed.
     """
     if not torch.cuda.is_available():
-        raise RuntimeError("graph_time_us needs a CUDA device")
+        raise RuntimeError("timing CUDA graphs needs a CUDA device")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -43,16 +46,33 @@ def graph_time_us(fn: Callable[[], object], iters: int = 100, repeats: int = 7) 
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / iters)
-    del graph
-    return statistics.median(samples)
+    return graph
+
+
+def replay_times_us(graphs: dict[str, torch.cuda.CUDAGraph], iters: int, rounds: int = 7) -> dict[str, float]:
+    """Median microseconds per call of each graph of ``iters`` calls over ``rounds`` rounds, each
+    round replaying every graph once in turn: drifts of clocks or temperature weigh on every arm
+    alike, where timing one arm after the other would charge them to whichever ran second."""
+    samples: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples[name].append(start.elapsed_time(end) * 1e3 / iters)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def graph_time_us(fn: Callable[[], object], iters: int = 100, repeats: int = 7) -> float:
+    """Median microseconds per call of ``fn``, from ``repeats`` replays of a CUDA graph of
+    ``iters`` calls (``capture_graph``)."""
+    graph = capture_graph(fn, iters)
+    try:
+        return replay_times_us({"fn": graph}, iters, repeats)["fn"]
+    finally:
+        del graph
 
 
 L2_DEFEAT_BYTES = 160 << 20  # weight copies that a benchmark rotates through add up to this
