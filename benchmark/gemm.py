@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true", help="time candidate configs, print the best")
     parser.add_argument("--groups", default="32,128", help="weight block sizes the sweep covers")
     parser.add_argument("--stages", default="4", help="comma-separated pipeline depths of the M <= 64 candidates")
+    parser.add_argument("--block-k", default="128,256", help="comma-separated BLOCK_K of the M <= 64 candidates")
+    parser.add_argument("--scale-ahead", default="default",
+                        help="comma-separated scale prefetch depths (0-4, or 'default') of the M <= 64 candidates")
     parser.add_argument("--modes", default=",".join(OPERAND_MODES),
                         help=f"comma-separated operand modes of the M <= 64 candidates ({', '.join(OPERAND_MODES)})")
     parser.add_argument("--sweep-budget-s", type=float, default=150.0, help="stop the sweep's timing after this")
@@ -85,10 +88,12 @@ OPERAND_MODES = {"fp8": (False, False), "dequant": (True, False), "block_diag": 
 
 
 def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...] = (4,),
-                     modes: tuple[str, ...] = tuple(OPERAND_MODES)) -> list[gemm.GemmConfig]:
+                     modes: tuple[str, ...] = tuple(OPERAND_MODES), block_ks: tuple[int, ...] = (128, 256),
+                     scale_ahead: tuple[int | None, ...] = (None,)) -> list[gemm.GemmConfig]:
     """Launch configs worth timing for one (M bucket, N, K, group); bf16-dequantized operands
-    and block-diagonal FP8 dots only for 32-groups (power-of-two scales: exact). ``stages`` and
-    ``modes`` (keys of ``OPERAND_MODES``) narrow or widen the decode (M <= 64) candidates."""
+    and block-diagonal FP8 dots only for 32-groups (power-of-two scales: exact). ``stages``,
+    ``modes`` (keys of ``OPERAND_MODES``), ``block_ks`` and ``scale_ahead`` (None: the mode's
+    default) narrow or widen the decode (M <= 64) candidates."""
     cands = []
     # (dequant, block_diag) operand modes; both alternatives to the per-group FP8 dot need 32-groups
     modes = tuple(OPERAND_MODES[name] for name in modes if group == 32 or name == "fp8")
@@ -98,7 +103,7 @@ def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...]
             # the block-diagonal token operand is SUB x wider: keep its accumulator <= 128 columns
             for block_m in ((16, 32) if bm > 16 else (16,)) if block_diag else (bm,):
                 for bn in (64, 128):
-                    for bk in (128, 256):
+                    for bk in block_ks:
                         token_cols = (bk // group) * block_m if block_diag else block_m
                         if k % bk or token_cols > 128:
                             continue
@@ -106,7 +111,9 @@ def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...]
                             if depth * bk * (bn + token_cols) > 200 << 10:  # the stages fit the 227 KB of smem
                                 continue
                             for split in _splits(k // bk)[-4:]:
-                                cands.append(gemm.GemmConfig(bn, block_m, bk, split, depth, 4, 8, dequant, block_diag))
+                                for ahead in scale_ahead if dequant or block_diag else (None,):
+                                    cands.append(gemm.GemmConfig(bn, block_m, bk, split, depth, 4, 8, dequant,
+                                                                 block_diag, ahead))
         return cands
     if m <= 256:
         fp8 = [(128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4), (128, 128, 128, 1, 3, 8),
@@ -132,7 +139,9 @@ def _candidates(args, m: int, n: int, k: int, group: int) -> list[gemm.GemmConfi
     unknown = set(modes) - set(OPERAND_MODES)
     if unknown:
         raise SystemExit(f"--modes: unknown operand modes {sorted(unknown)}; known: {', '.join(OPERAND_MODES)}")
-    return sweep_candidates(m, n, k, group, tuple(int(v) for v in args.stages.split(",") if v), modes)
+    ahead = tuple(None if v == "default" else int(v) for v in args.scale_ahead.split(",") if v)
+    return sweep_candidates(m, n, k, group, tuple(int(v) for v in args.stages.split(",") if v), modes,
+                            tuple(int(v) for v in args.block_k.split(",") if v), ahead)
 
 
 def _sweep_points(args):
@@ -203,7 +212,8 @@ def _precompile(args):
         argv.append("--sweep")
     if args.ms:
         argv += ["--ms", args.ms]
-    argv += ["--groups", args.groups, "--stages", args.stages, "--modes", args.modes]
+    argv += ["--groups", args.groups, "--stages", args.stages, "--modes", args.modes, "--block-k", args.block_k,
+             "--scale-ahead", args.scale_ahead]
     if args.table_from:
         argv += ["--table-from", args.table_from]
     procs = [subprocess.Popen([sys.executable, __file__, *argv, "--worker", f"{i}/{args.precompile}"])

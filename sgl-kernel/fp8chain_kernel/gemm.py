@@ -64,13 +64,42 @@ def _e4m3_to_f32_exact(x):
 
 
 @triton.jit
-def _scale_tiles(ws_rows, as_rows, g0, stride_wsk, stride_asg, n_ok, m_ok, SUB: tl.constexpr):
-    """The scales of scale groups ``g0 .. g0 + SUB``: weights ``[BLOCK_N, SUB]`` (one row per weight
-    row, repeating over its block) and tokens ``[BLOCK_M, SUB]``."""
-    offs_s = g0 + tl.arange(0, SUB)
+def _iter_scales(ws_rows, as_rows, it, it_last, stride_wsk, stride_asg, n_ok, m_ok, SUB: tl.constexpr,
+                 A_FP8: tl.constexpr):
+    """The scales of K iteration ``min(it, it_last)``'s SUB groups: weights ``[BLOCK_N, SUB]`` (one
+    row per weight row, repeating over its block) and tokens ``[BLOCK_M, SUB]`` (ones for W8A16)."""
+    offs_s = tl.minimum(it, it_last) * SUB + tl.arange(0, SUB)
     w_s = tl.load(ws_rows[:, None] + offs_s[None, :] * stride_wsk, mask=n_ok[:, None], other=0.0)
-    a_s = tl.load(as_rows[:, None] + offs_s[None, :] * stride_asg, mask=m_ok[:, None], other=0.0)
+    if A_FP8:
+        a_s = tl.load(as_rows[:, None] + offs_s[None, :] * stride_asg, mask=m_ok[:, None], other=0.0)
+    else:
+        a_s = tl.full((m_ok.shape[0], SUB), 1.0, tl.float32)
     return w_s, a_s
+
+
+@triton.jit
+def _next_scales(w0, a0, w1, a1, w2, a2, w3, a3, ws_rows, as_rows, it, it_last, stride_wsk, stride_asg,
+                 n_ok, m_ok, SUB: tl.constexpr, A_FP8: tl.constexpr, AHEAD: tl.constexpr):
+    """Iteration ``it``'s scales and the prefetch ring advanced by one: the ring holds the scales of
+    iterations ``it .. it + AHEAD - 1`` (slot 0 first); this loads those of ``it + AHEAD``. Plain
+    loads are not staged by the software pipeliner, so a scale loaded at its use stalls the
+    iteration for a full memory round trip; AHEAD iterations ahead the stall is gone once AHEAD
+    iterations take longer than the round trip. AHEAD = 0 loads at use (no ring)."""
+    if AHEAD == 0:
+        w_s, a_s = _iter_scales(ws_rows, as_rows, it, it_last, stride_wsk, stride_asg, n_ok, m_ok, SUB, A_FP8)
+    else:
+        w_s, a_s = w0, a0
+        w_new, a_new = _iter_scales(ws_rows, as_rows, it + AHEAD, it_last, stride_wsk, stride_asg, n_ok, m_ok,
+                                    SUB, A_FP8)
+        if AHEAD == 1:
+            w0, a0 = w_new, a_new
+        elif AHEAD == 2:
+            w0, a0, w1, a1 = w1, a1, w_new, a_new
+        elif AHEAD == 3:
+            w0, a0, w1, a1, w2, a2 = w1, a1, w2, a2, w_new, a_new
+        else:
+            w0, a0, w1, a1, w2, a2, w3, a3 = w1, a1, w2, a2, w3, a3, w_new, a_new
+    return w_s, a_s, w0, a0, w1, a1, w2, a2, w3, a3
 
 
 @triton.jit
@@ -88,11 +117,13 @@ def _tile_coords(pid, tiles_n, tiles_m, TILE_GROUP: tl.constexpr):
 def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, n_ok, m0, M, it_begin,
                   stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsk,
                   GROUP: tl.constexpr, A_FP8: tl.constexpr, ITERS: tl.constexpr, DEQUANT: tl.constexpr,
-                  BLOCK_DIAG: tl.constexpr, FP32_DOT: tl.constexpr,
+                  BLOCK_DIAG: tl.constexpr, SCALE_AHEAD: tl.constexpr, FP32_DOT: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp32 ``[BLOCK_N, BLOCK_M]``: weight rows ``offs_n`` (any rows; ``n_ok`` masks them) times
     tokens ``m0 .. m0 + BLOCK_M`` over the ITERS K iterations from ``it_begin``, scaled per group:
-    ``sum_g (sum_{k in g} a[m, k] w[n, k]) * a_scale[m, g] * w_scale[n // GROUP, g]``."""
+    ``sum_g (sum_{k in g} a[m, k] w[n, k]) * a_scale[m, g] * w_scale[n // GROUP, g]``. The
+    dequantized and block-diagonal modes read each iteration's scales SCALE_AHEAD iterations
+    ahead (``_next_scales``); the result does not depend on it."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     rows_n = offs_n.to(tl.int64)
@@ -101,24 +132,34 @@ def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, n_ok, m0, M, i
     as_rows = a_scale_ptr + rows_m * stride_asm
     SUB: tl.constexpr = BLOCK_K // GROUP  # scale groups per K iteration
     offs_k = tl.arange(0, BLOCK_K)
-    offs_s = tl.arange(0, SUB)
     w_tile = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
     a_tile = a_ptr + rows_m[:, None] * stride_am + offs_k[None, :]
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # the scale prefetch ring (_next_scales), filled with iterations it_begin .. + SCALE_AHEAD - 1
+    it_last = it_begin + ITERS - 1
+    w0 = tl.zeros((BLOCK_N, SUB), tl.float32)
+    a0 = tl.zeros((BLOCK_M, SUB), tl.float32)
+    w1, a1, w2, a2, w3, a3 = w0, a0, w0, a0, w0, a0
+    if SCALE_AHEAD >= 1:
+        w0, a0 = _iter_scales(ws_rows, as_rows, it_begin, it_last, stride_wsk, stride_asg, n_ok, m_ok, SUB, A_FP8)
+    if SCALE_AHEAD >= 2:
+        w1, a1 = _iter_scales(ws_rows, as_rows, it_begin + 1, it_last, stride_wsk, stride_asg, n_ok, m_ok, SUB, A_FP8)
+    if SCALE_AHEAD >= 3:
+        w2, a2 = _iter_scales(ws_rows, as_rows, it_begin + 2, it_last, stride_wsk, stride_asg, n_ok, m_ok, SUB, A_FP8)
+    if SCALE_AHEAD >= 4:
+        w3, a3 = _iter_scales(ws_rows, as_rows, it_begin + 3, it_last, stride_wsk, stride_asg, n_ok, m_ok, SUB, A_FP8)
     if DEQUANT:
         # Dequantize both operands to bf16 in registers (exact for power-of-two scales: an e4m3
         # value times 2^e is a bf16 value), then one bf16 dot over BLOCK_K with fp32
         # accumulation across all of K: no per-group promotion, no waits between small dots.
-        # The scales are loaded here, at their use, not through _scale_tiles: read one iteration
-        # ahead they measured slower on the H200 (wqkv_a at M = 16: 9.2 -> 11.4 us), and loaded at
-        # the top of the iteration they spill more (sm_90 stack 40 vs 24 bytes at 128x64x128).
         for i in range(ITERS):
             it = it_begin + i
-            g0 = it * SUB
             w = tl.load(w_tile + it * BLOCK_K, mask=n_ok[:, None], other=0.0)
             a = tl.load(a_tile + it * BLOCK_K, mask=m_ok[:, None], other=0.0)
-            w_s = tl.load(ws_rows[:, None] + (g0 + offs_s)[None, :] * stride_wsk, mask=n_ok[:, None], other=0.0)
+            w_s, a_s, w0, a0, w1, a1, w2, a2, w3, a3 = _next_scales(
+                w0, a0, w1, a1, w2, a2, w3, a3, ws_rows, as_rows, it, it_last, stride_wsk, stride_asg, n_ok, m_ok,
+                SUB, A_FP8, SCALE_AHEAD)
             if FP32_DOT:
                 wf = _e4m3_to_f32_exact(w)
             else:
@@ -126,7 +167,6 @@ def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, n_ok, m0, M, i
             wd = tl.reshape(tl.reshape(wf, (BLOCK_N, SUB, GROUP)) * w_s[:, :, None], (BLOCK_N, BLOCK_K))
             wd = round_bf16(wd, FP32_DOT)
             if A_FP8:
-                a_s = tl.load(as_rows[:, None] + (g0 + offs_s)[None, :] * stride_asg, mask=m_ok[:, None], other=0.0)
                 if FP32_DOT:
                     af = _e4m3_to_f32_exact(a)
                 else:
@@ -149,16 +189,11 @@ def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, n_ok, m0, M, i
         b_tile = a_ptr + c_row.to(tl.int64)[None, :] * stride_am + offs_k[:, None]
         b_mask = (c_row < M)[None, :] & ((offs_k // GROUP)[:, None] == (offs_c // BLOCK_M)[None, :])
         acc3 = tl.zeros((BLOCK_N, SUB, BLOCK_M), dtype=tl.float32)
-        # The scales are read one K iteration ahead: loaded where they are used, their L2 latency
-        # stalls every iteration (the pipeliner stages only the operand tiles). Measured on the
-        # H200, this helps this mode only; the other modes' registers are better spent elsewhere.
-        it_last = it_begin + ITERS - 1
-        w_s_next, a_s_next = _scale_tiles(ws_rows, as_rows, it_begin * SUB, stride_wsk, stride_asg, n_ok, m_ok, SUB)
         for i in range(ITERS):
             it = it_begin + i
-            w_s, a_s = w_s_next, a_s_next
-            w_s_next, a_s_next = _scale_tiles(ws_rows, as_rows, tl.minimum(it + 1, it_last) * SUB, stride_wsk,
-                                              stride_asg, n_ok, m_ok, SUB)
+            w_s, a_s, w0, a0, w1, a1, w2, a2, w3, a3 = _next_scales(
+                w0, a0, w1, a1, w2, a2, w3, a3, ws_rows, as_rows, it, it_last, stride_wsk, stride_asg, n_ok, m_ok,
+                SUB, A_FP8, SCALE_AHEAD)
             w = tl.load(w_tile + it * BLOCK_K, mask=n_ok[:, None], other=0.0)
             b = tl.load(b_tile + it * BLOCK_K, mask=b_mask, other=0.0)
             if FP32_DOT:
@@ -225,7 +260,7 @@ def _block_scaled_gemm_kernel(
     M, N, K,
     stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsk, stride_om,
     GROUP: tl.constexpr, A_FP8: tl.constexpr, SPLIT: tl.constexpr, ITERS: tl.constexpr,
-    DEQUANT: tl.constexpr, BLOCK_DIAG: tl.constexpr,
+    DEQUANT: tl.constexpr, BLOCK_DIAG: tl.constexpr, SCALE_AHEAD: tl.constexpr,
     FP32_DOT: tl.constexpr,  # the CPU interpreter: fp32 dots and bit-exact bf16 rounding
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE_GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -245,7 +280,7 @@ def _block_scaled_gemm_kernel(
     out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     acc = _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, offs_n < N, pid_m * BLOCK_M, M,
                         pid_k * ITERS, stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsk,
-                        GROUP, A_FP8, ITERS, DEQUANT, BLOCK_DIAG, FP32_DOT, BLOCK_N, BLOCK_M, BLOCK_K)
+                        GROUP, A_FP8, ITERS, DEQUANT, BLOCK_DIAG, SCALE_AHEAD, FP32_DOT, BLOCK_N, BLOCK_M, BLOCK_K)
     if SPLIT == 1:
         tl.store(out_ptrs, round_bf16(acc, FP32_DOT), mask=out_mask)
     else:
@@ -287,7 +322,7 @@ def _gemm_silu_mul_kernel(
     M, I, K, limit,
     stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsk, stride_ym, stride_dm, stride_sm, stride_sg,
     GROUP: tl.constexpr, SPLIT: tl.constexpr, ITERS: tl.constexpr, DEQUANT: tl.constexpr, BLOCK_DIAG: tl.constexpr,
-    FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_AHEAD: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     TILE_GROUP: tl.constexpr, HAS_LIMIT: tl.constexpr, STORE_BF16: tl.constexpr, QUANT: tl.constexpr,
     QGROUP: tl.constexpr, POW2: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -303,7 +338,7 @@ def _gemm_silu_mul_kernel(
     cols = pid_n * HALF + local % HALF
     acc = _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, cols + (local // HALF) * I, cols < I,
                         pid_m * BLOCK_M, M, pid_k * ITERS, stride_am, stride_asm, stride_asg, stride_wn,
-                        stride_wsn, stride_wsk, GROUP, True, ITERS, DEQUANT, BLOCK_DIAG, FP32_DOT,
+                        stride_wsn, stride_wsk, GROUP, True, ITERS, DEQUANT, BLOCK_DIAG, SCALE_AHEAD, FP32_DOT,
                         BLOCK_N, BLOCK_M, BLOCK_K)
     if SPLIT == 1:
         _silu_mul_epilogue(acc, y_ptr, data_ptr, scale_ptr, pid_m, pid_n, M, I, limit, stride_ym, stride_dm,
@@ -335,6 +370,15 @@ class GemmConfig(NamedTuple):
     tile_group: int = 8
     dequant: bool = False  # bf16-dequantized operands, one dot per BLOCK_K (see the kernel)
     block_diag: bool = False  # FP8 dot over a block-diagonal token operand, one per BLOCK_K
+    # K iterations the scales are read ahead in those two modes, 0..4 (None: 1 block-diagonal,
+    # 0 dequantized); the per-group FP8 dot reads them at use
+    scale_ahead: int | None = None
+
+    def scale_prefetch(self) -> int:
+        """The kernel's SCALE_AHEAD for this config."""
+        if not (self.dequant or self.block_diag):
+            return 0
+        return self.scale_ahead if self.scale_ahead is not None else int(self.block_diag)
 
 
 # Static table, (M bucket, N, K, group) -> config, filled from H200 sweeps (benchmark/gemm.py
@@ -523,6 +567,8 @@ def _check_config(cfg: GemmConfig, k: int, group: int, a_fp8: bool) -> None:
         raise ValueError(f"config block_k={cfg.block_k} must divide K={k} and be a multiple of {group}")
     if cfg.block_diag and (cfg.dequant or not a_fp8):
         raise ValueError("a block_diag config runs FP8 dots on an FP8 pair: not with dequant=True or W8A16")
+    if cfg.scale_ahead is not None and not 0 <= cfg.scale_ahead <= 4:
+        raise ValueError(f"config scale_ahead must be None or 0..4, got {cfg.scale_ahead}")
 
 
 def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, config: GemmConfig | None):
@@ -545,7 +591,7 @@ def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, conf
         a.stride(0), stride_asm, stride_asg, weight.stride(0),
         weight_scale.stride(0), weight_scale.stride(1), out.stride(0),
         GROUP=group, A_FP8=a_fp8, SPLIT=split, ITERS=iters_per_split, DEQUANT=cfg.dequant,
-        BLOCK_DIAG=cfg.block_diag, FP32_DOT=interpreting(),
+        BLOCK_DIAG=cfg.block_diag, SCALE_AHEAD=cfg.scale_prefetch(), FP32_DOT=interpreting(),
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, TILE_GROUP=cfg.tile_group,
         num_warps=cfg.warps, **extra, **pdl_options(),
     )
@@ -659,7 +705,7 @@ def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale
         pair.data.stride(0), pair.scale.stride(0), pair.scale.stride(1), weight.stride(0),
         weight_scale.stride(0), weight_scale.stride(1), args["y_stride"], *args["strides"],
         GROUP=weight_block, SPLIT=split, ITERS=iters_per_split, DEQUANT=cfg.dequant, BLOCK_DIAG=cfg.block_diag,
-        FP32_DOT=interpreting(), BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+        SCALE_AHEAD=cfg.scale_prefetch(), FP32_DOT=interpreting(), BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         TILE_GROUP=cfg.tile_group, HAS_LIMIT=limit is not None, STORE_BF16=args["STORE_BF16"],
         QUANT=args["QUANT"], QGROUP=consts["GROUP"], POW2=consts["POW2"], PACKED=consts["PACKED"],
         num_warps=cfg.warps, **extra, **pdl_options(),

@@ -106,6 +106,34 @@ def test_nan_row_stays_in_its_row(config, device):
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("mode", ["dequant", "block_diag"])
+def test_scale_prefetch_depth_changes_no_bit_cpu(mode, device):
+    """Reading the scales 0..4 K iterations ahead gives the same bits, on the pair path and
+    (dequantized) on W8A16: K slices of 6 iterations, and of 2 (fewer than the prefetch depth)."""
+    for k in (1536, 512):
+        _check_scale_prefetch(mode, 5, 128, k, device)
+
+
+def _check_scale_prefetch(mode, m, n, k, device):
+    w, scale = ref.random_fp8_weight(n, k, 32, device)
+    x = make_activation(m, k, device)
+    pair = ref.quantize(x, G32)
+    base = gemm.GemmConfig(64, 16, 128, 2, 2, 4, 8, **{mode: True})
+    outs = [gemm.fp8_gemm(pair, w, scale, weight_block=32, out=poisoned_out(m, n, device),
+                          config=base._replace(scale_ahead=ahead)) for ahead in range(5)]
+    check_against_reference(outs[0], pair, w, scale, 32)
+    for ahead, out in enumerate(outs[1:], 1):
+        assert torch.equal(out.view(torch.int16), outs[0].view(torch.int16)), f"scale_ahead={ahead}"
+    if mode == "dequant":
+        w8a16 = [gemm.w8a16_gemm(x, w, scale, weight_block=32, config=base._replace(scale_ahead=ahead))
+                 for ahead in (0, 3)]
+        assert torch.equal(w8a16[0].view(torch.int16), w8a16[1].view(torch.int16))
+        assert rel_error(w8a16[0], x.double() @ ref.dequantize_weight(w, scale, 32).double().t()) < TOL
+    with pytest.raises(ValueError, match="scale_ahead"):
+        gemm.fp8_gemm(pair, w, scale, weight_block=32, config=base._replace(scale_ahead=5))
+
+
+@pytest.mark.cpu
 def test_mismatched_format_raises_type_error_naming_both(device):
     w32, s32 = ref.random_fp8_weight(128, 256, 32, device)
     w128, s128 = ref.random_fp8_weight(128, 256, 128, device)
@@ -326,7 +354,8 @@ def test_fp8_gemm_dequant_and_split_configs_gpu(fmt, block, n, k):
     for m, cfg in [(1, DEQUANT_CONFIGS[0]), (13, DEQUANT_CONFIGS[0]), (64, DEQUANT_CONFIGS[1]),
                    (300, DEQUANT_CONFIGS[2]), (2048, DEQUANT_CONFIGS[3]),
                    (16, gemm.GemmConfig(64, 16, 256, 8, 4, 4, 8)), (64, gemm.GemmConfig(128, 64, 128, 5, 4, 4, 8)),
-                   (1, BLOCK_DIAG_CONFIGS[0]), (13, BLOCK_DIAG_CONFIGS[1]), (64, BLOCK_DIAG_CONFIGS[2])]:
+                   (1, BLOCK_DIAG_CONFIGS[0]), (13, BLOCK_DIAG_CONFIGS[1]), (64, BLOCK_DIAG_CONFIGS[2]),
+                   (3, BLOCK_DIAG_CONFIGS[0]._replace(scale_ahead=3)), (64, DEQUANT_CONFIGS[1]._replace(scale_ahead=2))]:
         x = make_activation(m, k, "cuda")
         pair = quant.quantize(x, fmt)
         out = gemm.fp8_gemm(pair, w, s, weight_block=block, out=poisoned_out(m, n, "cuda"), config=cfg)
