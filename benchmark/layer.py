@@ -229,15 +229,25 @@ class CompiledPeer:
 ARMS = (("chained", True), ("unchained", False))
 
 
-def _time_arms(unit: LayerUnit, record: dict, variant: str, iters: int) -> None:
-    """``record["{arm}{variant}_us"]`` for both arms of ``unit`` as the layer is now configured:
-    one graph per arm, their replays alternated (``harness.replay_times_us``)."""
+def _time_arms(unit: LayerUnit, record: dict, variant: str, iters: int, silu_launch: bool = False) -> None:
+    """``record["{arm}{variant}_us"]`` for both arms of ``unit`` as the layer is now configured
+    (with ``silu_launch`` also ``chained_silu_launch_us``: the chained step with the shared
+    expert's SiLU*mul as its own launch): one graph per arm, their replays alternated
+    (``harness.replay_times_us``)."""
     graphs = {}
     for arm, on in ARMS:
         unit.set_chain(on)
-        graphs[arm] = harness.capture_graph(unit.step, iters)
-    for arm, us in harness.replay_times_us(graphs, iters, rounds=7).items():
-        record[f"{arm}{variant}_us"] = us
+        graphs[f"{arm}{variant}"] = harness.capture_graph(unit.step, iters)
+    if silu_launch:
+        shared = unit.layer.ffn.shared_experts
+        unit.set_chain(True)
+        shared.fuse_silu_mul = False
+        try:
+            graphs["chained_silu_launch"] = harness.capture_graph(unit.step, iters)
+        finally:
+            shared.fuse_silu_mul = True
+    for name, us in harness.replay_times_us(graphs, iters, rounds=7).items():
+        record[f"{name}_us"] = us
 
 
 def run(args) -> tuple[dict, list[dict]]:
@@ -267,7 +277,7 @@ def run(args) -> tuple[dict, list[dict]]:
         unit = LayerUnit(layer, config, rows, args.context, "cuda", prefill=is_prefill)
         record = {"shapes": shapes, "M": rows, "phase": "prefill" if is_prefill else "decode"}
         with torch.no_grad():
-            _time_arms(unit, record, "", args.iters)
+            _time_arms(unit, record, "", args.iters, silu_launch=True)
             for arm, on in ARMS:
                 unit.set_chain(on)
                 kernels = harness.kernel_profile(unit.step)
@@ -275,11 +285,6 @@ def run(args) -> tuple[dict, list[dict]]:
                 record[f"{arm}_launches"] = sum(launches.values())
                 record[f"{arm}_quantize_launches"] = harness.quantize_launches(launches)
                 record[f"{arm}_kernels"] = kernels
-            shared = layer.ffn.shared_experts
-            shared.fuse_silu_mul = False
-            unit.set_chain(True)
-            record["chained_silu_launch_us"] = harness.graph_time_us(unit.step, iters=args.iters, repeats=5)
-            shared.fuse_silu_mul = True
             layer.overlap_stats = False  # both steps again with the mHC stats in line
             _time_arms(unit, record, "_serial_stats", args.iters)
             layer.overlap_stats = True

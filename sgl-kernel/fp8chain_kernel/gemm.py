@@ -391,10 +391,13 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     # CUDA-graph median per call (weights streamed from HBM). The block_diag entries (32-groups at
     # M <= 16, wo_b_tp4 at M <= 64) come from the sweep of 2026-11-29 14:36 UTC that added the mode;
     # their pipeline depth at M <= 16 from the sweep of 2026-11-30 01:41 UTC (--stages 3,4,6,8:
-    # 3 stages fastest, 6 and 8 no faster; the times quoted there are at M = 16).
+    # 3 stages fastest, 6 and 8 no faster; the times quoted there are at M = 16). The 32-group
+    # M = 64 entries from the sweep of 2026-11-30 01:57 UTC (--modes dequant --stages 3,4
+    # --scale-ahead 0,1,2,3): reading the scales 2 iterations ahead pays for the long-K shapes;
+    # for the block-diagonal mode at M <= 16 1 stays best (2-4 ahead: 1-8 us slower per GEMM).
     # wqkv_a 1792x5120
     (16, 1792, 5120, 32): _C(64, 16, 128, 8, 3, 4, block_diag=True),  # 7.7 us (3 stages, 2026-11-30)
-    (64, 1792, 5120, 32): _C(64, 64, 128, 8, 4, 4, dequant=True),  # 13.6 us
+    (64, 1792, 5120, 32): _C(64, 64, 128, 8, 3, 4, dequant=True, scale_ahead=0),  # 13.3 us (2026-11-30)
     (256, 1792, 5120, 32): _C(128, 64, 128, 2, 4, 4),  # 40.2 us
     (1 << 30, 1792, 5120, 32): _C(128, 256, 64, 1, 3, 8, dequant=True),  # 118.9 us
     (16, 1792, 5120, 128): _C(64, 16, 128, 8, 4, 4),  # 7.3 us
@@ -403,7 +406,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (1 << 30, 1792, 5120, 128): _C(128, 128, 128, 1, 3, 8),  # 63.3 us
     # wq_b 32768x1280
     (16, 32768, 1280, 32): _C(128, 16, 128, 1, 3, 4, block_diag=True),  # 14.6 us (3 stages, 2026-11-30)
-    (64, 32768, 1280, 32): _C(128, 64, 128, 1, 4, 4, dequant=True),  # 30.5 us
+    (64, 32768, 1280, 32): _C(128, 64, 128, 1, 3, 4, dequant=True, scale_ahead=0),  # 27.2 us (2026-11-30)
     (256, 32768, 1280, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 84.2 us
     (1 << 30, 32768, 1280, 32): _C(128, 256, 64, 1, 3, 8, dequant=True),  # 500.4 us
     (16, 32768, 1280, 128): _C(128, 16, 128, 1, 4, 4),  # 13.9 us
@@ -412,7 +415,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (1 << 30, 32768, 1280, 128): _C(128, 64, 128, 1, 4, 4),  # 299.8 us
     # wo_b 5120x8192
     (16, 5120, 8192, 32): _C(64, 16, 128, 4, 3, 4, block_diag=True),  # 18.0 us (3 stages, 2026-11-30)
-    (64, 5120, 8192, 32): _C(128, 64, 128, 8, 4, 4, dequant=True),  # 40.9 us
+    (64, 5120, 8192, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2),  # 37.0 us (2026-11-30)
     (256, 5120, 8192, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 117.7 us
     (1 << 30, 5120, 8192, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 559.3 us
     (16, 5120, 8192, 128): _C(64, 16, 128, 4, 4, 4),  # 16.1 us
@@ -421,7 +424,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (1 << 30, 5120, 8192, 128): _C(128, 64, 128, 1, 4, 4),  # 244.9 us
     # wo_b_tp4 5120x2048
     (16, 5120, 2048, 32): _C(64, 16, 128, 4, 3, 4, block_diag=True),  # 8.2 us (3 stages, 2026-11-30)
-    (64, 5120, 2048, 32): _C(64, 16, 128, 1, 4, 4, block_diag=True),  # 14.0 us
+    (64, 5120, 2048, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2),  # 13.5 us (2026-11-30)
     (256, 5120, 2048, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 33.7 us
     (1 << 30, 5120, 2048, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 152.2 us
     (16, 5120, 2048, 128): _C(64, 16, 128, 4, 4, 4),  # 7.7 us
@@ -430,7 +433,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (1 << 30, 5120, 2048, 128): _C(128, 128, 128, 1, 3, 8),  # 71.1 us
     # gate_up 4608x5120
     (16, 4608, 5120, 32): _C(64, 16, 128, 5, 3, 4, block_diag=True),  # 11.4 us (3 stages, 2026-11-30)
-    (64, 4608, 5120, 32): _C(128, 64, 128, 5, 4, 4, dequant=True),  # 25.2 us
+    (64, 4608, 5120, 32): _C(64, 64, 128, 4, 3, 4, dequant=True, scale_ahead=2),  # 24.1 us (2026-11-30)
     (256, 4608, 5120, 32): _C(64, 64, 128, 1, 4, 4),  # 72.9 us
     (1 << 30, 4608, 5120, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 359.6 us
     (16, 4608, 5120, 128): _C(64, 16, 128, 5, 4, 4),  # 11.2 us
@@ -439,7 +442,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (1 << 30, 4608, 5120, 128): _C(128, 64, 128, 1, 4, 4),  # 158.2 us
     # down 5120x2304
     (16, 5120, 2304, 32): _C(64, 16, 128, 3, 3, 4, block_diag=True),  # 8.2 us (3 stages, 2026-11-30)
-    (64, 5120, 2304, 32): _C(64, 64, 128, 3, 4, 4, dequant=True),  # 14.6 us
+    (64, 5120, 2304, 32): _C(64, 64, 128, 3, 3, 4, dequant=True, scale_ahead=1),  # 13.5 us (2026-11-30)
     (256, 5120, 2304, 32): _C(64, 64, 128, 1, 4, 4),  # 36.1 us
     (1 << 30, 5120, 2304, 32): _C(128, 256, 64, 1, 3, 8, dequant=True),  # 166.9 us
     (16, 5120, 2304, 128): _C(64, 16, 128, 3, 4, 4),  # 7.9 us
