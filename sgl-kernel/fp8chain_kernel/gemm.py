@@ -389,12 +389,12 @@ _C = GemmConfig
 CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     # H200 sweep 2026-11-29 11:10 UTC (benchmark/gemm.py --sweep): fastest verified candidate, its
     # CUDA-graph median per call (weights streamed from HBM). The block_diag entries (32-groups at
-    # M <= 16, wo_b_tp4 at M <= 64) come from the sweep of 2026-11-29 14:36 UTC that added the mode;
+    # M <= 16) come from the sweep of 2026-11-29 14:36 UTC that added the mode;
     # their pipeline depth at M <= 16 from the sweep of 2026-11-30 01:41 UTC (--stages 3,4,6,8:
     # 3 stages fastest, 6 and 8 no faster; the times quoted there are at M = 16). The 32-group
     # M = 64 entries from the sweep of 2026-11-30 01:57 UTC (--modes dequant --stages 3,4
     # --scale-ahead 0,1,2,3): reading the scales 2 iterations ahead pays for the long-K shapes;
-    # for the block-diagonal mode at M <= 16 1 stays best (2-4 ahead: 1-8 us slower per GEMM).
+    # for the block-diagonal mode at M <= 16 1 stays best (2-4 ahead: 1-10 us slower per GEMM).
     # wqkv_a 1792x5120
     (16, 1792, 5120, 32): _C(64, 16, 128, 8, 3, 4, block_diag=True),  # 7.7 us (3 stages, 2026-11-30)
     (64, 1792, 5120, 32): _C(64, 64, 128, 8, 3, 4, dequant=True, scale_ahead=0),  # 13.3 us (2026-11-30)
