@@ -428,9 +428,16 @@ def _boundary_config(rows: int, cols: int, device: torch.device, norm: bool = Tr
 
 
 def _stats_config(rows: int, cols: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BT, BK, chunks per split, splits) for the split-K GEMV over ``cols = 4H``."""
+    """(BT, BK, chunks per split, splits) for the split-K GEMV over ``cols = 4H``.
+
+    Decode batches (up to 64 rows) take 16-token tiles: such a program needs 99 registers per
+    thread and 16 KB of shared memory on sm_90, so it fits on an SM beside two programs of the
+    decode GEMM it overlaps on the main stream; a 32- or 64-token tile (up to 252 registers,
+    88 KB) waits until the GEMM's programs leave. Measured on the H200 (docs/benchmarks.md), the
+    chained layer step at T = 32 / 64: 196 -> 186 / 256 -> 249 us, though the stats alone take
+    longer (10.5 -> 14.0 us at T = 64: each 16-token block re-reads fn)."""
     bk = 128
-    bt = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    bt = 16 if rows <= 64 else 64
     chunks = HC * cdiv(cols // HC, bk)
     want = max(1, min(chunks, cdiv(_target_programs(device), cdiv(rows, bt))))
     per_split = cdiv(chunks, want)
