@@ -58,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", default="32,128", help="weight block sizes the sweep covers")
     parser.add_argument("--stages", default="4", help="comma-separated pipeline depths of the M <= 64 candidates")
     parser.add_argument("--block-k", default="128,256", help="comma-separated BLOCK_K of the M <= 64 candidates")
+    parser.add_argument("--block-n", default="64,128", help="comma-separated BLOCK_N of the M <= 64 candidates")
+    parser.add_argument("--warps", default="4", help="comma-separated warp counts of the M <= 64 candidates")
     parser.add_argument("--scale-ahead", default="default",
                         help="comma-separated scale prefetch depths (0-4, or 'default') of the M <= 64 candidates")
     parser.add_argument("--modes", default=",".join(OPERAND_MODES),
@@ -89,11 +91,13 @@ OPERAND_MODES = {"fp8": (False, False), "dequant": (True, False), "block_diag": 
 
 def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...] = (4,),
                      modes: tuple[str, ...] = tuple(OPERAND_MODES), block_ks: tuple[int, ...] = (128, 256),
-                     scale_ahead: tuple[int | None, ...] = (None,)) -> list[gemm.GemmConfig]:
+                     scale_ahead: tuple[int | None, ...] = (None,), block_ns: tuple[int, ...] = (64, 128),
+                     warps: tuple[int, ...] = (4,)) -> list[gemm.GemmConfig]:
     """Launch configs worth timing for one (M bucket, N, K, group); bf16-dequantized operands
     and block-diagonal FP8 dots only for 32-groups (power-of-two scales: exact). ``stages``,
-    ``modes`` (keys of ``OPERAND_MODES``), ``block_ks`` and ``scale_ahead`` (None: the mode's
-    default) narrow or widen the decode (M <= 64) candidates."""
+    ``modes`` (keys of ``OPERAND_MODES``), ``block_ks``, ``scale_ahead`` (None: the mode's
+    default), ``block_ns`` (below 64 the dots are mma.sync, not wgmma) and ``warps`` narrow or
+    widen the decode (M <= 64) candidates."""
     cands = []
     # (dequant, block_diag) operand modes; both alternatives to the per-group FP8 dot need 32-groups
     modes = tuple(OPERAND_MODES[name] for name in modes if group == 32 or name == "fp8")
@@ -102,7 +106,7 @@ def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...]
         for dequant, block_diag in modes:
             # the block-diagonal token operand is SUB x wider: keep its accumulator <= 128 columns
             for block_m in ((16, 32) if bm > 16 else (16,)) if block_diag else (bm,):
-                for bn in (64, 128):
+                for bn in block_ns:
                     for bk in block_ks:
                         token_cols = (bk // group) * block_m if block_diag else block_m
                         if k % bk or token_cols > 128:
@@ -112,8 +116,8 @@ def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...]
                                 continue
                             for split in _splits(k // bk)[-4:]:
                                 for ahead in scale_ahead if dequant or block_diag else (None,):
-                                    cands.append(gemm.GemmConfig(bn, block_m, bk, split, depth, 4, 8, dequant,
-                                                                 block_diag, ahead))
+                                    cands += [gemm.GemmConfig(bn, block_m, bk, split, depth, w, 8, dequant, block_diag,
+                                                              ahead) for w in warps]
         return cands
     if m <= 256:
         fp8 = [(128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4), (128, 128, 128, 1, 3, 8),
@@ -140,8 +144,11 @@ def _candidates(args, m: int, n: int, k: int, group: int) -> list[gemm.GemmConfi
     if unknown:
         raise SystemExit(f"--modes: unknown operand modes {sorted(unknown)}; known: {', '.join(OPERAND_MODES)}")
     ahead = tuple(None if v == "default" else int(v) for v in args.scale_ahead.split(",") if v)
-    return sweep_candidates(m, n, k, group, tuple(int(v) for v in args.stages.split(",") if v), modes,
-                            tuple(int(v) for v in args.block_k.split(",") if v), ahead)
+    def ints(text: str) -> tuple[int, ...]:
+        return tuple(int(v) for v in text.split(",") if v)
+
+    return sweep_candidates(m, n, k, group, ints(args.stages), modes, ints(args.block_k), ahead, ints(args.block_n),
+                            ints(args.warps))
 
 
 def _sweep_points(args):
@@ -213,7 +220,7 @@ def _precompile(args):
     if args.ms:
         argv += ["--ms", args.ms]
     argv += ["--groups", args.groups, "--stages", args.stages, "--modes", args.modes, "--block-k", args.block_k,
-             "--scale-ahead", args.scale_ahead]
+             "--scale-ahead", args.scale_ahead, "--block-n", args.block_n, "--warps", args.warps]
     if args.table_from:
         argv += ["--table-from", args.table_from]
     procs = [subprocess.Popen([sys.executable, __file__, *argv, "--worker", f"{i}/{args.precompile}"])
