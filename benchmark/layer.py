@@ -114,16 +114,17 @@ class LayerUnit:
 
     def set_chain(self, on: bool) -> None:
         """Switch every producer; the attention input pair is what the previous layer's
-        boundary would have written (made here, outside the timed step, once per arm and kept, so
-        a graph captured for one arm still reads it while the other arm is set)."""
+        boundary would have written (made here from the current ``x``, outside the timed step, into
+        one buffer per arm, so a graph captured for one arm still reads its own pair while the
+        other arm is set)."""
         self.chain = on
         for module in self.layer.modules():
             if hasattr(module, "chain"):
                 module.chain = on
-        if on not in self._x_pairs:
-            fmt = _chain_format(self.layer.attn.wqkv_a, on)
-            self._x_pairs[on] = quant.quantize(self.x, fmt) if fmt is not None else None
-        self.x_pair = self._x_pairs[on]
+        fmt = _chain_format(self.layer.attn.wqkv_a, on)
+        if fmt is not None:
+            self._x_pairs[on] = quant.quantize(self.x, fmt, out=self._x_pairs.get(on))
+        self.x_pair = self._x_pairs.get(on)
 
     def step(self):
         layer, chain, overlap = self.layer, self.chain, self.layer.overlap_stats

@@ -1,0 +1,46 @@
+"""The GEMM benchmark's sweep candidates (its timing needs a GPU)."""
+
+import argparse
+
+import pytest
+
+from fp8chain.cli import _load_benchmark
+
+pytestmark = pytest.mark.cpu
+
+
+def _sweep_args(*argv):
+    bench = _load_benchmark("gemm")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return bench, parser.parse_args(["--sweep", *argv])
+
+
+def test_decode_candidates_follow_the_options_and_fit_shared_memory():
+    bench, args = _sweep_args("--stages", "3,6", "--modes", "block_diag,dequant", "--block-k", "128,256",
+                              "--block-n", "32,64", "--warps", "2,4", "--scale-ahead", "default,2")
+    cands = bench._candidates(args, 16, 1792, 5120, 32)
+    assert cands
+    assert {c.stages for c in cands} == {3, 6} and {c.warps for c in cands} == {2, 4}
+    assert {c.block_n for c in cands} == {32, 64} and {c.block_k for c in cands} <= {128, 256}
+    assert {c.scale_ahead for c in cands} == {None, 2}
+    assert all(c.dequant != c.block_diag for c in cands)  # exactly one of the two modes asked for
+    for c in cands:
+        token_cols = (c.block_k // 32) * c.block_m if c.block_diag else c.block_m
+        assert token_cols <= 128 and c.stages * c.block_k * (c.block_n + token_cols) <= 200 << 10, c
+        assert 5120 // c.block_k % c.split == 0, c
+
+
+def test_default_candidates_and_group_128():
+    bench, args = _sweep_args()
+    cands = bench._candidates(args, 16, 1792, 5120, 32)
+    assert {c.stages for c in cands} == {4} and {c.block_n for c in cands} == {64, 128}
+    assert {(c.dequant, c.block_diag) for c in cands} == {(False, False), (True, False), (False, True)}
+    # 128-groups: only the per-group FP8 dot (the other modes need power-of-two 32-group scales)
+    assert all(not c.dequant and not c.block_diag for c in bench._candidates(args, 16, 1792, 5120, 128))
+
+
+def test_unknown_mode_is_an_error():
+    bench, args = _sweep_args("--modes", "dequant,wgmma")
+    with pytest.raises(SystemExit, match="wgmma"):
+        bench._candidates(args, 16, 1792, 5120, 32)
