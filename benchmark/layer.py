@@ -97,7 +97,7 @@ class LayerUnit:
         """Decode: ``rows`` sequences, each at position ``context - 1`` of its own cache slot.
         Prefill: one sequence of ``rows`` tokens at positions ``0 .. rows - 1`` (causal: token t
         attends to the keys of tokens 0..t, written by the step itself)."""
-        self.layer, self.config, self.prefill = layer, config, prefill
+        self.layer, self.config = layer, config
         h, hc = config.hidden_size, config.hc_mult
         self.residual = torch.randn(rows, hc, h, device=device).bfloat16()
         self.x = torch.randn(rows, h, device=device).bfloat16()
@@ -129,8 +129,7 @@ class LayerUnit:
     def step(self):
         layer, chain, overlap = self.layer, self.chain, self.layer.overlap_stats
         residual, x, pair = run_sublayer(
-            layer.hc_attn, lambda: layer.attn(self.x, self.x_pair, self.positions, self.slots, self.kv_cache,
-                                              decode=not self.prefill),
+            layer.hc_attn, lambda: layer.attn(self.x, self.x_pair, self.positions, self.slots, self.kv_cache),
             self.residual, layer.ffn_norm, _chain_format(layer.ffn.input_linear, chain), overlap)
         return run_sublayer(layer.hc_ffn, lambda: layer.ffn.shared_experts(x, pair), residual, layer.attn_norm,
                             _chain_format(layer.attn.wqkv_a, chain), overlap)

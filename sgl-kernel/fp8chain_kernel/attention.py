@@ -20,14 +20,6 @@
     holds all of a token's keys (many tokens: the programs fill the GPU without splitting keys)
     launch 1 does that itself and there is no launch 2.
 
-``mqa_decode(q, kv, kv_cache, slots, positions, sink, scale, cos_table, sin_table, eps, *, kv_weight=None, out=None) -> o``
-    A decode step (every token in a slot of its own): ``rope_qkv`` then ``mqa_attention`` without
-    the ``rope_qkv`` launch. ``q`` and ``kv`` as ``rope_qkv`` takes them; the split kernel norms
-    and RoPEs its query heads, makes the token's key from ``kv``, attends to it from registers
-    after the cached keys and writes it to the cache. Within the attention's rounding of the two
-    launches (the cache bytes are the same; the own key's two products are summed on the CUDA
-    cores).
-
 RoPE acts on interleaved pairs ``(x[2i], x[2i+1])``; ``cos_table``/``sin_table`` are fp32
 ``[L, rd/2]`` rows per position (``reference.rope_tables``). Both functions equal their
 ``fp8chain_kernel.reference`` namesakes up to that rounding (``rope_qkv`` within one bf16 ulp).
@@ -44,7 +36,7 @@ import triton.language as tl
 from .fp8_tile import dot_bf16, interpreting, rms_rstd, round_bf16
 from .launch import await_producer, pdl_options, sm_count
 
-__all__ = ["rope_qkv", "mqa_attention", "mqa_decode", "key_splits"]
+__all__ = ["rope_qkv", "mqa_attention", "key_splits"]
 
 _BLOCK_H = 16  # query heads per program (tl.dot needs >= 16 rows)
 _BLOCK_L = 64  # keys per step
@@ -72,10 +64,6 @@ _H200_SMS = 132  # the SM count the tiles and splits were tuned on; key_splits' 
 # waves a second split still pays (M = 64: 2 splits 85.1 us, 1 split 99.7 us); a one-step split
 # pays where it fills the wave (16 heads, M = 1, context 1024: 16 splits 9.8 us, 8 splits 11.7 us).
 _MAX_SPLITS = 16
-# Query heads per program at most in ``mqa_decode``: norming and RoPE-ing the query heads in the
-# split kernel holds a second q tile in registers; compiled for sm_90 the 32 x 64 tile spills 72
-# bytes, the 64 x 32 one 2 KB.
-_DECODE_MAX_HEADS = 32
 
 
 @triton.jit
@@ -96,22 +84,6 @@ def _latent(src, w_ptr, offs, mask, rstd, KV_NORM: tl.constexpr, EXACT_CAST: tl.
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         h = round_bf16(h * rstd * w, EXACT_CAST).to(tl.float32)
     return h
-
-
-@triton.jit
-def _rope_columns(x, partner, cols, cos_ptr, sin_ptr, pos, D, HALF: tl.constexpr):
-    """fp32 rows ``x [R, C]`` of columns ``cols [1, C]``, RoPE'd where a column falls in the last
-    ``2 * HALF`` of ``D`` (the others as they are); ``partner`` holds each column's pair partner
-    (column ``c ^ 1``). ``_rotate_pairs`` operand for operand, computed in place rather than on
-    even / odd halves: splitting a tile into halves and joining them back costs layout changes
-    through shared memory that the split kernel cannot spare."""
-    rope = (cols >= D - 2 * HALF) & (cols < D)
-    pair = tl.where(rope, (cols - (D - 2 * HALF)) // 2, 0)
-    cos = tl.load(cos_ptr + pos * HALF + pair, mask=rope, other=1.0)
-    sin = tl.load(sin_ptr + pos * HALF + pair, mask=rope, other=0.0)
-    is_even = (cols % 2) == 0
-    new_even, new_odd = _rotate_pairs(tl.where(is_even, x, partner), tl.where(is_even, partner, x), cos, sin, False)
-    return tl.where(rope, tl.where(is_even, new_even, new_odd), x)
 
 
 @triton.jit
@@ -203,34 +175,14 @@ def _attend_block(q, kv_ptr, slot, first, last, L, m_i, l_i, acc, scale, stride_
 
 
 @triton.jit
-def _attend_key(q, key, m_i, l_i, acc, scale, EXACT_CAST: tl.constexpr):
-    """``_attend_block`` for one key held in registers (bf16 ``[1, BLOCK_D]``): the same online-
-    softmax step, its two products summed on the CUDA cores rather than the tensor cores."""
-    kf = key.to(tl.float32)
-    s = tl.sum(q.to(tl.float32) * kf, axis=1) * scale
-    m_new = tl.maximum(m_i, s)
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - shift)
-    alpha = tl.exp(m_i - shift)
-    l_i = l_i * alpha + p
-    acc = acc * alpha[:, None] + round_bf16(p, EXACT_CAST).to(tl.float32)[:, None] * kf
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
-                      sink_ptr, cos_ptr, sin_ptr, o_ptr, new_ptr, new_w_ptr, NH, D, L, scale, eps,
-                      stride_qt, stride_qh, stride_ks, stride_kl, stride_ot, stride_oh, stride_nt,
+                      sink_ptr, cos_ptr, sin_ptr, o_ptr, NH, D, L, scale,
+                      stride_qt, stride_qh, stride_ks, stride_kl, stride_ot, stride_oh,
                       SPLITS: tl.constexpr, STEPS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, ROPE_IN: tl.constexpr, KV_NORM: tl.constexpr,
-                      EXACT_CAST: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EXACT_CAST: tl.constexpr,
+                      PDL: tl.constexpr):
     # With SPLITS == 1 the program holds all of its token's keys and writes the final output itself
     # (sink, normalisation, inverse RoPE: the merge's arithmetic); otherwise fp32 partials.
-    # ROPE_IN (decode, ``mqa_decode``): q is wq_b's raw output, normed and RoPE'd here as rope_qkv
-    # would; the token's own key is made from its raw latent (``new_ptr``) and attended from
-    # registers after the cached keys (modifying a loaded key tile would cost the dots their
-    # operands straight from the pipeline's shared memory), and the head block 0 program whose
-    # keys include it writes it to the cache.
     await_producer(PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -243,46 +195,21 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
     slot = tl.load(slot_ptr + t).to(tl.int64) * stride_ks
     last = tl.load(pos_ptr + t)
-    new_key = tl.zeros((1, BLOCK_D), tl.bfloat16)
-    if ROPE_IN:
-        pos = last.to(tl.int64)
-        cols = offs_d[None, :]
-        qf = q.to(tl.float32)
-        rstd = rms_rstd(tl.sum(qf * qf, axis=1), D, eps)[:, None]
-        partner = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + (cols ^ 1),
-                          mask=h_ok[:, None] & (cols < D), other=0.0).to(tl.float32)
-        q = round_bf16(_rope_columns(qf * rstd, partner * rstd, cols, cos_ptr, sin_ptr, pos, D, HALF), EXACT_CAST)
-        row = new_ptr + t.to(tl.int64) * stride_nt
-        key_rstd = 0.0
-        if KV_NORM:
-            h = tl.load(row + cols, mask=cols < D, other=0.0).to(tl.float32)
-            key_rstd = rms_rstd(tl.sum(h * h, axis=1), D, eps)[:, None]
-        new_key = round_bf16(_rope_columns(_latent(row, new_w_ptr, cols, cols < D, key_rstd, KV_NORM, EXACT_CAST),
-                                           _latent(row, new_w_ptr, cols ^ 1, cols < D, key_rstd, KV_NORM, EXACT_CAST),
-                                           cols, cos_ptr, sin_ptr, pos, D, HALF), EXACT_CAST)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     start = split * (STEPS * BLOCK_L)
-    # ROPE_IN: the cache's keys end before the token's own key, which comes from registers below
-    cached = last - 1 if ROPE_IN else last
-    # only keys 0..cached: a causal prefill split past its token's position does no work
-    end = tl.minimum(tl.minimum(cached + 1, L), start + STEPS * BLOCK_L)
+    # only keys 0..last: a causal prefill split past its token's position does no work
+    end = tl.minimum(tl.minimum(last + 1, L), start + STEPS * BLOCK_L)
     if EXACT_CAST:  # the interpreter needs constant trip counts
         for step in range(STEPS):
             if start + step * BLOCK_L < end:
-                m_i, l_i, acc = _attend_block(q, kv_ptr, slot, start + step * BLOCK_L, cached, L, m_i, l_i, acc,
+                m_i, l_i, acc = _attend_block(q, kv_ptr, slot, start + step * BLOCK_L, last, L, m_i, l_i, acc,
                                               scale, stride_kl, offs_d, d_ok, BLOCK_H, BLOCK_L, EXACT_CAST)
     else:
         for first in range(start, end, BLOCK_L):
-            m_i, l_i, acc = _attend_block(q, kv_ptr, slot, first, cached, L, m_i, l_i, acc,
+            m_i, l_i, acc = _attend_block(q, kv_ptr, slot, first, last, L, m_i, l_i, acc,
                                           scale, stride_kl, offs_d, d_ok, BLOCK_H, BLOCK_L, EXACT_CAST)
-    if ROPE_IN:
-        if (start <= last) & (last < start + STEPS * BLOCK_L) & (last < L):
-            m_i, l_i, acc = _attend_key(q, new_key, m_i, l_i, acc, scale, EXACT_CAST)
-            if hb == 0:
-                tl.store(kv_ptr + slot + last.to(tl.int64) * stride_kl + offs_d[None, :], new_key,
-                         mask=d_ok[None, :])
     if SPLITS == 1:
         sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
         peak = tl.maximum(sink, m_i)
@@ -389,26 +316,13 @@ def _check_cache(kv_cache: torch.Tensor, dim: int) -> None:
         raise ValueError("kv_cache must be contiguous")
 
 
-def _check_raw_latent(kv: torch.Tensor, kv_weight: torch.Tensor | None, tokens: int | None, device) -> int:
-    """``kv`` bf16 ``[T, D]`` with unit column stride (and ``kv_weight`` bf16 ``[D]``); returns D."""
-    if kv.dtype != torch.bfloat16 or kv.dim() != 2 or (kv.numel() and kv.stride(1) != 1) \
-            or (tokens is not None and kv.shape[0] != tokens):
-        want = "T" if tokens is None else tokens
-        raise TypeError(f"kv must be bfloat16 [{want}, D] with unit column stride, got {kv.dtype} {tuple(kv.shape)}")
-    dim = kv.shape[1]
-    if kv_weight is not None and (kv_weight.dtype != torch.bfloat16 or tuple(kv_weight.shape) != (dim,)
-                                  or not kv_weight.is_contiguous() or kv_weight.device != device):
-        raise TypeError(f"kv_weight must be a contiguous bfloat16 [{dim}] tensor on {device}, got "
-                        f"{kv_weight.dtype} {tuple(kv_weight.shape)} on {kv_weight.device}")
-    return dim
-
-
 def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
              kv_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, eps: float, *,
              kv_weight: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring."""
-    dim = _check_raw_latent(kv, kv_weight, None, q.device)
-    tokens = kv.shape[0]
+    if kv.dtype != torch.bfloat16 or kv.dim() != 2 or (kv.numel() and kv.stride(1) != 1):
+        raise TypeError(f"kv must be bfloat16 [T, D] with unit column stride, got {kv.dtype} {tuple(kv.shape)}")
+    tokens, dim = kv.shape
     if q.dtype != torch.bfloat16 or q.dim() != 2 or q.shape[0] != tokens or q.shape[1] % max(dim, 1) \
             or (q.numel() and q.stride(1) != 1):
         raise TypeError(f"q must be bfloat16 [{tokens}, heads*{dim}] with unit column stride, got "
@@ -417,6 +331,10 @@ def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_tab
     _check_index(slots, "slots", tokens)
     _check_index(positions, "positions", tokens)
     half = _check_tables(cos_table, sin_table, dim, q.device)
+    if kv_weight is not None and (kv_weight.dtype != torch.bfloat16 or tuple(kv_weight.shape) != (dim,)
+                                  or not kv_weight.is_contiguous() or kv_weight.device != q.device):
+        raise TypeError(f"kv_weight must be a contiguous bfloat16 [{dim}] tensor on {q.device}, got "
+                        f"{kv_weight.dtype} {tuple(kv_weight.shape)} on {kv_weight.device}")
     heads = q.shape[1] // dim if dim else 0
     out = torch.empty((tokens, heads, dim), dtype=torch.bfloat16, device=q.device)
     if tokens == 0 or heads == 0:
@@ -446,44 +364,10 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     if q.dtype != torch.bfloat16 or q.dim() != 3 or (q.numel() and q.stride(2) != 1):
         raise TypeError(f"q must be bfloat16 [T, nh, D] with unit last stride, got {q.dtype} "
                         f"{tuple(q.shape)} strides {q.stride()}")
-    return _attend(q, kv_cache, slots, positions, sink, scale, cos_table, sin_table, None, out, tile, splits)
-
-
-def mqa_decode(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
-               positions: torch.Tensor, sink: torch.Tensor, scale: float, cos_table: torch.Tensor,
-               sin_table: torch.Tensor, eps: float, *, kv_weight: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, tile: tuple[int, int] | None = None,
-               splits: int | None = None) -> torch.Tensor:
-    """``rope_qkv`` then ``mqa_attention`` for a decode batch, without the ``rope_qkv`` launch:
-    ``q`` bf16 ``[T, nh*D]`` (wq_b's raw output) and ``kv`` bf16 ``[T, D]`` (the raw latent, normed
-    with ``kv_weight`` and ``eps`` when given) as ``rope_qkv`` takes them -> ``o`` bf16 ``[T, nh, D]``.
-
-    The split kernel normalizes and RoPEs its query heads itself, makes the token's own key from
-    ``kv`` and attends to it from registers, and writes it to ``kv_cache[slots[t], positions[t]]``
-    (as ``rope_qkv`` would). Every token must have its own slot (one new key per sequence: a
-    decode step); a prefill, whose tokens read each other's new keys, runs ``rope_qkv`` and
-    ``mqa_attention``. Same arithmetic as those two, operation for operation (the row sums of
-    squares may add in another order on a GPU).
-    """
-    if q.dtype != torch.bfloat16 or q.dim() != 2 or (q.numel() and q.stride(1) != 1):
-        raise TypeError(f"q must be bfloat16 [T, heads*D] with unit column stride, got {q.dtype} {tuple(q.shape)}")
-    dim = _check_raw_latent(kv, kv_weight, q.shape[0], q.device)
-    if dim == 0 or q.shape[1] % dim:
-        raise TypeError(f"q [{q.shape[0]}, {q.shape[1]}] is not heads x D = {dim}")
-    q3 = q.as_strided((q.shape[0], q.shape[1] // dim, dim), (q.stride(0), dim, 1))
-    return _attend(q3, kv_cache, slots, positions, sink, scale, cos_table, sin_table, (kv, kv_weight, float(eps)),
-                   out, tile, splits)
-
-
-def _attend(q, kv_cache, slots, positions, sink, scale, cos_table, sin_table, new_keys, out, tile, splits):
-    """The launches of ``mqa_attention`` (``new_keys`` None: q already RoPE'd, keys in the cache) and
-    ``mqa_decode`` (``new_keys = (kv, kv_weight, eps)``)."""
     tokens, heads, dim = q.shape
     _check_cache(kv_cache, dim)
     sms = sm_count(q.device, interpreter=_H200_SMS)
     block_h, block_l = _split_tile(tile, tokens, heads, kv_cache.shape[1], sms)
-    if new_keys is not None and tile is None and block_h > _DECODE_MAX_HEADS:
-        block_h, block_l = _DECODE_MAX_HEADS, _BLOCK_L
     _check_index(slots, "slots", tokens)
     _check_index(positions, "positions", tokens)
     if sink.dtype != torch.float32 or tuple(sink.shape) != (heads,):
@@ -514,14 +398,12 @@ def _attend(q, kv_cache, slots, positions, sink, scale, cos_table, sin_table, ne
         part_o = torch.empty((tokens, splits, heads, dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((tokens, splits, heads, 2), dtype=torch.float32, device=q.device)
     warps = 8 if block_d >= 512 else 4  # 64 keys x 512 columns: 4 warps spill registers
-    kv, kv_weight, eps = new_keys if new_keys is not None else (q, None, 0.0)
     _mqa_split_kernel[(tokens, head_blocks, splits)](
         q, kv_cache, slots, positions, part_o, part_ml, sink, cos_table, sin_table, out,
-        kv, kv_weight if kv_weight is not None else kv, heads, dim, length, float(scale), eps,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1), kv.stride(0),
+        heads, dim, length, float(scale),
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1),
         SPLITS=splits, STEPS=steps, HALF=half, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_D=block_d,
-        ROPE_IN=new_keys is not None, KV_NORM=kv_weight is not None, EXACT_CAST=interpreting(), num_warps=warps,
-        **pdl_options(),
+        EXACT_CAST=interpreting(), num_warps=warps, **pdl_options(),
     )
     if splits == 1:
         return out

@@ -101,12 +101,6 @@ def record_launches() -> None:
         q = attention.rope_qkv(bf16(rows, 64 * 512), bf16(rows, 512), cos, sin, cache, slots, positions, 1e-6,
                                kv_weight=kv_weight)
         attention.mqa_attention(q, cache, slots, positions, torch.zeros(64), 512 ** -0.5, cos, sin)
-    # the decode attention that norms and RoPEs q and makes the new key itself (16 x 64, 32 x 64 and
-    # 64 x 32 tiles)
-    for rows in (1, 64, 256):
-        slots, positions = torch.arange(rows), torch.full((rows,), 1023)
-        attention.mqa_decode(bf16(rows, 64 * 512), bf16(rows, 512), cache, slots, positions, torch.zeros(64),
-                             512 ** -0.5, cos, sin, 1e-6, kv_weight=bf16(512))
 
 
 def record_boundary_launches() -> None:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fp8chain_kernel import reference as ref
-from fp8chain_kernel.attention import _H200_SMS, _split_tile, key_splits, mqa_attention, mqa_decode, rope_qkv
+from fp8chain_kernel.attention import _H200_SMS, _split_tile, key_splits, mqa_attention, rope_qkv
 
 ROPE_DIM = 64
 THETA = 10000.0
@@ -235,76 +235,6 @@ def test_zero_tokens_and_bad_input():
         mqa_attention(q[..., :127], kv_cache[..., :127].contiguous(), slots, positions, sink, scale, cos, sin)
     with pytest.raises(TypeError, match="q must be bfloat16"):
         rope_qkv(q.float().reshape(2, -1), kv_cache[0, :2], cos, sin, kv_cache, slots, positions, 1e-6)
-
-
-def _check_decode(tokens, heads, dim, length, device, splits=None, kv_norm=True, bitwise=True):
-    """``mqa_decode`` against ``rope_qkv`` + ``mqa_attention`` on the same inputs and cache: the
-    cache bit for bit (on the GPU, where the sums of squares may add in another order, within its
-    rounding), the output within its rounding (the token's own key is attended last, on the CUDA
-    cores), and against the reference."""
-    q = torch.randn(tokens, heads * dim, device=device).bfloat16()
-    kv = (torch.randn(tokens, dim, device=device) * 3.0).bfloat16()
-    nan_row = tokens // 2 if tokens > 1 else None
-    if nan_row is not None:
-        q[nan_row, 5] = float("nan")  # a NaN query stays in its head: head 0 of that token
-    kv_weight = torch.rand(dim, device=device).add(0.5).bfloat16() if kv_norm else None
-    slots = torch.randperm(tokens, device=device)  # decode: one sequence per slot
-    positions = torch.randint(0, length, (tokens,), device=device)
-    positions[0] = length - 1
-    sink = torch.randn(heads, device=device)
-    cos, sin = ref.rope_tables(length, ROPE_DIM, THETA, device)
-    cache = torch.randn(tokens, length, dim, device=device).bfloat16()
-    two_cache = cache.clone()
-    out = torch.full((tokens, heads, dim), float("nan"), dtype=torch.bfloat16, device=device)  # poisoned
-    got = mqa_decode(q, kv, cache, slots, positions, sink, dim ** -0.5, cos, sin, 1e-6, kv_weight=kv_weight,
-                     out=out, splits=splits)
-    assert got.data_ptr() == out.data_ptr()
-    roped = rope_qkv(q, kv, cos, sin, two_cache, slots, positions, 1e-6, kv_weight=kv_weight)
-    want = mqa_attention(roped, two_cache, slots, positions, sink, dim ** -0.5, cos, sin, splits=splits)
-    keep = torch.ones(tokens, dtype=torch.bool, device=device)
-    if nan_row is not None:
-        assert torch.isnan(got[nan_row, 0]).all() and not torch.isnan(got[nan_row, 1:]).any()
-        assert torch.isnan(want[nan_row, 0]).all()
-        keep[nan_row] = False
-    if bitwise:
-        assert torch.equal(cache, two_cache)
-    else:
-        _assert_rounded_alike(cache[slots, positions], two_cache[slots, positions])
-    # the queries and keys are those of the two launches; the output within the kernel's bound of
-    # the fp32 attention over them
-    _assert_attention_close(got[keep], (roped[keep], two_cache, slots[keep], positions[keep], sink, dim ** -0.5,
-                                        cos, sin))
-
-
-@pytest.mark.cpu
-@pytest.mark.parametrize("tokens,heads,dim,splits,kv_norm", [
-    (3, 4, 128, None, True), (3, 4, 128, 1, False), (5, 17, 96, 2, True)])
-def test_mqa_decode_equals_rope_then_attention_cpu(tokens, heads, dim, splits, kv_norm):
-    _check_decode(tokens, heads, dim, 200, "cpu", splits=splits, kv_norm=kv_norm)
-
-
-@pytest.mark.cpu
-def test_mqa_decode_bad_input():
-    q, kv = torch.randn(2, 4 * 128).bfloat16(), torch.randn(2, 128).bfloat16()
-    cache, slots, positions = torch.zeros(2, 16, 128).bfloat16(), torch.arange(2), torch.tensor([3, 15])
-    cos, sin = ref.rope_tables(16, ROPE_DIM, THETA, "cpu")
-    args = (cache, slots, positions, torch.randn(4), 0.1, cos, sin, 1e-6)
-    assert mqa_decode(q[:0], kv[:0], *args[:1], slots[:0], positions[:0], *args[3:]).shape == (0, 4, 128)
-    with pytest.raises(TypeError, match="q must be bfloat16"):
-        mqa_decode(q.view(2, 4, 128), kv, *args)
-    with pytest.raises(TypeError, match="kv must be bfloat16"):
-        mqa_decode(q, kv[:1], *args)
-    with pytest.raises(TypeError, match="heads x D"):
-        mqa_decode(q[:, :200], kv, *args)
-    with pytest.raises(TypeError, match="kv_weight"):
-        mqa_decode(q, kv, *args, kv_weight=torch.ones(128))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 3, 64, 256])
-@pytest.mark.parametrize("heads", [64, 16])
-def test_mqa_decode_equals_rope_then_attention_gpu(tokens, heads):
-    _check_decode(tokens, heads, 512, 1024, "cuda", bitwise=False)
 
 
 @pytest.mark.gpu

@@ -300,26 +300,20 @@ class MQALayer(nn.Module):
         self._rope_tables: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               kv_cache: torch.Tensor, impl=attention_kernels, decode: bool = False) -> torch.Tensor:
+               kv_cache: torch.Tensor, impl=attention_kernels) -> torch.Tensor:
         """The attention core between ``wq_b`` and ``wo_a``: ``q [T, nh*d]`` (wq_b's output) and
         the raw latent ``kv [T, d]`` (wqkv_a's last columns) -> ``o [T, G, nh/G*d]`` bf16, after
         the inverse RoPE.
 
         ``kv_norm`` runs inside ``rope_qkv`` (``kv_weight``), which writes the normed, roped
-        latent into ``kv_cache``; ``impl`` provides ``rope_qkv``, ``mqa_attention`` and
-        ``mqa_decode`` (the Triton kernels, or ``fp8chain_kernel.reference`` for a plain-torch
-        arm). ``decode`` (every token in its own slot) runs ``mqa_decode``: the same arithmetic
-        without the ``rope_qkv`` launch. The same in both arms of the chain.
+        latent into ``kv_cache``; ``impl`` provides ``rope_qkv`` and
+        ``mqa_attention`` (the Triton kernels, or ``fp8chain_kernel.reference`` for a plain-torch
+        arm). The same in both arms of the chain.
         """
         cos, sin = self.rope_tables(kv_cache.shape[1], kv_cache.device)
-        tokens = q.shape[0]
-        if decode:
-            o = impl.mqa_decode(q, kv, kv_cache, slots, positions, self.attn_sink, self.softmax_scale, cos, sin,
-                                self.eps, kv_weight=self.kv_norm.weight)
-        else:
-            q = impl.rope_qkv(q, kv, cos, sin, kv_cache, slots, positions, self.eps, kv_weight=self.kv_norm.weight)
-            o = impl.mqa_attention(q, kv_cache, slots, positions, self.attn_sink, self.softmax_scale, cos, sin)
-        return o.view(tokens, self.o_groups, -1)
+        q = impl.rope_qkv(q, kv, cos, sin, kv_cache, slots, positions, self.eps, kv_weight=self.kv_norm.weight)
+        o = impl.mqa_attention(q, kv_cache, slots, positions, self.attn_sink, self.softmax_scale, cos, sin)
+        return o.view(q.shape[0], self.o_groups, -1)
 
     @torch.compiler.disable
     def rope_tables(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,12 +325,12 @@ class MQALayer(nn.Module):
         return self._rope_tables[key]
 
     def forward(self, x: torch.Tensor, x_pair: QuantizedActivation | None, positions: torch.Tensor,
-                slots: torch.Tensor, kv_cache: torch.Tensor, decode: bool = False) -> torch.Tensor:
+                slots: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` bf16 (+ its pair when chained) -> ``y [T, H]`` bf16.
 
         ``kv_cache [S, L, head_dim]`` bf16; token ``t`` writes its roped latent at
         ``kv_cache[slots[t], positions[t]]`` and attends to positions ``<= positions[t]`` of
-        its slot. ``decode``: every token has a slot of its own (``attend``).
+        its slot.
         """
         qkv = self.wqkv_a(x_pair if (self.chain and x_pair is not None) else x)
         q_lora, kv = qkv[:, :self.q_lora_rank], qkv[:, self.q_lora_rank:]
@@ -344,7 +338,7 @@ class MQALayer(nn.Module):
         if self.keep_indexer_inputs:  # what DSv4.1's indexer reads (not modelled here)
             self.last_x, self.last_q_lora = x, q_lora
         q = self.wq_b(q_pair if q_pair is not None else q_lora)
-        o = self.attend(q, kv, positions, slots, kv_cache, decode=decode)
+        o = self.attend(q, kv, positions, slots, kv_cache)
 
         fmt = _chain_format(self.wo_b, self.chain)
         o_flat, o_pair = split_producer_result(
@@ -411,13 +405,12 @@ class DeepseekV41DecoderLayer(nn.Module):
         self.ffn = DeepseekV41MoE(c, quant_config, prefix=f"layers.{layer_idx}.ffn")
 
     def forward(self, x, x_pair, residual, positions, slots, kv_cache, next_norm: RMSNorm,
-                next_linear, decode: bool = False):
+                next_linear):
         """Runs both sublayers from ``(x, x_pair, residual)`` (the input of attention) and
         returns the next sublayer's ``(x, x_pair, residual)``: the boundary after the MoE
-        normalizes with ``next_norm`` and writes the format ``next_linear`` reads. ``decode``:
-        every token has a slot of its own (``MQALayer.attend``)."""
+        normalizes with ``next_norm`` and writes the format ``next_linear`` reads."""
         residual, x, x_pair = run_sublayer(
-            self.hc_attn, lambda: self.attn(x, x_pair, positions, slots, kv_cache, decode=decode), residual,
+            self.hc_attn, lambda: self.attn(x, x_pair, positions, slots, kv_cache), residual,
             self.ffn_norm, _chain_format(self.ffn.input_linear, self.chain), self.overlap_stats)
         residual, x, x_pair = run_sublayer(
             self.hc_ffn, lambda: self.ffn(x, x_pair), residual, next_norm,
@@ -503,11 +496,9 @@ class DeepseekV41ForCausalLM(nn.Module):
     # ---- forward ---------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                kv_caches: list[torch.Tensor], logits_indices: torch.Tensor | None = None,
-                decode: bool = False) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Flat tokens of any number of sequences -> fp32 logits ``[len(logits_indices), V]``
-        (all tokens when ``logits_indices`` is None). ``decode``: one token per sequence, each in
-        a slot of its own (the attention then makes the new keys inside its own launch)."""
+        (all tokens when ``logits_indices`` is None)."""
         c = self.config
         residual = expand_streams(self.embed(input_ids), c.hc_mult)
         first = self.layers[0]
@@ -519,7 +510,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             else:
                 next_norm, next_linear = self.norm, None
             x, x_pair, residual = layer(x, x_pair, residual, positions, slots, kv_caches[i],
-                                        next_norm, next_linear, decode=decode)
+                                        next_norm, next_linear)
         if logits_indices is not None:
             x = x[logits_indices]
         return self.head(x)

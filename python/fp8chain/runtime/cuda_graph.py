@@ -41,9 +41,7 @@ class DecodeGraphRunner:
         self.replays = 0
 
     def _forward(self, b: int) -> torch.Tensor:
-        # decode: each real row has its own slot; the padding rows share the scratch slot, whose
-        # contents nothing reads, and their outputs are dropped
-        return self.model(self.input_ids[:b], self.positions[:b], self.slots[:b], self.kv_caches, decode=True)
+        return self.model(self.input_ids[:b], self.positions[:b], self.slots[:b], self.kv_caches)
 
     @torch.no_grad()
     def capture(self) -> None:

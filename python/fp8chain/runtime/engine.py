@@ -111,7 +111,7 @@ class Engine:
         if self.cuda_graphs and b <= max(self.graph_batch_sizes, default=0):
             logits = self.graph_runner().run(tokens, positions, slots)
         else:
-            logits = self.model(tokens, positions, slots, self.kv_caches, decode=True)
+            logits = self.model(tokens, positions, slots, self.kv_caches)
         if self.step_hook is not None:
             self.step_hook("decode", b)
         return logits

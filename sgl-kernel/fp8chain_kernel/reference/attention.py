@@ -11,7 +11,7 @@ import torch
 
 from .norm import rms_norm
 
-__all__ = ["rope_cos_sin", "apply_rope", "rope_tables", "rope_qkv", "mqa_attention", "mqa_decode", "attention_with_sinks"]
+__all__ = ["rope_cos_sin", "apply_rope", "rope_tables", "rope_qkv", "mqa_attention", "attention_with_sinks"]
 
 
 def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,12 +83,3 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     valid = torch.arange(keys.shape[1], device=q.device)[None, :] <= positions[:, None]
     o = attention_with_sinks(q.float(), keys, valid, sink, scale)
     return _rope_last(o, cos_table[positions], sin_table[positions], inverse=True).to(torch.bfloat16)
-
-
-def mqa_decode(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
-               positions: torch.Tensor, sink: torch.Tensor, scale: float, cos_table: torch.Tensor,
-               sin_table: torch.Tensor, eps: float, *, kv_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """A decode step's attention (every token in its own slot): ``rope_qkv`` (writes each token's
-    key into ``kv_cache``) then ``mqa_attention``."""
-    q = rope_qkv(q, kv, cos_table, sin_table, kv_cache, slots, positions, eps, kv_weight=kv_weight)
-    return mqa_attention(q, kv_cache, slots, positions, sink, scale, cos_table, sin_table)
