@@ -138,17 +138,19 @@ def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...]
     return cands
 
 
+def _items(text: str, parse=str) -> tuple:
+    """A comma-separated option's values, each through ``parse``."""
+    return tuple(parse(v) for v in text.split(",") if v)
+
+
 def _candidates(args, m: int, n: int, k: int, group: int) -> list[gemm.GemmConfig]:
-    modes = tuple(v for v in args.modes.split(",") if v)
+    modes = _items(args.modes)
     unknown = set(modes) - set(OPERAND_MODES)
     if unknown:
         raise SystemExit(f"--modes: unknown operand modes {sorted(unknown)}; known: {', '.join(OPERAND_MODES)}")
-    ahead = tuple(None if v == "default" else int(v) for v in args.scale_ahead.split(",") if v)
-    def ints(text: str) -> tuple[int, ...]:
-        return tuple(int(v) for v in text.split(",") if v)
-
-    return sweep_candidates(m, n, k, group, ints(args.stages), modes, ints(args.block_k), ahead, ints(args.block_n),
-                            ints(args.warps))
+    ahead = _items(args.scale_ahead, lambda v: None if v == "default" else int(v))
+    return sweep_candidates(m, n, k, group, _items(args.stages, int), modes, _items(args.block_k, int), ahead,
+                            _items(args.block_n, int), _items(args.warps, int))
 
 
 def _sweep_points(args):

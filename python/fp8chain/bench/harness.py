@@ -68,11 +68,7 @@ def replay_times_us(graphs: dict[str, torch.cuda.CUDAGraph], iters: int, rounds:
 def graph_time_us(fn: Callable[[], object], iters: int = 100, repeats: int = 7) -> float:
     """Median microseconds per call of ``fn``, from ``repeats`` replays of a CUDA graph of
     ``iters`` calls (``capture_graph``)."""
-    graph = capture_graph(fn, iters)
-    try:
-        return replay_times_us({"fn": graph}, iters, repeats)["fn"]
-    finally:
-        del graph
+    return replay_times_us({"fn": capture_graph(fn, iters)}, iters, repeats)["fn"]
 
 
 L2_DEFEAT_BYTES = 160 << 20  # weight copies that a benchmark rotates through add up to this
