@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .fp8_tile import dot_bf16, interpreting, rms_rstd, round_bf16
-from .launch import await_producer, pdl_options, sm_count
+from .launch import H200_SMS, await_producer, pdl_options, sm_count
 
 __all__ = ["rope_qkv", "mqa_attention", "key_splits"]
 
@@ -55,7 +55,6 @@ _SPLIT_TILES = ((256 * 64, (64, 32)), (1024, (32, 64)), (0, (_BLOCK_H, _BLOCK_L)
 # 0.4 us at every batch (64 heads, M = 1: merge 2.4 / 2.8 / 5.2 us).
 _MERGE_COLUMNS = (16, 64)
 _MERGE_ELEMS = 8192  # at most this many partial elements per merge program: 64 registers at 4 warps
-_H200_SMS = 132  # the SM count the tiles and splits were tuned on; key_splits' default
 # Key splits per (token, head block), from an H200 sweep (`fp8chain bench attention --splits`,
 # docs/benchmarks.md): as many as one wave of split programs holds (one per SM: 150-168 KB of
 # shared memory each), at least 2 while the unsplit programs fit in two waves, at most
@@ -286,7 +285,7 @@ def key_splits(tokens: int, heads: int, length: int, tile: tuple[int, int] | Non
                device: torch.device | None = None) -> int:
     """How many split-kernel programs share one token's keys for a cache of ``length`` positions
     (1: the split kernel writes the output itself, no merge launch) on ``device`` (None: an H200)."""
-    sms = _H200_SMS if device is None else sm_count(device, interpreter=_H200_SMS)
+    sms = H200_SMS if device is None else sm_count(device, interpreter=H200_SMS)
     block_h, block_l = _split_tile(tile, tokens, heads, length, sms)
     return _splits(tokens, heads, block_h, triton.cdiv(length, block_l), sms)
 
@@ -366,7 +365,7 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
                         f"{tuple(q.shape)} strides {q.stride()}")
     tokens, heads, dim = q.shape
     _check_cache(kv_cache, dim)
-    sms = sm_count(q.device, interpreter=_H200_SMS)
+    sms = sm_count(q.device, interpreter=H200_SMS)
     block_h, block_l = _split_tile(tile, tokens, heads, kv_cache.shape[1], sms)
     _check_index(slots, "slots", tokens)
     _check_index(positions, "positions", tokens)

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation
 from .fp8_tile import dot_bf16, round_bf16, store_pair_tile
-from .launch import await_producer, pdl_options, sm_count
+from .launch import H200_SMS, await_producer, pdl_options, sm_count
 from .norm import check_tensor, launch_args, producer_result, resolve_outputs
 
 __all__ = ["wo_a_einsum"]
@@ -93,7 +93,7 @@ def _wo_a_kernel(o_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, G, R, D,
                         stride_sg, BLOCK_M, BLOCK_N, GROUP, POW2, PACKED, EXACT_CAST)
 
 
-def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: int = 132) -> dict:
+def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: int = H200_SMS) -> dict:
     """Tile sizes for ``rows`` tokens. Decode (<= 64 rows) streams the weights, so the tiles are
     narrow in N (one 32-column scale group) to spread the weights over many programs, and deep
     cp.async pipelines keep each SM's reads in flight. The decode rows come from the H200 sweep
@@ -185,7 +185,7 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, out_format: ActFormat | 
         cfg = _check_config(config, r, min_n)
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(d)))
     else:
-        cfg = _launch_config(rows, groups, r, d, min_n, sm_count(o.device, interpreter=132))  # H200 tiles
+        cfg = _launch_config(rows, groups, r, d, min_n, sm_count(o.device, interpreter=H200_SMS))
     block_n = cfg["BLOCK_N"]
     grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(r, block_n), groups)
     _wo_a_kernel[grid](

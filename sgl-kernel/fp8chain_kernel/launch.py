@@ -34,8 +34,8 @@ from triton.language.extra.cuda import gdc_wait
 
 from .fp8_tile import interpreting
 
-__all__ = ["ARRIVAL_SLOTS", "arrival_counters", "arrive_last", "await_producer", "compiled_for_gpu", "enabled",
-           "programmatic_launches", "pdl_options", "rearm", "sm_count", "supported"]
+__all__ = ["ARRIVAL_SLOTS", "H200_SMS", "arrival_counters", "arrive_last", "await_producer", "compiled_for_gpu",
+           "enabled", "programmatic_launches", "pdl_options", "rearm", "sm_count", "supported"]
 
 _override: list[bool] = []  # innermost programmatic_launches() block last
 
@@ -58,6 +58,9 @@ def _capability_major(index: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+H200_SMS = 132  # the GPU the launch shapes were tuned on: the stand-in where none is present
 
 
 def compiled_for_gpu(device: torch.device) -> bool:

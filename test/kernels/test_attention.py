@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from fp8chain_kernel import reference as ref
-from fp8chain_kernel.attention import _H200_SMS, _split_tile, key_splits, mqa_attention, rope_qkv
+from fp8chain_kernel.attention import _split_tile, key_splits, mqa_attention, rope_qkv
+from fp8chain_kernel.launch import H200_SMS
 
 ROPE_DIM = 64
 THETA = 10000.0
@@ -106,7 +107,7 @@ def test_default_split_tile_by_query_rows(tokens, heads, length, tile):
     from 256 tokens of 64 heads while their keys still split (prefill: 32 x 64), as measured on
     the H200 (docs/benchmarks.md); never more heads per program than the layer has (a TP4 shard's
     16 heads keep 16 x 64)."""
-    assert _split_tile(None, tokens, heads, length, _H200_SMS) == tile
+    assert _split_tile(None, tokens, heads, length, H200_SMS) == tile
 
 
 @pytest.mark.cpu
