@@ -13,13 +13,15 @@
   quantization group never straddles two einsum groups).
 * ``out`` / ``out_bf16`` / ``return_bf16``: as ``norm.rms_norm``.
 * ``config``: a launch config (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``,
-  ``num_stages``) instead of the table's (sweeps); with ``out_format``, ``BLOCK_N`` must be a
-  multiple of the group size that divides ``R``.
+  ``num_stages``, optionally ``SPLIT``) instead of the table's (sweeps); with ``out_format``,
+  ``BLOCK_N`` must be a multiple of the group size that divides ``R``.
 
-Grid: one program per ``[BLOCK_M, BLOCK_N]`` output tile of one group, the whole ``D`` reduced
-in the program (no split-K: the FP8 epilogue needs the finished sum). Decode (small ``T``) is
-weight streaming, so tiles are short in M and narrow in N (down to one 32-column scale group) to
-give enough programs to read ``wo_a`` near HBM bandwidth; large ``T`` uses 128x128 tiles. For
+Grid: one program per ``[BLOCK_M, BLOCK_N]`` output tile of one group and K slice. Decode (small
+``T``) is weight streaming, so tiles are short in M and narrow in N (down to one 32-column scale
+group) to give enough programs to read ``wo_a`` near HBM bandwidth; where that still leaves SMs
+idle (G = 2) ``D`` is split into ``SPLIT`` slices: each stores its fp32 partial tile, and the slice
+that arrives last sums them in slice order (deterministic) and runs the epilogue, which needs the
+finished sum (``launch.publish_partial`` / ``gather_partials``). Large ``T`` uses 128x128 tiles. For
 the packed UE8M0 format with tiles narrower than one 128-column scale word, the epilogue stores
 exponent bytes into the int32 words (bytes past the last group are written as zero).
 """
@@ -32,55 +34,19 @@ import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation
 from .fp8_tile import dot_bf16, round_bf16, store_pair_tile
-from .launch import H200_SMS, await_producer, pdl_options, sm_count
+from .launch import (ARRIVAL_SLOTS, H200_SMS, await_producer, gather_partials, pdl_options, publish_partial, rearm,
+                     sm_count, split_workspace)
 from .norm import check_tensor, launch_args, producer_result, resolve_outputs
 
 __all__ = ["wo_a_einsum"]
 
 
 @triton.jit
-def _wo_a_kernel(o_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, G, R, D,
-                 stride_om, stride_og, stride_od, stride_wg, stride_wr, stride_wd,
-                 stride_ym, stride_dm, stride_sm, stride_sg,
-                 STORE_BF16: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-                 POW2: tl.constexpr, PACKED: tl.constexpr, EXACT_CAST: tl.constexpr,
-                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                 K_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
-    # Axis 0 walks the tiles of one group (M fastest), axis 1 the groups: a group's o rows and
-    # weights stay in L2 while its tiles run.
-    await_producer(PDL)
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_m = tl.program_id(0) % num_m
-    pid_n = tl.program_id(0) // num_m
-    g = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    n_ok = offs_n < R
-    a_ptrs = (o_ptr + g.to(tl.int64) * stride_og + offs_m.to(tl.int64)[:, None] * stride_om
-              + offs_k[None, :] * stride_od)
-    b_ptrs = (w_ptr + g.to(tl.int64) * stride_wg + offs_n.to(tl.int64)[:, None] * stride_wr
-              + offs_k[None, :] * stride_wd)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # K_TILES = cdiv(D, BLOCK_K) is a compile-time constant (D is fixed per model): the loop
-    # bound must not be a runtime scalar on the Triton CPU interpreter under numpy 2.x.
-    for kt in range(K_TILES):
-        k0 = kt * BLOCK_K
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-            if EVEN_N:
-                b = tl.load(b_ptrs)
-            else:
-                b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            k_ok = (k0 + offs_k) < D
-            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = dot_bf16(a, tl.trans(b), acc, EXACT_CAST)
-        a_ptrs += BLOCK_K * stride_od
-        b_ptrs += BLOCK_K * stride_wd
+def _wo_a_epilogue(acc, y_ptr, data_ptr, scale_ptr, offs_m, offs_n, m_ok, n_ok, g, pid_n, M, G, R,
+                   stride_ym, stride_dm, stride_sm, stride_sg,
+                   STORE_BF16: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, POW2: tl.constexpr,
+                   PACKED: tl.constexpr, EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Round the finished fp32 tile to bf16 once; store it and / or its FP8 pair."""
     yb = round_bf16(acc, EXACT_CAST)
     rows = offs_m.to(tl.int64)[:, None]
     cols = g * R + offs_n
@@ -93,27 +59,90 @@ def _wo_a_kernel(o_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, G, R, D,
                         stride_sg, BLOCK_M, BLOCK_N, GROUP, POW2, PACKED, EXACT_CAST)
 
 
+@triton.jit
+def _wo_a_kernel(o_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, part_ptr, count_ptr, M, G, R, D,
+                 stride_om, stride_og, stride_od, stride_wg, stride_wr, stride_wd,
+                 stride_ym, stride_dm, stride_sm, stride_sg,
+                 STORE_BF16: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+                 POW2: tl.constexpr, PACKED: tl.constexpr, EXACT_CAST: tl.constexpr,
+                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr,
+                 K_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
+    # Axis 0 walks the tiles of one group (M fastest), axis 1 the groups: a group's o rows and
+    # weights stay in L2 while its tiles run. Axis 2 is the K slice (K_TILES tiles of BLOCK_K each).
+    await_producer(PDL)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = tl.program_id(0) % num_m
+    pid_n = tl.program_id(0) // num_m
+    g = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * (K_TILES * BLOCK_K) + tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < R
+    a_ptrs = (o_ptr + g.to(tl.int64) * stride_og + offs_m.to(tl.int64)[:, None] * stride_om
+              + offs_k[None, :] * stride_od)
+    b_ptrs = (w_ptr + g.to(tl.int64) * stride_wg + offs_n.to(tl.int64)[:, None] * stride_wr
+              + offs_k[None, :] * stride_wd)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # K_TILES (tiles per K slice) is a compile-time constant (D is fixed per model): the loop
+    # bound must not be a runtime scalar on the Triton CPU interpreter under numpy 2.x.
+    for kt in range(K_TILES):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+            if EVEN_N:
+                b = tl.load(b_ptrs)
+            else:
+                b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = (kt * BLOCK_K + offs_k) < D
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = dot_bf16(a, tl.trans(b), acc, EXACT_CAST)
+        a_ptrs += BLOCK_K * stride_od
+        b_ptrs += BLOCK_K * stride_wd
+    if SPLIT == 1:
+        _wo_a_epilogue(acc, y_ptr, data_ptr, scale_ptr, offs_m, offs_n, m_ok, n_ok, g, pid_n, M, G, R,
+                       stride_ym, stride_dm, stride_sm, stride_sg, STORE_BF16, QUANT, GROUP, POW2, PACKED,
+                       EXACT_CAST, BLOCK_M, BLOCK_N)
+    else:
+        # The FP8 epilogue needs the finished sum: the K slice that arrives last adds the partials
+        # in slice order (reproducible whatever the arrival order) and writes the tile.
+        tiles = tl.num_programs(0) * tl.num_programs(1)
+        tile = g * tl.num_programs(0) + tl.program_id(0)
+        if publish_partial(acc, part_ptr, count_ptr, tile, tiles, pid_k, SPLIT, BLOCK_M, BLOCK_N):
+            total = gather_partials(part_ptr, tile, tiles, SPLIT, BLOCK_M, BLOCK_N)
+            _wo_a_epilogue(total, y_ptr, data_ptr, scale_ptr, offs_m, offs_n, m_ok, n_ok, g, pid_n, M, G, R,
+                           stride_ym, stride_dm, stride_sm, stride_sg, STORE_BF16, QUANT, GROUP, POW2, PACKED,
+                           EXACT_CAST, BLOCK_M, BLOCK_N)
+            rearm(count_ptr, tile)
+
+
 def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: int = H200_SMS) -> dict:
-    """Tile sizes for ``rows`` tokens. Decode (<= 64 rows) streams the weights, so the tiles are
-    narrow in N (one 32-column scale group) to spread the weights over many programs, and deep
-    cp.async pipelines keep each SM's reads in flight. The decode rows come from the H200 sweep
+    """Tile sizes and K split for ``rows`` tokens. Decode (<= 64 rows) streams the weights, so the
+    tiles are narrow in N (one 32-column scale group) to spread the weights over many programs, and
+    deep cp.async pipelines keep each SM's reads in flight. The decode rows come from the H200 sweep
     (``fp8chain bench producers --sweep-wo-a``, docs/benchmarks.md), FP8 out, weights from HBM:
 
     * a full grid (G=8: 256 programs of 32 columns), <= 16 rows: 16-row tiles (mma.sync), K steps
       of 128, 5 stages: 18.9 us at T=1 against 20.6 us for 256-wide K steps (compiled for sm_90:
       96 against ~166 registers per thread, 8 KiB of shared memory); 17-64 rows: 64 x 64 tiles
       (wgmma), 4 stages;
-    * a narrow grid (G=2: 64 programs), which needs more bytes in flight per program: <= 8 rows,
-      16-row tiles with 256-wide K steps and 6 stages (9.4 vs 11.4 us at T=1); more rows, 64-row
-      tiles with 128-wide K steps and 6 stages.
+    * a narrow grid (G=2: 64 tiles), which leaves SMs idle: the K dimension is split
+      (``_narrow_split``) so about two programs run per SM, 16-row tiles with 256-wide K steps up
+      to 8 rows, 64-row tiles with 128-wide K steps above, 6 stages.
 
     Larger batches use compute tiles (64x128, 128x128). Pipeline depth is capped so the stages
     fit in ~192 KiB of shared memory."""
+    split = 1
     if rows <= 64:
         block_n = max(min_n, 32)
-        if groups * triton.cdiv(r, block_n) < num_sms:
+        tiles = groups * triton.cdiv(r, block_n)
+        if tiles < num_sms:
             cfg = (dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, num_warps=4, num_stages=6) if rows <= 8 else
                    dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=6))
+            split = _narrow_split(tiles * triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(d, cfg["BLOCK_K"]), num_sms)
         elif rows <= 16:
             cfg = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=5)
         else:
@@ -134,15 +163,25 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
             cfg["BLOCK_K"] //= 2
         else:
             cfg["num_stages"] -= 1
+    cfg["SPLIT"] = split
     return cfg
 
 
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+def _narrow_split(tiles: int, k_tiles: int, num_sms: int) -> int:
+    """K slices for a grid of ``tiles`` output tiles: doubled (up to 8) while the programs stay
+    within two per SM and every slice keeps at least two K tiles."""
+    split = 1
+    while split < 8 and tiles * split * 2 <= 2 * num_sms and k_tiles >= split * 4:
+        split *= 2
+    return split
+
+
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")  # and optionally SPLIT (default 1)
 
 
 def _check_config(config: dict, r: int, min_n: int) -> dict:
-    if not isinstance(config, dict) or set(config) != set(CONFIG_KEYS):
-        raise ValueError(f"config must be a dict with keys {CONFIG_KEYS}, got {config!r}")
+    if not isinstance(config, dict) or not set(CONFIG_KEYS) <= set(config) <= set(CONFIG_KEYS) | {"SPLIT"}:
+        raise ValueError(f"config must be a dict with keys {CONFIG_KEYS} and optionally SPLIT, got {config!r}")
     if any(not isinstance(v, int) or v < 1 for v in config.values()):
         raise ValueError(f"config values must be positive ints, got {config!r}")
     if any(config[k] < 16 or config[k] & (config[k] - 1) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")):
@@ -150,7 +189,7 @@ def _check_config(config: dict, r: int, min_n: int) -> dict:
     if config["BLOCK_N"] % min_n or (min_n > 16 and r % config["BLOCK_N"]):
         raise ValueError(f"BLOCK_N={config['BLOCK_N']} must be a multiple of {min_n} that divides R={r} "
                          "(a scale group may not straddle two tiles or two einsum groups)")
-    return dict(config)
+    return {"SPLIT": 1, **config}
 
 
 def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, out_format: ActFormat | str | None = None,
@@ -187,13 +226,19 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, out_format: ActFormat | 
     else:
         cfg = _launch_config(rows, groups, r, d, min_n, sm_count(o.device, interpreter=H200_SMS))
     block_n = cfg["BLOCK_N"]
-    grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(r, block_n), groups)
-    _wo_a_kernel[grid](
-        o, wo_a, a["y"], a["data"], a["scale"], rows, groups, r, d,
+    tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(r, block_n)
+    k_tiles = triton.cdiv(d, cfg["BLOCK_K"])
+    split = min(cfg.pop("SPLIT"), k_tiles)
+    if tiles * groups > ARRIVAL_SLOTS:
+        split = 1
+    slice_tiles = triton.cdiv(k_tiles, split)
+    part, counters = split_workspace("wo_a", split, tiles * groups, cfg["BLOCK_M"] * block_n, o.device) \
+        if split > 1 else (o, o)
+    _wo_a_kernel[(tiles, groups, split)](
+        o, wo_a, a["y"], a["data"], a["scale"], part, counters, rows, groups, r, d,
         o.stride(0), o.stride(1), o.stride(2), wo_a.stride(0), wo_a.stride(1), wo_a.stride(2),
         a["y_stride"], *a["strides"],
-        STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"],
-        EVEN_K=d % cfg["BLOCK_K"] == 0, K_TILES=triton.cdiv(d, cfg["BLOCK_K"]), EVEN_N=r % block_n == 0, **cfg, **a["consts"],
-        **pdl_options(),
+        STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"], EVEN_K=d % (cfg["BLOCK_K"] * split) == 0, SPLIT=split,
+        K_TILES=slice_tiles, EVEN_N=r % block_n == 0, **cfg, **a["consts"], **pdl_options(),
     )
     return producer_result(y, pair)

@@ -42,7 +42,8 @@ import triton.language as tl
 from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair
 from .act import check_limit, swiglu
 from .fp8_tile import fp8_offsets, interpreting, round_bf16, store_pair_tile
-from .launch import ARRIVAL_SLOTS, arrival_counters, arrive_last, await_producer, pdl_options, rearm, sm_count
+from .launch import (ARRIVAL_SLOTS, await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count,
+                     split_workspace)
 from .norm import launch_args, producer_result, resolve_outputs
 from .quant import check_activation, quantize
 
@@ -232,29 +233,6 @@ def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, n_ok, m0, M, i
 
 
 @triton.jit
-def _publish_partial(acc, part_ptr, count_ptr, tile, pid_k, SPLIT: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Deterministic split-K, first half: store this K slice's fp32 partial tile to the workspace
-    and bump the tile's counter; true for the slice that arrives last (it finishes the tile)."""
-    local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-    tl.store(part_ptr + (pid_k * tl.num_programs(0) + tile).to(tl.int64) * (BLOCK_N * BLOCK_M) + local, acc)
-    return arrive_last(count_ptr, tile, SPLIT)
-
-
-@triton.jit
-def _gather_partials(part_ptr, count_ptr, tile, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Second half, in the last slice: the sum of all partial tiles in slice order (independent of
-    the arrival order, so the result is reproducible). The caller re-arms the tile's counter for the
-    next call after its own stores (re-armed before them, the sm_90 build spills at 64x64 tiles)."""
-    local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        total += tl.load(part_ptr + (s * tl.num_programs(0) + tile).to(tl.int64) * (BLOCK_N * BLOCK_M) + local,
-                         cache_modifier=".cg")
-    return total
-
-
-@triton.jit
 def _block_scaled_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K,
@@ -285,8 +263,8 @@ def _block_scaled_gemm_kernel(
         tl.store(out_ptrs, round_bf16(acc, FP32_DOT), mask=out_mask)
     else:
         tile = pid_m * tiles_n + pid_n
-        if _publish_partial(acc, part_ptr, count_ptr, tile, pid_k, SPLIT, BLOCK_N, BLOCK_M):
-            total = _gather_partials(part_ptr, count_ptr, tile, SPLIT, BLOCK_N, BLOCK_M)
+        if publish_partial(acc, part_ptr, count_ptr, tile, tl.num_programs(0), pid_k, SPLIT, BLOCK_N, BLOCK_M):
+            total = gather_partials(part_ptr, tile, tl.num_programs(0), SPLIT, BLOCK_N, BLOCK_M)
             tl.store(out_ptrs, round_bf16(total, FP32_DOT), mask=out_mask)
             rearm(count_ptr, tile)
 
@@ -346,8 +324,8 @@ def _gemm_silu_mul_kernel(
                            BLOCK_N, BLOCK_M)
     else:
         tile = pid_m * tiles_n + pid_n
-        if _publish_partial(acc, part_ptr, count_ptr, tile, pid_k, SPLIT, BLOCK_N, BLOCK_M):
-            total = _gather_partials(part_ptr, count_ptr, tile, SPLIT, BLOCK_N, BLOCK_M)
+        if publish_partial(acc, part_ptr, count_ptr, tile, tl.num_programs(0), pid_k, SPLIT, BLOCK_N, BLOCK_M):
+            total = gather_partials(part_ptr, tile, tl.num_programs(0), SPLIT, BLOCK_N, BLOCK_M)
             _silu_mul_epilogue(total, y_ptr, data_ptr, scale_ptr, pid_m, pid_n, M, I, limit, stride_ym,
                                stride_dm, stride_sm, stride_sg, HAS_LIMIT, STORE_BF16, QUANT, QGROUP, POW2,
                                PACKED, FP32_DOT, BLOCK_N, BLOCK_M)
@@ -560,8 +538,7 @@ def _split_plan(tiles: int, k: int, cfg: GemmConfig, device):
         split = 1
     if split == 1:
         return 1, iters, None, None
-    part = torch.empty(split * tiles * cfg.block_n * cfg.block_m, dtype=torch.float32, device=device)
-    return split, iters // split, part, arrival_counters("gemm", device, tiles)
+    return (split, iters // split) + split_workspace("gemm", split, tiles, cfg.block_n * cfg.block_m, device)
 
 
 def _check_config(cfg: GemmConfig, k: int, group: int, a_fp8: bool) -> None:

@@ -17,8 +17,9 @@ turns it off for the process, ``programmatic_launches(False)`` for a block.
 
 Also here, for every kernel family that sizes or finishes its launches: ``sm_count`` (the SM
 count launch shapes are sized against) and the last-arrival protocol for the programs of one
-launch that finish an output together (split-K GEMM, the row-split mHC boundary):
-``arrival_counters`` on the host, ``arrive_last`` and ``rearm`` in the kernels.
+launch that finish an output together (split-K GEMM and wo_a einsum, the row-split mHC boundary):
+``arrival_counters`` / ``split_workspace`` on the host, ``arrive_last``, ``rearm`` and the split-K
+partial tiles (``publish_partial``, ``gather_partials``) in the kernels.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from triton.language.extra.cuda import gdc_wait
 from .fp8_tile import interpreting
 
 __all__ = ["ARRIVAL_SLOTS", "H200_SMS", "arrival_counters", "arrive_last", "await_producer", "compiled_for_gpu",
-           "enabled", "programmatic_launches", "pdl_options", "rearm", "sm_count", "supported"]
+           "enabled", "gather_partials", "programmatic_launches", "pdl_options", "publish_partial", "rearm",
+           "sm_count", "split_workspace", "supported"]
 
 _override: list[bool] = []  # innermost programmatic_launches() block last
 
@@ -122,13 +124,41 @@ def rearm(count_ptr, slot):
     tl.atomic_xchg(count_ptr + slot, 0)
 
 
+@triton.jit
+def _partial_offsets(part_ptr, tile, tiles, pid_k, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Where K slice ``pid_k``'s fp32 ``[ROWS, COLS]`` partial of output tile ``tile`` (of
+    ``tiles``) lives in the split-K workspace: slice-major, one dense tile each."""
+    local = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    return part_ptr + (pid_k * tiles + tile).to(tl.int64) * (ROWS * COLS) + local
+
+
+@triton.jit
+def publish_partial(acc, part_ptr, count_ptr, tile, tiles, pid_k, SPLIT: tl.constexpr, ROWS: tl.constexpr,
+                    COLS: tl.constexpr):
+    """Deterministic split-K, first half: store this K slice's fp32 partial tile to the workspace
+    and arrive on the tile's counter; true in the slice that arrives last (it finishes the tile)."""
+    tl.store(_partial_offsets(part_ptr, tile, tiles, pid_k, ROWS, COLS), acc)
+    return arrive_last(count_ptr, tile, SPLIT)
+
+
+@triton.jit
+def gather_partials(part_ptr, tile, tiles, SPLIT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Second half, in the last slice: the sum of all partial tiles in slice order, independent of
+    the arrival order, so the result is reproducible. The caller re-arms the tile's counter after
+    its own stores (re-armed before them, the sm_90 GEMM build spills at 64x64 tiles)."""
+    total = tl.zeros((ROWS, COLS), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        total += tl.load(_partial_offsets(part_ptr, tile, tiles, s, ROWS, COLS), cache_modifier=".cg")
+    return total
+
+
 ARRIVAL_SLOTS = 1 << 14
 _arrival: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
 def arrival_counters(user: str, device: torch.device, slots: int) -> torch.Tensor:
     """Zeroed int32 arrival counters for the "last program to arrive finishes" kernels (split-K
-    GEMM, the row-split mHC boundary): each program bumps its counter once; the one that sees the
+    GEMM and wo_a einsum, the row-split mHC boundary): each program bumps its counter once; the one that sees the
     final count does the finishing work and re-arms the counter to zero for the next call.
 
     One ``ARRIVAL_SLOTS`` buffer per (``user``, device), allocated on first eager use: launches of
@@ -144,3 +174,10 @@ def arrival_counters(user: str, device: torch.device, slots: int) -> torch.Tenso
     buf = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
     _arrival[(user, device)] = buf
     return buf
+
+
+def split_workspace(user: str, split: int, tiles: int, tile_elems: int, device: torch.device):
+    """``(partials, counters)`` for a split-K launch of ``tiles`` output tiles of ``tile_elems``
+    fp32 each (``publish_partial`` / ``gather_partials``)."""
+    part = torch.empty(split * tiles * tile_elems, dtype=torch.float32, device=device)
+    return part, arrival_counters(user, device, tiles)

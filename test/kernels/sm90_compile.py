@@ -77,7 +77,7 @@ def record_launches() -> None:
         for rows in (1, 2048):
             norm.rms_norm(bf16(rows, 5120), bf16(5120), 1e-6, out_format=fmt)
             act.silu_mul(bf16(rows, 4608), limit=10.0, out_format=fmt)
-        for rows, groups in ((4, 8), (64, 2), (2048, 8)):
+        for rows, groups in ((1, 2), (4, 8), (64, 2), (2048, 8)):
             einsum.wo_a_einsum(bf16(rows, groups, 4096), bf16(groups, 1024, 4096), out_format=fmt)
     for block, fmt in ((32, ActFormat.SM90_G32_FP32_MN), (128, ActFormat.SM90_G128_FP32_MN)):
         weight = torch.zeros(1792, 5120, dtype=FP8_DTYPE)

@@ -13,7 +13,7 @@ Bounds and identities checked:
 import pytest
 import torch
 
-from fp8chain_kernel import einsum
+from fp8chain_kernel import einsum, launch
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import ActFormat, empty_pair
 from fp8chain_kernel.reference.einsum import wo_a_einsum_fp
@@ -200,3 +200,42 @@ def test_wo_a_config_override(device):
         einsum.wo_a_einsum(o, w, config=dict(BLOCK_M=16))
     with pytest.raises(ValueError, match="powers of two"):
         einsum.wo_a_einsum(o, w, config=dict(config, BLOCK_K=48))
+    with pytest.raises(ValueError, match="optionally SPLIT"):
+        einsum.wo_a_einsum(o, w, config=dict(config, SPLITS=2))
+    with pytest.raises(ValueError, match="positive ints"):
+        einsum.wo_a_einsum(o, w, config=dict(config, SPLIT=0))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("split, d, block_k", [(2, 256, 64), (4, 256, 32), (2, 80, 32), (3, 96, 16)])
+@pytest.mark.parametrize("fmt", [ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN])
+def test_wo_a_split_k_cpu(split, d, block_k, fmt, device):
+    """D split into K slices (even, and uneven: 80 = 3 tiles of 32 in 2 slices, the last slice past
+    D): the pair still equals ``reference.quantize`` of the bf16 output, the bf16 output is within
+    the bound, the same bytes on a second call (deterministic slice-order sum), and the arrival
+    counters are re-armed."""
+    rows, groups, r = 5, 2, 96
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, num_warps=4, num_stages=2, SPLIT=split)
+    o, w = _inputs(rows, groups, r, d, device)
+    cols = groups * r
+    y, pair = einsum.wo_a_einsum(o, w, out_format=fmt, out=poisoned_pair(rows, cols, fmt, device),
+                                 out_bf16=_nan_bf16(rows, cols, device), config=config)
+    assert rel_error(y, wo_a_einsum_fp(o, w, torch.float64)) < REL_BOUND
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+    unsplit = einsum.wo_a_einsum(o, w, config={**config, "SPLIT": 1})
+    assert rel_error(y, unsplit) < REL_BOUND
+    again = einsum.wo_a_einsum(o, w, out_format=fmt, out=poisoned_pair(rows, cols, fmt, device),
+                               return_bf16=False, config=config)
+    assert_pairs_equal(again, pair)
+    assert not launch.arrival_counters("wo_a", device, 1).any()
+
+
+@pytest.mark.cpu
+def test_wo_a_decode_split_config():
+    """The narrow TP4 grid (G = 2) splits D so about two programs run per SM; the full TP1 grid
+    (G = 8) and prefill do not."""
+    narrow = einsum._launch_config(1, 2, 1024, 4096, 32, num_sms=132)
+    assert narrow["SPLIT"] == 4 and 4096 // narrow["BLOCK_K"] // narrow["SPLIT"] >= 2
+    assert einsum._launch_config(1, 8, 1024, 4096, 32, num_sms=132)["SPLIT"] == 1
+    assert einsum._launch_config(2048, 2, 1024, 4096, 32, num_sms=132)["SPLIT"] == 1
+
