@@ -18,7 +18,7 @@ importable. For each producer and T, four timings in one process (CUDA-graph rep
   reference, which is a specification, not a competitor.
 
 ``--sweep-wo-a`` instead times candidate launch configs of the FP8-emitting ``wo_a_einsum`` (G=8
-and G=2 as ``--producers`` selects, the given T, the K splits of ``--splits``) against the table's choice, with the weights rotating through copies past
+and G=2 as ``--producers`` selects, the given T; ``--splits`` narrows them to one-group tiles) against the table's choice, with the weights rotating through copies past
 L2 (``harness.copies_past_l2``), and writes ``producers_wo_a_sweep.json`` (the source of ``einsum._launch_config``).
 
 Next to each figure: the bytes-moved floor of each arm (bytes / copy bandwidth measured in the
@@ -62,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results-dir", default=None, help="where JSON/PNG go (default benchmark/results)")
     parser.add_argument("--sweep-wo-a", action="store_true",
                         help="time candidate wo_a_einsum launch configs (FP8 out) instead of the four arms")
-    parser.add_argument("--splits", nargs="+", type=int, default=[1, 2, 4, 8],
-                        help="with --sweep-wo-a: the K splits whose candidates are timed")
+    parser.add_argument("--splits", nargs="+", type=int, default=None,
+                        help="with --sweep-wo-a: only one-scale-group tiles, with these K splits")
 
 
 def _pair_bytes(rows: int, cols: int, fmt: ActFormat) -> int:
@@ -171,11 +171,11 @@ class Case:
         self.bytes_bf16_quant = self.bytes_bf16 + bf16_out + fp8_out
 
 
-def wo_a_candidates(rows: int, d: int = 4096) -> list[dict]:
+def wo_a_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -> list[dict]:
     """Decode tile configs for ``wo_a_einsum``: 16-row (mma.sync) or 64-row (wgmma) M tiles, one or
-    two 32-column scale groups per N tile, pipelines that fit the H200's shared memory, and for
-    one-group tiles with 128/256-wide K steps, 4 or 6 stages, D split in 2, 4 or 8 slices (at least
-    two K steps each)."""
+    two 32-column scale groups per N tile, pipelines that fit the H200's shared memory, D unsplit;
+    and one-group tiles with 128/256-wide K steps and 4 or 6 stages with D in 2, 4 or 8 slices (at
+    least two K steps each). ``splits``: only the one-group tiles, with these splits."""
     out = []
     for block_m in sorted({max(16, triton.next_power_of_2(rows)), 64}):
         for block_n in (32, 64):
@@ -184,9 +184,9 @@ def wo_a_candidates(rows: int, d: int = 4096) -> list[dict]:
                     for warps in ((4,) if block_m == 16 else (4, 8)):
                         if (block_m + block_n) * block_k * 2 * stages > 220 * 1024:
                             continue
-                        for split in (1, 2, 4, 8):
-                            if split > 1 and (block_n != 32 or block_k == 64 or stages not in (4, 6)
-                                              or d // block_k < 2 * split):
+                        one_group = block_n == 32 and block_k > 64 and stages in (4, 6)
+                        for split in (1, 2, 4, 8) if splits is None else splits:
+                            if (split > 1 or splits is not None) and not one_group or d // block_k < 2 * split:
                                 continue
                             out.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                             num_warps=warps, num_stages=stages, SPLIT=split))
@@ -208,7 +208,7 @@ def run_wo_a_sweep(args) -> tuple[dict, list[dict]]:
         pair = empty_pair(rows, g * r, fmt, DEVICE)
 
         floor_us = (g * r * d * 2 + rows * g * d * 2) / (meta["copy_bandwidth_TBps"] * 1e12) * 1e6
-        for config in [None] + [c for c in wo_a_candidates(rows) if c["SPLIT"] in args.splits]:
+        for config in [None] + wo_a_candidates(rows, d, args.splits):
             try:
                 call = harness.rotating(lambda w, c=config: einsum.wo_a_einsum(
                     o, w, out_format=fmt, out=pair, return_bf16=False, config=c), weights)
