@@ -129,9 +129,10 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
       of 128, 5 stages: 18.9 us at T=1 against 20.6 us for 256-wide K steps (compiled for sm_90:
       96 against ~166 registers per thread, 8 KiB of shared memory); 17-64 rows: 64 x 64 tiles
       (wgmma), 4 stages;
-    * a narrow grid (G=2: 64 tiles), which leaves SMs idle: the K dimension is split
-      (``_narrow_split``) so about two programs run per SM, 16-row tiles with 256-wide K steps up
-      to 8 rows, 64-row tiles with 128-wide K steps above, 6 stages.
+    * a narrow grid (G=2: 64 tiles), which leaves SMs idle: D is split (``_narrow_split``) so
+      about two programs run per SM: <= 16 rows, 16 x 32 x 128 tiles, 4 stages, 4 slices (T=1:
+      8.1 us against 9.0 us unsplit, T=4: 8.3 against 10.5); 17-64 rows, 64 x 32 x 128 tiles with
+      6 stages and 2 slices (9.1 against 10.0 us; 4 slices 12.2 us: the second wave).
 
     Larger batches use compute tiles (64x128, 128x128). Pipeline depth is capped so the stages
     fit in ~192 KiB of shared memory."""
@@ -140,9 +141,11 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
         block_n = max(min_n, 32)
         tiles = groups * triton.cdiv(r, block_n)
         if tiles < num_sms:
-            cfg = (dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, num_warps=4, num_stages=6) if rows <= 8 else
+            cfg = (dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=4) if rows <= 16 else
                    dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=6))
             split = _narrow_split(tiles * triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(d, cfg["BLOCK_K"]), num_sms)
+            if cfg["BLOCK_M"] == 64:  # 6 stages of a 64-row tile: one program per SM, a second wave beyond 2 slices
+                split = min(split, 2)
         elif rows <= 16:
             cfg = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=5)
         else:

@@ -236,6 +236,7 @@ def test_wo_a_decode_split_config():
     (G = 8) and prefill do not."""
     narrow = einsum._launch_config(1, 2, 1024, 4096, 32, num_sms=132)
     assert narrow["SPLIT"] == 4 and 4096 // narrow["BLOCK_K"] // narrow["SPLIT"] >= 2
+    assert einsum._launch_config(64, 2, 1024, 4096, 32, num_sms=132)["SPLIT"] == 2
     assert einsum._launch_config(1, 8, 1024, 4096, 32, num_sms=132)["SPLIT"] == 1
     assert einsum._launch_config(2048, 2, 1024, 4096, 32, num_sms=132)["SPLIT"] == 1
 
