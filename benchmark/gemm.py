@@ -62,8 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warps", default="4", help="comma-separated warp counts of the M <= 64 candidates")
     parser.add_argument("--scale-ahead", default="default",
                         help="comma-separated scale prefetch depths (0-4, or 'default') of the M <= 64 candidates")
-    parser.add_argument("--tma", default="off",
-                        help="comma-separated off/on: block-diagonal candidates with weight tiles copied by TMA")
     parser.add_argument("--modes", default=",".join(OPERAND_MODES),
                         help=f"comma-separated operand modes of the M <= 64 candidates ({', '.join(OPERAND_MODES)})")
     parser.add_argument("--sweep-budget-s", type=float, default=150.0, help="stop the sweep's timing after this")
@@ -94,12 +92,12 @@ OPERAND_MODES = {"fp8": (False, False), "dequant": (True, False), "block_diag": 
 def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...] = (4,),
                      modes: tuple[str, ...] = tuple(OPERAND_MODES), block_ks: tuple[int, ...] = (128, 256),
                      scale_ahead: tuple[int | None, ...] = (None,), block_ns: tuple[int, ...] = (64, 128),
-                     warps: tuple[int, ...] = (4,), tmas: tuple[bool, ...] = (False,)) -> list[gemm.GemmConfig]:
+                     warps: tuple[int, ...] = (4,)) -> list[gemm.GemmConfig]:
     """Launch configs worth timing for one (M bucket, N, K, group); bf16-dequantized operands
     and block-diagonal FP8 dots only for 32-groups (power-of-two scales: exact). ``stages``,
     ``modes`` (keys of ``OPERAND_MODES``), ``block_ks``, ``scale_ahead`` (None: the mode's
-    default), ``block_ns`` (below 64 the dots are mma.sync, not wgmma), ``warps`` and ``tmas``
-    (block-diagonal weight tiles by TMA or not) narrow or widen the decode (M <= 64) candidates."""
+    default), ``block_ns`` (below 64 the dots are mma.sync, not wgmma) and ``warps`` narrow or
+    widen the decode (M <= 64) candidates."""
     cands = []
     # (dequant, block_diag) operand modes; both alternatives to the per-group FP8 dot need 32-groups
     modes = tuple(OPERAND_MODES[name] for name in modes if group == 32 or name == "fp8")
@@ -119,8 +117,7 @@ def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...]
                             for split in _splits(k // bk)[-4:]:
                                 for ahead in scale_ahead if dequant or block_diag else (None,):
                                     cands += [gemm.GemmConfig(bn, block_m, bk, split, depth, w, 8, dequant, block_diag,
-                                                              ahead, tma) for w in warps
-                                              for tma in (tmas if block_diag else (False,))]
+                                                              ahead) for w in warps]
         return cands
     if m <= 256:
         fp8 = [(128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4), (128, 128, 128, 1, 3, 8),
@@ -152,11 +149,8 @@ def _candidates(args, m: int, n: int, k: int, group: int) -> list[gemm.GemmConfi
     if unknown:
         raise SystemExit(f"--modes: unknown operand modes {sorted(unknown)}; known: {', '.join(OPERAND_MODES)}")
     ahead = _items(args.scale_ahead, lambda v: None if v == "default" else int(v))
-    if set(_items(args.tma)) - {"off", "on"}:
-        raise SystemExit(f"--tma takes off and/or on, got {args.tma!r}")
-    tmas = _items(args.tma, lambda v: v == "on")
     return sweep_candidates(m, n, k, group, _items(args.stages, int), modes, _items(args.block_k, int), ahead,
-                            _items(args.block_n, int), _items(args.warps, int), tmas)
+                            _items(args.block_n, int), _items(args.warps, int))
 
 
 def _sweep_points(args):
@@ -228,7 +222,7 @@ def _precompile(args):
     if args.ms:
         argv += ["--ms", args.ms]
     argv += ["--groups", args.groups, "--stages", args.stages, "--modes", args.modes, "--block-k", args.block_k,
-             "--scale-ahead", args.scale_ahead, "--block-n", args.block_n, "--warps", args.warps, "--tma", args.tma]
+             "--scale-ahead", args.scale_ahead, "--block-n", args.block_n, "--warps", args.warps]
     if args.table_from:
         argv += ["--table-from", args.table_from]
     procs = [subprocess.Popen([sys.executable, __file__, *argv, "--worker", f"{i}/{args.precompile}"])

@@ -38,7 +38,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair
 from .act import check_limit, swiglu
@@ -116,15 +115,14 @@ def _tile_coords(pid, tiles_n, tiles_m, TILE_GROUP: tl.constexpr):
 
 
 @triton.jit
-def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, offs_n, n_ok, n0, m0, M, it_begin,
+def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, n_ok, m0, M, it_begin,
                   stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsk,
                   GROUP: tl.constexpr, A_FP8: tl.constexpr, ITERS: tl.constexpr, DEQUANT: tl.constexpr,
                   BLOCK_DIAG: tl.constexpr, SCALE_AHEAD: tl.constexpr, FP32_DOT: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp32 ``[BLOCK_N, BLOCK_M]``: weight rows ``offs_n`` (any rows; ``n_ok`` masks them) times
     tokens ``m0 .. m0 + BLOCK_M`` over the ITERS K iterations from ``it_begin``, scaled per group:
-    ``sum_g (sum_{k in g} a[m, k] w[n, k]) * a_scale[m, g] * w_scale[n // GROUP, g]``. With TMA the
-    block-diagonal mode copies the weight tile (rows ``n0 ..``, which ``offs_n`` must be) with ``w_desc``. The
+    ``sum_g (sum_{k in g} a[m, k] w[n, k]) * a_scale[m, g] * w_scale[n // GROUP, g]``. The
     dequantized and block-diagonal modes read each iteration's scales SCALE_AHEAD iterations
     ahead (``_next_scales``); the result does not depend on it."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -197,10 +195,7 @@ def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, offs_n, n_ok, 
             w_s, a_s, w0, a0, w1, a1, w2, a2, w3, a3 = _next_scales(
                 w0, a0, w1, a1, w2, a2, w3, a3, ws_rows, as_rows, it, it_last, stride_wsk, stride_asg, n_ok, m_ok,
                 SUB, A_FP8, SCALE_AHEAD)
-            if TMA:
-                w = w_desc.load([n0, it * BLOCK_K])
-            else:
-                w = tl.load(w_tile + it * BLOCK_K, mask=n_ok[:, None], other=0.0)
+            w = tl.load(w_tile + it * BLOCK_K, mask=n_ok[:, None], other=0.0)
             b = tl.load(b_tile + it * BLOCK_K, mask=b_mask, other=0.0)
             if FP32_DOT:
                 part = tl.dot(_e4m3_to_f32_exact(w), _e4m3_to_f32_exact(b), input_precision="ieee")
@@ -239,14 +234,13 @@ def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, offs_n, n_ok, 
 
 @triton.jit
 def _block_scaled_gemm_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, out_ptr, part_ptr, count_ptr,
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K,
     stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsk, stride_om,
     GROUP: tl.constexpr, A_FP8: tl.constexpr, SPLIT: tl.constexpr, ITERS: tl.constexpr,
     DEQUANT: tl.constexpr, BLOCK_DIAG: tl.constexpr, SCALE_AHEAD: tl.constexpr,
     FP32_DOT: tl.constexpr,  # the CPU interpreter: fp32 dots and bit-exact bf16 rounding
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE_GROUP: tl.constexpr, TMA: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE_GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[m, n] = sum_g (sum_{k in g} a[m, k] w[n, k]) * a_scale[m, g] * w_scale[n // GROUP, g].
 
@@ -262,11 +256,9 @@ def _block_scaled_gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n.to(tl.int64)[:, None]
     out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-    acc = _tile_product(a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, offs_n, offs_n < N, pid_n * BLOCK_N,
-                        pid_m * BLOCK_M, M,
+    acc = _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, offs_n < N, pid_m * BLOCK_M, M,
                         pid_k * ITERS, stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsk,
-                        GROUP, A_FP8, ITERS, DEQUANT, BLOCK_DIAG, SCALE_AHEAD, FP32_DOT, BLOCK_N, BLOCK_M, BLOCK_K,
-                        TMA)
+                        GROUP, A_FP8, ITERS, DEQUANT, BLOCK_DIAG, SCALE_AHEAD, FP32_DOT, BLOCK_N, BLOCK_M, BLOCK_K)
     if SPLIT == 1:
         tl.store(out_ptrs, round_bf16(acc, FP32_DOT), mask=out_mask)
     else:
@@ -322,10 +314,10 @@ def _gemm_silu_mul_kernel(
     pid_k = tl.program_id(1)
     local = tl.arange(0, BLOCK_N)
     cols = pid_n * HALF + local % HALF
-    acc = _tile_product(a_ptr, a_scale_ptr, w_ptr, None, w_scale_ptr, cols + (local // HALF) * I, cols < I, 0,
+    acc = _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, cols + (local // HALF) * I, cols < I,
                         pid_m * BLOCK_M, M, pid_k * ITERS, stride_am, stride_asm, stride_asg, stride_wn,
                         stride_wsn, stride_wsk, GROUP, True, ITERS, DEQUANT, BLOCK_DIAG, SCALE_AHEAD, FP32_DOT,
-                        BLOCK_N, BLOCK_M, BLOCK_K, False)
+                        BLOCK_N, BLOCK_M, BLOCK_K)
     if SPLIT == 1:
         _silu_mul_epilogue(acc, y_ptr, data_ptr, scale_ptr, pid_m, pid_n, M, I, limit, stride_ym, stride_dm,
                            stride_sm, stride_sg, HAS_LIMIT, STORE_BF16, QUANT, QGROUP, POW2, PACKED, FP32_DOT,
@@ -359,7 +351,6 @@ class GemmConfig(NamedTuple):
     # K iterations the scales are read ahead in those two modes, 0..4 (None: 1 block-diagonal,
     # 0 dequantized); the per-group FP8 dot reads them at use
     scale_ahead: int | None = None
-    tma: bool = False  # block-diagonal fp8_gemm: weight tiles copied by TMA (a tensor descriptor)
 
     def scale_prefetch(self) -> int:
         """The kernel's SCALE_AHEAD for this config."""
@@ -556,8 +547,6 @@ def _check_config(cfg: GemmConfig, k: int, group: int, a_fp8: bool) -> None:
         raise ValueError(f"config block_k={cfg.block_k} must divide K={k} and be a multiple of {group}")
     if cfg.block_diag and (cfg.dequant or not a_fp8):
         raise ValueError("a block_diag config runs FP8 dots on an FP8 pair: not with dequant=True or W8A16")
-    if cfg.tma and not cfg.block_diag:
-        raise ValueError("a tma config copies the block-diagonal mode's weight tiles: needs block_diag=True")
     if cfg.scale_ahead is not None and not 0 <= cfg.scale_ahead <= 4:
         raise ValueError(f"config scale_ahead must be None or 0..4, got {cfg.scale_ahead}")
 
@@ -576,16 +565,14 @@ def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, conf
     else:
         stride_asm, stride_asg = a_scale.stride(0), a_scale.stride(1)
     extra = {} if interpreting() else {"num_stages": cfg.stages}
-    w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if cfg.tma else None
     _block_scaled_gemm_kernel[(tiles, split)](
-        a, a_scale, weight, w_desc, weight_scale, out, out if part is None else part,
-        out if counters is None else counters,
+        a, a_scale, weight, weight_scale, out, out if part is None else part, out if counters is None else counters,
         m, n, k,
         a.stride(0), stride_asm, stride_asg, weight.stride(0),
         weight_scale.stride(0), weight_scale.stride(1), out.stride(0),
         GROUP=group, A_FP8=a_fp8, SPLIT=split, ITERS=iters_per_split, DEQUANT=cfg.dequant,
         BLOCK_DIAG=cfg.block_diag, SCALE_AHEAD=cfg.scale_prefetch(), FP32_DOT=interpreting(),
-        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, TILE_GROUP=cfg.tile_group, TMA=cfg.tma,
+        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, TILE_GROUP=cfg.tile_group,
         num_warps=cfg.warps, **extra, **pdl_options(),
     )
     return out

@@ -23,7 +23,6 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
-from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from fp8chain_kernel import act, attention, einsum, gemm, launch, mhc, norm, quant, reference  # noqa: E402
 from fp8chain_kernel.formats import FP8_DTYPE, ActFormat  # noqa: E402
@@ -60,10 +59,6 @@ def _signature(kernel, args, kwargs):
             signature[name], constexprs[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + TYPES[value.dtype]
-        elif isinstance(value, TensorDescriptor):
-            signature[name] = f"tensordesc<{TYPES[value.base.dtype]}{list(value.block_shape)}>"
-        elif value is None:
-            signature[name], constexprs[name] = "constexpr", None
         elif isinstance(value, bool):
             signature[name] = "i1"
         elif isinstance(value, int):

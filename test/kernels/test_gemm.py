@@ -59,8 +59,6 @@ SPLIT_CFG = gemm.GemmConfig(block_n=64, block_m=16, block_k=128, split=2, stages
     (5, 192, 512, gemm.GemmConfig(64, 16, 256, 2, 2, 4, 8, dequant=True)),  # bf16-dequantized operands
     (19, 192, 512, gemm.GemmConfig(64, 16, 128, 2, 2, 4, 8, block_diag=True)),  # block-diagonal tokens
     (3, 128, 512, gemm.GemmConfig(64, 16, 256, 1, 2, 4, 8, block_diag=True)),
-    # weight tiles copied through a tensor descriptor; the last tile's rows past N read as zeros
-    (19, 160, 512, gemm.GemmConfig(64, 16, 128, 2, 2, 4, 8, block_diag=True, tma=True)),
 ])
 def test_fp8_gemm_matches_reference_cpu(fmt, block, m, n, k, config, device):
     w, scale = ref.random_fp8_weight(n, k, block, device)
@@ -170,8 +168,6 @@ def test_bad_weights_and_out_are_rejected(device):
     with pytest.raises(ValueError, match="block_diag"):
         gemm.w8a16_gemm(make_activation(2, 256, device), w, s, weight_block=32,
                         config=both_modes._replace(dequant=False))
-    with pytest.raises(ValueError, match="tma"):
-        gemm.fp8_gemm(pair, w, s, weight_block=32, config=both_modes._replace(block_diag=False, tma=True))
 
 
 @pytest.mark.cpu
@@ -360,8 +356,7 @@ def test_fp8_gemm_dequant_and_split_configs_gpu(fmt, block, n, k):
                    (300, DEQUANT_CONFIGS[2]), (2048, DEQUANT_CONFIGS[3]),
                    (16, gemm.GemmConfig(64, 16, 256, 8, 4, 4, 8)), (64, gemm.GemmConfig(128, 64, 128, 5, 4, 4, 8)),
                    (1, BLOCK_DIAG_CONFIGS[0]), (13, BLOCK_DIAG_CONFIGS[1]), (64, BLOCK_DIAG_CONFIGS[2]),
-                   (3, BLOCK_DIAG_CONFIGS[0]._replace(scale_ahead=3)), (64, DEQUANT_CONFIGS[1]._replace(scale_ahead=2)),
-                   (1, BLOCK_DIAG_CONFIGS[0]._replace(tma=True)), (13, BLOCK_DIAG_CONFIGS[1]._replace(tma=True))]:
+                   (3, BLOCK_DIAG_CONFIGS[0]._replace(scale_ahead=3)), (64, DEQUANT_CONFIGS[1]._replace(scale_ahead=2))]:
         x = make_activation(m, k, "cuda")
         pair = quant.quantize(x, fmt)
         out = gemm.fp8_gemm(pair, w, s, weight_block=block, out=poisoned_out(m, n, "cuda"), config=cfg)

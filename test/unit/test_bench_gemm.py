@@ -44,13 +44,3 @@ def test_unknown_mode_is_an_error():
     bench, args = _sweep_args("--modes", "dequant,wgmma")
     with pytest.raises(SystemExit, match="wgmma"):
         bench._candidates(args, 16, 1792, 5120, 32)
-
-
-def test_tma_candidates_only_for_the_block_diagonal_mode():
-    bench, args = _sweep_args("--modes", "block_diag,dequant", "--tma", "off,on")
-    cands = bench._candidates(args, 16, 1792, 5120, 32)
-    assert {c.tma for c in cands if c.block_diag} == {False, True}
-    assert not any(c.tma for c in cands if not c.block_diag)
-    assert not any(c.tma for c in bench._candidates(_sweep_args()[1], 16, 1792, 5120, 32))
-    with pytest.raises(SystemExit, match="--tma"):
-        bench._candidates(_sweep_args("--tma", "yes")[1], 16, 1792, 5120, 32)
