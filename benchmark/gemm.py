@@ -89,6 +89,14 @@ def _splits(iters: int) -> list[int]:
 OPERAND_MODES = {"fp8": (False, False), "dequant": (True, False), "block_diag": (False, True)}
 
 
+def _block_diag_token_tiles(m: int) -> tuple[int, ...]:
+    """Token tile widths of the block-diagonal candidates for M tokens: one tile of 4, 8 or 16
+    tokens at M <= 16 (never narrower than M), tiles of 16 or 32 above."""
+    if m > 16:
+        return (16, 32)
+    return tuple(t for t in (4, 8, 16) if t >= m)
+
+
 def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...] = (4,),
                      modes: tuple[str, ...] = tuple(OPERAND_MODES), block_ks: tuple[int, ...] = (128, 256),
                      scale_ahead: tuple[int | None, ...] = (None,), block_ns: tuple[int, ...] = (64, 128),
@@ -104,8 +112,9 @@ def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...]
     if m <= 64:
         bm = max(16, 1 << (m - 1).bit_length())
         for dequant, block_diag in modes:
-            # the block-diagonal token operand is SUB x wider: keep its accumulator <= 128 columns
-            for block_m in ((16, 32) if bm > 16 else (16,)) if block_diag else (bm,):
+            # the block-diagonal token operand is SUB x wider: keep its accumulator <= 128 columns;
+            # at M <= 8 it may also be 4 or 8 tokens wide (its dot stays >= 16 columns)
+            for block_m in _block_diag_token_tiles(m) if block_diag else (bm,):
                 for bn in block_ns:
                     for bk in block_ks:
                         token_cols = (bk // group) * block_m if block_diag else block_m

@@ -44,3 +44,11 @@ def test_unknown_mode_is_an_error():
     bench, args = _sweep_args("--modes", "dequant,wgmma")
     with pytest.raises(SystemExit, match="wgmma"):
         bench._candidates(args, 16, 1792, 5120, 32)
+
+
+def test_block_diagonal_token_tiles_narrow_at_small_m():
+    bench, args = _sweep_args("--modes", "block_diag")
+    assert {c.block_m for c in bench._candidates(args, 1, 1792, 5120, 32)} == {4, 8, 16}
+    assert {c.block_m for c in bench._candidates(args, 5, 1792, 5120, 32)} == {8, 16}
+    assert {c.block_m for c in bench._candidates(args, 16, 1792, 5120, 32)} == {16}
+    assert {c.block_m for c in bench._candidates(args, 64, 1792, 5120, 32)} == {16, 32}
