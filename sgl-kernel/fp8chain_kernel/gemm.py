@@ -360,8 +360,8 @@ class GemmConfig(NamedTuple):
 
 
 # Static table, (M bucket, N, K, group) -> config, filled from H200 sweeps (benchmark/gemm.py
-# --sweep, which verifies each candidate against the reference before timing it). M buckets: 16,
-# 32, 64, 128, 256, 1 << 30 (anything larger). Shapes not listed fall back to
+# --sweep, which verifies each candidate against the reference before timing it). M buckets: 4,
+# 8, 16, 32, 64, 128, 256, 1 << 30 (anything larger). Shapes not listed fall back to
 # ``_heuristic_config``. ``group`` is 32 (DSv4.1 weights) or 128; W8A16 uses the heuristic.
 _C = GemmConfig
 CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
@@ -373,7 +373,12 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     # M = 64 entries from the sweep of 2026-11-30 01:57 UTC (--modes dequant --stages 3,4
     # --scale-ahead 0,1,2,3): reading the scales 2 iterations ahead pays for the long-K shapes;
     # for the block-diagonal mode at M <= 16 1 stays best (2-4 ahead: 1-10 us slower per GEMM).
+    # Buckets 4 and 8 from the sweep of 2026-11-30 03:52 UTC (--ms 1,4,8 --modes block_diag): a token
+    # tile of 4 or 8 columns per group (a 16- or 32-column block-diagonal operand) shortens every
+    # K step's promotion and copies, 0.4-2.7 us per GEMM against the 16-token tile.
     # wqkv_a 1792x5120
+    (4, 1792, 5120, 32): _C(64, 4, 128, 8, 3, 4, block_diag=True),  # 6.6 us (M = 1), 6.7 (M = 4)
+    (8, 1792, 5120, 32): _C(64, 8, 128, 8, 3, 4, block_diag=True),  # 7.0 us
     (16, 1792, 5120, 32): _C(64, 16, 128, 8, 3, 4, block_diag=True),  # 7.7 us (3 stages, 2026-11-30)
     (64, 1792, 5120, 32): _C(64, 64, 128, 8, 3, 4, dequant=True, scale_ahead=0),  # 13.3 us (2026-11-30)
     (256, 1792, 5120, 32): _C(128, 64, 128, 2, 4, 4),  # 40.2 us
@@ -383,6 +388,8 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (256, 1792, 5120, 128): _C(128, 64, 128, 2, 4, 4),  # 17.8 us
     (1 << 30, 1792, 5120, 128): _C(128, 128, 128, 1, 3, 8),  # 63.3 us
     # wq_b 32768x1280
+    (4, 32768, 1280, 32): _C(128, 4, 128, 1, 3, 4, block_diag=True),  # 13.5 us (M = 1), 12.9 (M = 4)
+    (8, 32768, 1280, 32): _C(128, 8, 128, 1, 3, 4, block_diag=True),  # 14.0 us
     (16, 32768, 1280, 32): _C(128, 16, 128, 1, 3, 4, block_diag=True),  # 14.6 us (3 stages, 2026-11-30)
     (64, 32768, 1280, 32): _C(128, 64, 128, 1, 3, 4, dequant=True, scale_ahead=0),  # 27.2 us (2026-11-30)
     (256, 32768, 1280, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 84.2 us
@@ -392,6 +399,8 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (256, 32768, 1280, 128): _C(128, 128, 128, 1, 3, 8),  # 42.2 us
     (1 << 30, 32768, 1280, 128): _C(128, 64, 128, 1, 4, 4),  # 299.8 us
     # wo_b 5120x8192
+    (4, 5120, 8192, 32): _C(64, 4, 128, 8, 3, 4, block_diag=True),  # 14.5 us (M = 1), 15.0 (M = 4)
+    (8, 5120, 8192, 32): _C(64, 8, 128, 4, 3, 4, block_diag=True),  # 15.9 us
     (16, 5120, 8192, 32): _C(64, 16, 128, 4, 3, 4, block_diag=True),  # 18.0 us (3 stages, 2026-11-30)
     (64, 5120, 8192, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2),  # 37.0 us (2026-11-30)
     (256, 5120, 8192, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 117.7 us
@@ -401,6 +410,8 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (256, 5120, 8192, 128): _C(64, 64, 128, 1, 4, 4),  # 43.9 us
     (1 << 30, 5120, 8192, 128): _C(128, 64, 128, 1, 4, 4),  # 244.9 us
     # wo_b_tp4 5120x2048
+    (4, 5120, 2048, 32): _C(64, 4, 128, 4, 3, 4, block_diag=True),  # 6.6 us (M = 1), 6.6 (M = 4)
+    (8, 5120, 2048, 32): _C(64, 8, 128, 4, 3, 4, block_diag=True),  # 7.1 us
     (16, 5120, 2048, 32): _C(64, 16, 128, 4, 3, 4, block_diag=True),  # 8.2 us (3 stages, 2026-11-30)
     (64, 5120, 2048, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2),  # 13.5 us (2026-11-30)
     (256, 5120, 2048, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 33.7 us
@@ -410,6 +421,8 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (256, 5120, 2048, 128): _C(64, 64, 128, 1, 4, 4),  # 14.0 us
     (1 << 30, 5120, 2048, 128): _C(128, 128, 128, 1, 3, 8),  # 71.1 us
     # gate_up 4608x5120
+    (4, 4608, 5120, 32): _C(64, 4, 128, 8, 3, 4, block_diag=True),  # 9.9 us (M = 1), 10.0 (M = 4)
+    (8, 4608, 5120, 32): _C(64, 8, 128, 5, 3, 4, block_diag=True),  # 10.5 us
     (16, 4608, 5120, 32): _C(64, 16, 128, 5, 3, 4, block_diag=True),  # 11.4 us (3 stages, 2026-11-30)
     (64, 4608, 5120, 32): _C(64, 64, 128, 4, 3, 4, dequant=True, scale_ahead=2),  # 24.1 us (2026-11-30)
     (256, 4608, 5120, 32): _C(64, 64, 128, 1, 4, 4),  # 72.9 us
@@ -419,6 +432,8 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (256, 4608, 5120, 128): _C(64, 64, 128, 1, 4, 4),  # 28.6 us
     (1 << 30, 4608, 5120, 128): _C(128, 64, 128, 1, 4, 4),  # 158.2 us
     # down 5120x2304
+    (4, 5120, 2304, 32): _C(64, 4, 128, 6, 3, 4, block_diag=True),  # 7.0 us (M = 1), 7.1 (M = 4)
+    (8, 5120, 2304, 32): _C(64, 8, 128, 3, 3, 4, block_diag=True),  # 7.8 us
     (16, 5120, 2304, 32): _C(64, 16, 128, 3, 3, 4, block_diag=True),  # 8.2 us (3 stages, 2026-11-30)
     (64, 5120, 2304, 32): _C(64, 64, 128, 3, 3, 4, dequant=True, scale_ahead=1),  # 13.5 us (2026-11-30)
     (256, 5120, 2304, 32): _C(64, 64, 128, 1, 4, 4),  # 36.1 us
@@ -429,7 +444,10 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (1 << 30, 5120, 2304, 128): _C(128, 64, 128, 1, 4, 4),  # 79.7 us
 }
 
-_M_BUCKETS = (16, 32, 64, 128, 256, 1 << 30)
+_M_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 1 << 30)
+# a bucket without a table entry takes this bucket's, its M tile narrowed to the bucket (never
+# below 16: only the block-diagonal mode runs narrower tiles, and those have entries of their own)
+_BORROWED = {4: 16, 8: 16, 32: 64, 128: 256}
 
 
 def _m_bucket(m: int) -> int:
@@ -441,13 +459,14 @@ def _m_bucket(m: int) -> int:
 
 def _heuristic_config(m: int, n: int, k: int, group: int, sms: int, a_fp8: bool = True) -> GemmConfig:
     """For shapes outside the table; shaped after what won the H200 sweeps: 32-groups (power-of-two
-    scales) run block-diagonal FP8 dots for FP8 tokens at M <= 16 and bf16-dequantized operands
-    otherwise, 128-groups the FP8 dot; small M splits K."""
+    scales) run block-diagonal FP8 dots for FP8 tokens at M <= 16 (token tiles as narrow as M, at
+    least 4) and bf16-dequantized operands otherwise, 128-groups the FP8 dot; small M splits K."""
     bk = 128 if k % 128 == 0 else group
     block_diag = group == 32 and a_fp8 and m <= 16 and bk == 128
     dequant = group == 32 and not block_diag
     if m <= 64:
-        block_m, block_n, stages, warps = max(16, triton.next_power_of_2(m)), 64, 4, 4
+        # the block-diagonal dot is SUB x block_m >= 16 columns wide: 4-token tiles suffice
+        block_m, block_n, stages, warps = max(4 if block_diag else 16, triton.next_power_of_2(m)), 64, 4, 4
     elif m <= 256:
         block_m, block_n, stages, warps = 64, 64, 4, 4
     elif dequant:
@@ -465,15 +484,15 @@ def _heuristic_config(m: int, n: int, k: int, group: int, sms: int, a_fp8: bool 
 
 def select_config(m: int, n: int, k: int, group: int, device: torch.device, a_fp8: bool = True) -> GemmConfig:
     """The launch config for an ``m x n x k`` problem with K groups of ``group`` columns: the
-    table entry of M's bucket (buckets 32 and 128 borrow 64's and 256's with a narrower M tile),
+    table entry of M's bucket (``_BORROWED``: buckets without entries take a larger bucket's),
     else the heuristic."""
     if a_fp8:
         bucket = _m_bucket(m)
         hit = CONFIG_TABLE.get((bucket, n, k, group))
-        if hit is None and bucket in (32, 128):
-            hit = CONFIG_TABLE.get((bucket * 2, n, k, group))
+        if hit is None and bucket in _BORROWED:
+            hit = CONFIG_TABLE.get((_BORROWED[bucket], n, k, group))
             if hit is not None:
-                hit = hit._replace(block_m=min(hit.block_m, bucket))
+                hit = hit._replace(block_m=min(hit.block_m, max(bucket, 16)))
         if hit is not None and k % hit.block_k == 0:
             return hit
     return _heuristic_config(m, n, k, group, sm_count(device, interpreter=4), a_fp8)  # CPU tests: split-K

@@ -447,8 +447,12 @@ def test_config_choice_by_group_and_m(device):
         assert not (cfg.dequant and cfg.block_diag)
         if group == 128:
             assert not cfg.dequant and not cfg.block_diag, (n, k, bucket)
-        elif bucket == 16:
+        elif bucket <= 16:
             assert cfg.block_diag, (n, k, bucket)
+        # the token tile covers the bucket's M at once (the weights are read once per call), and
+        # narrower than 16 only block-diagonal, whose dot is SUB x block_m >= 16 columns wide
+        assert cfg.block_m >= min(bucket, 16) or bucket > 64, (n, k, bucket)
+        assert cfg.block_m >= 16 or (cfg.block_diag and cfg.block_k // group * cfg.block_m >= 16), (n, k, bucket)
         assert k % cfg.block_k == 0
     for m in (1, 7, 16):
         picked = gemm._heuristic_config(m, 3072, 4096, 32, sms=132)
@@ -456,5 +460,10 @@ def test_config_choice_by_group_and_m(device):
         assert gemm._heuristic_config(m, 3072, 4096, 32, sms=132, a_fp8=False).dequant
         assert not gemm._heuristic_config(m, 3072, 4096, 128, sms=132).block_diag
     assert gemm._heuristic_config(64, 3072, 4096, 32, sms=132).dequant
-    assert gemm.select_config(5, 5120, 8192, 32, torch.device(device)).block_diag  # table, M bucket 16
+    for m, tile in ((1, 4), (4, 4), (5, 8), (8, 8), (9, 16), (16, 16)):  # table, M buckets 4 / 8 / 16
+        picked = gemm.select_config(m, 5120, 8192, 32, torch.device(device))
+        assert picked.block_diag and picked.block_m == tile, (m, picked)
+        assert gemm.select_config(m, 5120, 8192, 128, torch.device(device)) == \
+            gemm.CONFIG_TABLE[(16, 5120, 8192, 128)]  # 128-groups: bucket 16's FP8-dot entry
+        assert gemm._heuristic_config(m, 3072, 4096, 32, sms=132).block_m == tile
     assert not gemm.select_config(5, 5120, 8192, 32, torch.device(device), a_fp8=False).block_diag  # W8A16
