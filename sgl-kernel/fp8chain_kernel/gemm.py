@@ -142,14 +142,10 @@ def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, n_ok, m0, M, i
     w0 = tl.zeros((BLOCK_N, SUB), tl.float32)
     a0 = tl.zeros((BLOCK_M, SUB), tl.float32)
     w1, a1, w2, a2, w3, a3 = w0, a0, w0, a0, w0, a0
-    if SCALE_AHEAD >= 1:
-        w0, a0 = _iter_scales(ws_rows, as_rows, it_begin, it_last, stride_wsk, stride_asg, n_ok, m_ok, SUB, A_FP8)
-    if SCALE_AHEAD >= 2:
-        w1, a1 = _iter_scales(ws_rows, as_rows, it_begin + 1, it_last, stride_wsk, stride_asg, n_ok, m_ok, SUB, A_FP8)
-    if SCALE_AHEAD >= 3:
-        w2, a2 = _iter_scales(ws_rows, as_rows, it_begin + 2, it_last, stride_wsk, stride_asg, n_ok, m_ok, SUB, A_FP8)
-    if SCALE_AHEAD >= 4:
-        w3, a3 = _iter_scales(ws_rows, as_rows, it_begin + 3, it_last, stride_wsk, stride_asg, n_ok, m_ok, SUB, A_FP8)
+    for j in tl.static_range(SCALE_AHEAD):  # push iterations it_begin + j: advancing from it_begin - AHEAD + j
+        _, _, w0, a0, w1, a1, w2, a2, w3, a3 = _next_scales(
+            w0, a0, w1, a1, w2, a2, w3, a3, ws_rows, as_rows, it_begin - SCALE_AHEAD + j, it_last, stride_wsk,
+            stride_asg, n_ok, m_ok, SUB, A_FP8, SCALE_AHEAD)
     if DEQUANT:
         # Dequantize both operands to bf16 in registers (exact for power-of-two scales: an e4m3
         # value times 2^e is a bf16 value), then one bf16 dot over BLOCK_K with fp32
