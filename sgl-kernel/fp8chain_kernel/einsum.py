@@ -34,8 +34,8 @@ import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation
 from .fp8_tile import dot_bf16, round_bf16, store_pair_tile
-from .launch import (ARRIVAL_SLOTS, H200_SMS, await_producer, gather_partials, pdl_options, publish_partial, rearm,
-                     sm_count, split_workspace)
+from .launch import (H200_SMS, await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count,
+                     split_workspace)
 from .norm import check_tensor, launch_args, producer_result, resolve_outputs
 
 __all__ = ["wo_a_einsum"]
@@ -129,10 +129,11 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
       of 128, 5 stages: 18.9 us at T=1 against 20.6 us for 256-wide K steps (compiled for sm_90:
       96 against ~166 registers per thread, 8 KiB of shared memory); 17-64 rows: 64 x 64 tiles
       (wgmma), 4 stages;
-    * a narrow grid (G=2: 64 tiles), which leaves SMs idle: D is split (``_narrow_split``) so
-      about two programs run per SM: <= 16 rows, 16 x 32 x 128 tiles, 4 stages, 4 slices (T=1:
-      8.1 us against 9.0 us unsplit, T=4: 8.3 against 10.5); 17-64 rows, 64 x 32 x 128 tiles with
-      6 stages and 2 slices (9.1 against 10.0 us; 4 slices 12.2 us: the second wave).
+    * a narrow grid (G=2: 64 tiles), which leaves SMs idle: D is split (``_narrow_split``) as far
+      as the whole grid stays resident (two programs per SM, one of the 64-row tiles): <= 16
+      rows, 16 x 32 x 128 tiles, 4 stages, 4 slices (T=1: 8.1 us against 9.0 us unsplit, T=4: 8.3
+      against 10.5); 17-64 rows, 64 x 32 x 128 tiles with 6 stages and 2 slices (9.1 against 10.0
+      us; 4 slices 12.2 us: the second wave).
 
     Larger batches use compute tiles (64x128, 128x128). Pipeline depth is capped so the stages
     fit in ~192 KiB of shared memory."""
@@ -143,9 +144,10 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
         if tiles < num_sms:
             cfg = (dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=4) if rows <= 16 else
                    dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=6))
-            split = _narrow_split(tiles * triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(d, cfg["BLOCK_K"]), num_sms)
-            if cfg["BLOCK_M"] == 64:  # 6 stages of a 64-row tile: one program per SM, a second wave beyond 2 slices
-                split = min(split, 2)
+            # 6 stages of a 64-row tile leave room for one program per SM, of a 16-row tile for two
+            per_sm = 1 if cfg["BLOCK_M"] == 64 else 2
+            split = _narrow_split(tiles * triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(d, cfg["BLOCK_K"]),
+                                  per_sm * num_sms)
         elif rows <= 16:
             cfg = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=5)
         else:
@@ -170,11 +172,11 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
     return cfg
 
 
-def _narrow_split(tiles: int, k_tiles: int, num_sms: int) -> int:
-    """K slices for a grid of ``tiles`` output tiles: doubled (up to 8) while the programs stay
-    within two per SM and every slice keeps at least two K tiles."""
+def _narrow_split(tiles: int, k_tiles: int, resident: int) -> int:
+    """K slices for a grid of ``tiles`` output tiles: doubled (up to 8) while all programs stay
+    resident at once (at most ``resident``) and every slice keeps at least two K tiles."""
     split = 1
-    while split < 8 and tiles * split * 2 <= 2 * num_sms and k_tiles >= split * 4:
+    while split < 8 and tiles * split * 2 <= resident and k_tiles >= split * 4:
         split *= 2
     return split
 
@@ -231,14 +233,12 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, out_format: ActFormat | 
     block_n = cfg["BLOCK_N"]
     tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(r, block_n)
     k_tiles = triton.cdiv(d, cfg["BLOCK_K"])
-    split = min(cfg.pop("SPLIT"), k_tiles)
-    if tiles * groups > ARRIVAL_SLOTS:
-        split = 1
+    split, part, counters = split_workspace("wo_a", min(cfg.pop("SPLIT"), k_tiles), tiles * groups,
+                                            cfg["BLOCK_M"] * block_n, o.device)
     slice_tiles = triton.cdiv(k_tiles, split)
-    part, counters = split_workspace("wo_a", split, tiles * groups, cfg["BLOCK_M"] * block_n, o.device) \
-        if split > 1 else (o, o)
     _wo_a_kernel[(tiles, groups, split)](
-        o, wo_a, a["y"], a["data"], a["scale"], part, counters, rows, groups, r, d,
+        o, wo_a, a["y"], a["data"], a["scale"], o if part is None else part, o if counters is None else counters,
+        rows, groups, r, d,
         o.stride(0), o.stride(1), o.stride(2), wo_a.stride(0), wo_a.stride(1), wo_a.stride(2),
         a["y_stride"], *a["strides"],
         STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"], EVEN_K=d % (cfg["BLOCK_K"] * split) == 0, SPLIT=split,

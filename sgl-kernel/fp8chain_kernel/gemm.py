@@ -42,8 +42,7 @@ import triton.language as tl
 from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair
 from .act import check_limit, swiglu
 from .fp8_tile import fp8_offsets, interpreting, round_bf16, store_pair_tile
-from .launch import (ARRIVAL_SLOTS, await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count,
-                     split_workspace)
+from .launch import await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count, split_workspace
 from .norm import launch_args, producer_result, resolve_outputs
 from .quant import check_activation, quantize
 
@@ -543,17 +542,14 @@ def _prepare_out(out: torch.Tensor | None, m: int, n: int, device) -> torch.Tens
 
 def _split_plan(tiles: int, k: int, cfg: GemmConfig, device):
     """``(split, iters_per_split, workspace, counters)`` for ``tiles`` output tiles: the largest
-    divisor of the K iterations up to the config's split (1 where there are more tiles than
-    arrival counters); workspace and counters are None without a split."""
+    divisor of the K iterations up to the config's split (``launch.split_workspace``: 1 where
+    there are more tiles than arrival counters); workspace and counters are None without a split."""
     iters = k // cfg.block_k
     split = max(1, min(cfg.split, iters))
     while iters % split:  # equal slices
         split -= 1
-    if split > 1 and tiles > ARRIVAL_SLOTS:
-        split = 1
-    if split == 1:
-        return 1, iters, None, None
-    return (split, iters // split) + split_workspace("gemm", split, tiles, cfg.block_n * cfg.block_m, device)
+    split, part, counters = split_workspace("gemm", split, tiles, cfg.block_n * cfg.block_m, device)
+    return split, iters // split, part, counters
 
 
 def _check_config(cfg: GemmConfig, k: int, group: int, a_fp8: bool) -> None:

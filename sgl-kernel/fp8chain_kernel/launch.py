@@ -158,8 +158,9 @@ _arrival: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 def arrival_counters(user: str, device: torch.device, slots: int) -> torch.Tensor:
     """Zeroed int32 arrival counters for the "last program to arrive finishes" kernels (split-K
-    GEMM and wo_a einsum, the row-split mHC boundary): each program bumps its counter once; the one that sees the
-    final count does the finishing work and re-arms the counter to zero for the next call.
+    GEMM and wo_a einsum, the row-split mHC boundary): each program bumps its counter once; the
+    one that sees the final count does the finishing work and re-arms the counter to zero for the
+    next call.
 
     One ``ARRIVAL_SLOTS`` buffer per (``user``, device), allocated on first eager use: launches of
     one user on one device must not run concurrently on two streams. A first use inside CUDA-graph
@@ -177,7 +178,10 @@ def arrival_counters(user: str, device: torch.device, slots: int) -> torch.Tenso
 
 
 def split_workspace(user: str, split: int, tiles: int, tile_elems: int, device: torch.device):
-    """``(partials, counters)`` for a split-K launch of ``tiles`` output tiles of ``tile_elems``
-    fp32 each (``publish_partial`` / ``gather_partials``)."""
+    """``(split, partials, counters)`` for a launch of ``tiles`` output tiles of ``tile_elems`` fp32
+    each whose K is split ``split`` ways (``publish_partial`` / ``gather_partials``). Unsplit, or
+    with more tiles than arrival counters (then it runs unsplit): ``(1, None, None)``."""
+    if split == 1 or tiles > ARRIVAL_SLOTS:
+        return 1, None, None
     part = torch.empty(split * tiles * tile_elems, dtype=torch.float32, device=device)
-    return part, arrival_counters(user, device, tiles)
+    return split, part, arrival_counters(user, device, tiles)
