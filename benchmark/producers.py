@@ -18,8 +18,10 @@ importable. For each producer and T, four timings in one process (CUDA-graph rep
   reference, which is a specification, not a competitor.
 
 ``--sweep-wo-a`` instead times candidate launch configs of the FP8-emitting ``wo_a_einsum`` (G=8
-and G=2 as ``--producers`` selects, the given T; ``--splits`` narrows them to one-group tiles) against the table's choice, with the weights rotating through copies past
-L2 (``harness.copies_past_l2``), and writes ``producers_wo_a_sweep.json`` (the source of ``einsum._launch_config``).
+and G=2 as ``--producers`` selects, the given T; ``--splits`` narrows them to one-group tiles)
+against the table's choice, with the weights rotating through copies past L2
+(``harness.copies_past_l2``), and writes ``producers_wo_a_sweep.json`` (the source of
+``einsum._launch_config``).
 
 Next to each figure: the bytes-moved floor of each arm (bytes / copy bandwidth measured in the
 same run), and the ratios fp8/bf16-only and fp8/(bf16+quant). ``fp8_launches`` counts kernel
@@ -186,7 +188,7 @@ def wo_a_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -
                             continue
                         one_group = block_n == 32 and block_k > 64 and stages in (4, 6)
                         for split in (1, 2, 4, 8) if splits is None else splits:
-                            if (split > 1 or splits is not None) and not one_group or d // block_k < 2 * split:
+                            if ((split > 1 or splits is not None) and not one_group) or d // block_k < 2 * split:
                                 continue
                             out.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                             num_warps=warps, num_stages=stages, SPLIT=split))

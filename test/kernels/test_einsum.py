@@ -232,8 +232,8 @@ def test_wo_a_split_k_cpu(split, d, block_k, fmt, device):
 
 @pytest.mark.cpu
 def test_wo_a_decode_split_config():
-    """The narrow TP4 grid (G = 2) splits D so about two programs run per SM; the full TP1 grid
-    (G = 8) and prefill do not."""
+    """The narrow TP4 grid (G = 2) splits D as far as the whole grid stays resident (two 16-row
+    programs per SM, one 64-row); the full TP1 grid (G = 8) and prefill do not."""
     narrow = einsum._launch_config(1, 2, 1024, 4096, 32, num_sms=132)
     assert narrow["SPLIT"] == 4 and 4096 // narrow["BLOCK_K"] // narrow["SPLIT"] >= 2
     assert einsum._launch_config(64, 2, 1024, 4096, 32, num_sms=132)["SPLIT"] == 2
