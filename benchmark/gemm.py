@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-k", default="128,256", help="comma-separated BLOCK_K of the M <= 64 candidates")
     parser.add_argument("--block-n", default="64,128", help="comma-separated BLOCK_N of the M <= 64 candidates")
     parser.add_argument("--warps", default="4", help="comma-separated warp counts of the M <= 64 candidates")
+    parser.add_argument("--splits", default="",
+                        help="comma-separated K splits of the M <= 64 candidates (default: the four largest "
+                             "that leave each slice two or more K iterations)")
     parser.add_argument("--scale-ahead", default="default",
                         help="comma-separated scale prefetch depths (0-4, or 'default') of the M <= 64 candidates")
     parser.add_argument("--modes", default=",".join(OPERAND_MODES),
@@ -82,8 +85,14 @@ def _weights(n, k, block, device, copies):
     return [reference.random_fp8_weight(n, k, block, device) for _ in range(copies)]
 
 
-def _splits(iters: int) -> list[int]:
-    return [d for d in (1, 2, 3, 4, 5, 6, 8) if iters % d == 0 and iters // d >= 2] or [1]
+SPLIT_CHOICES = (1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 16, 20)
+
+
+def _splits(iters: int, wanted: tuple[int, ...] = ()) -> list[int]:
+    """K splits worth timing over ``iters`` K iterations: ``wanted`` (default the four largest of
+    ``SPLIT_CHOICES``), those dividing ``iters`` with at least two iterations per slice."""
+    fits = [d for d in wanted or SPLIT_CHOICES if iters % d == 0 and iters // d >= 2]
+    return (fits if wanted else fits[-4:]) or [1]
 
 
 OPERAND_MODES = {"fp8": (False, False), "dequant": (True, False), "block_diag": (False, True)}
@@ -100,12 +109,12 @@ def _block_diag_token_tiles(m: int) -> tuple[int, ...]:
 def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...] = (4,),
                      modes: tuple[str, ...] = tuple(OPERAND_MODES), block_ks: tuple[int, ...] = (128, 256),
                      scale_ahead: tuple[int | None, ...] = (None,), block_ns: tuple[int, ...] = (64, 128),
-                     warps: tuple[int, ...] = (4,)) -> list[gemm.GemmConfig]:
+                     warps: tuple[int, ...] = (4,), splits: tuple[int, ...] = ()) -> list[gemm.GemmConfig]:
     """Launch configs worth timing for one (M bucket, N, K, group); bf16-dequantized operands
     and block-diagonal FP8 dots only for 32-groups (power-of-two scales: exact). ``stages``,
     ``modes`` (keys of ``OPERAND_MODES``), ``block_ks``, ``scale_ahead`` (None: the mode's
-    default), ``block_ns`` (below 64 the dots are mma.sync, not wgmma) and ``warps`` narrow or
-    widen the decode (M <= 64) candidates."""
+    default), ``block_ns`` (below 64 the dots are mma.sync, not wgmma), ``warps`` and ``splits``
+    (K splits; default: ``_splits``) narrow or widen the decode (M <= 64) candidates."""
     cands = []
     # (dequant, block_diag) operand modes; both alternatives to the per-group FP8 dot need 32-groups
     modes = tuple(OPERAND_MODES[name] for name in modes if group == 32 or name == "fp8")
@@ -123,7 +132,7 @@ def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...]
                         for depth in stages:
                             if depth * bk * (bn + token_cols) > 200 << 10:  # the stages fit the 227 KB of smem
                                 continue
-                            for split in _splits(k // bk)[-4:]:
+                            for split in _splits(k // bk, splits):
                                 for ahead in scale_ahead if dequant or block_diag else (None,):
                                     cands += [gemm.GemmConfig(bn, block_m, bk, split, depth, w, 8, dequant, block_diag,
                                                               ahead) for w in warps]
@@ -159,7 +168,7 @@ def _candidates(args, m: int, n: int, k: int, group: int) -> list[gemm.GemmConfi
         raise SystemExit(f"--modes: unknown operand modes {sorted(unknown)}; known: {', '.join(OPERAND_MODES)}")
     ahead = _items(args.scale_ahead, lambda v: None if v == "default" else int(v))
     return sweep_candidates(m, n, k, group, _items(args.stages, int), modes, _items(args.block_k, int), ahead,
-                            _items(args.block_n, int), _items(args.warps, int))
+                            _items(args.block_n, int), _items(args.warps, int), _items(args.splits, int))
 
 
 def _sweep_points(args):
@@ -231,7 +240,8 @@ def _precompile(args):
     if args.ms:
         argv += ["--ms", args.ms]
     argv += ["--groups", args.groups, "--stages", args.stages, "--modes", args.modes, "--block-k", args.block_k,
-             "--scale-ahead", args.scale_ahead, "--block-n", args.block_n, "--warps", args.warps]
+             "--scale-ahead", args.scale_ahead, "--block-n", args.block_n, "--warps", args.warps,
+             "--splits", args.splits]
     if args.table_from:
         argv += ["--table-from", args.table_from]
     procs = [subprocess.Popen([sys.executable, __file__, *argv, "--worker", f"{i}/{args.precompile}"])

@@ -52,3 +52,15 @@ def test_block_diagonal_token_tiles_narrow_at_small_m():
     assert {c.block_m for c in bench._candidates(args, 5, 1792, 5120, 32)} == {8, 16}
     assert {c.block_m for c in bench._candidates(args, 16, 1792, 5120, 32)} == {16}
     assert {c.block_m for c in bench._candidates(args, 64, 1792, 5120, 32)} == {16, 32}
+
+
+def test_split_candidates_default_and_option():
+    # wqkv_a at BLOCK_K 128: 40 K iterations; by default the four largest splits leaving >= 2 each
+    bench, args = _sweep_args("--modes", "block_diag", "--block-k", "128", "--stages", "3", "--block-n", "64")
+    assert {c.split for c in bench._candidates(args, 1, 1792, 5120, 32)} == {5, 8, 10, 20}
+    # asked for: those that divide the iterations and leave two or more (3 and 40 do not)
+    bench, args = _sweep_args("--modes", "block_diag", "--block-k", "128", "--stages", "3", "--block-n", "64",
+                              "--splits", "3,8,16,20,40")
+    assert {c.split for c in bench._candidates(args, 1, 1792, 5120, 32)} == {8, 20}
+    # none fits: unsplit
+    assert {c.split for c in bench._candidates(args, 1, 1792, 128 * 7, 32)} == {1}
