@@ -40,15 +40,20 @@ __all__ = ["rope_qkv", "mqa_attention", "key_splits"]
 
 _BLOCK_H = 16  # query heads per program (tl.dot needs >= 16 rows)
 _BLOCK_L = 64  # keys per step
-# The split kernel's (heads per program, keys per step) by batch: wider head tiles re-read each
-# token's keys fewer times but give fewer programs. Compiled for sm_90 at D = 512 with 8 warps:
-# 16 x 64 runs mma.sync in 80 registers, 32 x 64 in 133, 64 x 32 wgmma in 250 (no spills; 64 x 64
-# needs 256 KB of shared memory). On the H200 (docs/benchmarks.md, attention) 16 x 64 is fastest
-# below 1024 (token, head) rows, 32 x 64 from there (64 heads, M = 64, context 4096: 246 vs
-# 348 us) and 64 x 32 from 256 tokens of 64 heads (M = 256: 749 vs 1330 us) where their keys still
-# split: with one split its epilogue (sink, normalisation, inverse RoPE of a 64 x 512 fp32
-# accumulator in the split kernel) spills registers on sm_90. ``tile=`` overrides.
-_SPLIT_TILES = ((256 * 64, (64, 32)), (1024, (32, 64)), (0, (_BLOCK_H, _BLOCK_L)))
+# The split kernel's (heads per program, keys per step) by work. Compiled for sm_90 at D = 512
+# with 8 warps: 16 x 64 runs mma.sync in 80 registers, 32 x 64 in 133, 64 x 64 wgmma in 255 at
+# two pipeline stages (no spills; three stages of 64 keys would need 256 KB of shared memory). On
+# the H200 (docs/benchmarks.md, attention) 16 x 64 is fastest below 1024 (token, head) rows,
+# 32 x 64 from there, and 64 x 64 (each token's keys read once for all 64 heads, on wgmma) from
+# 64K (token, key) pairs while the keys still split: 64 heads, M = 64, context 1024: 68.7 vs
+# 83.2 us; context 4096: 172 vs 231 us; M = 16, context 4096: 57.1 vs 62.6 us (M = 16, context
+# 1024: 25.8 vs 24.6; M = 32, context 1024: a tie). With one split its epilogue (sink,
+# normalisation, inverse RoPE of a 64 x 512 fp32 accumulator in the split kernel) spills
+# registers on sm_90, so one-split grids (prefill, M > 264) keep 32 x 64. ``tile=`` overrides.
+_WIDE_TILE = (64, 64)
+_WIDE_TILE_PAIRS = 1 << 16  # (token, key) pairs from which the wide tile pays
+_ROWS_TILES = ((1024, (32, 64)), (0, (_BLOCK_H, _BLOCK_L)))  # (least token x head rows, tile)
+_SMEM_BYTES = 227 << 10  # an H200 program's shared memory
 # columns per merge program: few (token, head block)s -> narrow programs that still fill the GPU;
 # once those alone fill the SMs, wider programs read longer rows. From an H200 A/B of (16, 64),
 # (32, 128) and (64, 256) (docs/benchmarks.md, attention): the narrowest was fastest or within
@@ -267,18 +272,24 @@ def _splits(tokens: int, heads: int, block_h: int, key_steps: int, sms: int) -> 
 
 def _split_tile(tile: tuple[int, int] | None, tokens: int, heads: int, length: int, sms: int) -> tuple[int, int]:
     """``tile`` checked, or the default for ``tokens`` x ``heads`` query rows over ``length`` keys
-    (``_SPLIT_TILES``)."""
+    (``_WIDE_TILE``, ``_ROWS_TILES``)."""
     if tile is None:
-        rows = tokens * heads
-        for least, (block_h, block_l) in _SPLIT_TILES:
-            # never more heads per program than there are heads: the rest would be masked
-            if rows >= least and block_h <= max(heads, _BLOCK_H) and (
-                    block_h < 64 or _splits(tokens, heads, block_h, triton.cdiv(length, block_l), sms) > 1):
-                return block_h, block_l
+        block_h, block_l = _WIDE_TILE
+        if (heads >= block_h and tokens * length >= _WIDE_TILE_PAIRS
+                and _splits(tokens, heads, block_h, triton.cdiv(length, block_l), sms) > 1):
+            return _WIDE_TILE
+        # never more heads per program than there are heads: the rest would be masked
+        return next(t for least, t in _ROWS_TILES if tokens * heads >= least and t[0] <= max(heads, _BLOCK_H))
     block_h, block_l = tile
     if any(v < 16 or v & (v - 1) for v in (block_h, block_l)):
         raise ValueError(f"tile must be two powers of two >= 16, got {tile}")
     return block_h, block_l
+
+
+def _pipeline_stages(block_h: int, block_l: int, block_d: int) -> int:
+    """Key tiles the split kernel keeps in flight: three where they fit beside the query tile in
+    shared memory (bf16), else two (64 x 64 at D = 512)."""
+    return 3 if (3 * block_l + block_h) * block_d * 2 <= _SMEM_BYTES else 2
 
 
 def key_splits(tokens: int, heads: int, length: int, tile: tuple[int, int] | None = None,
@@ -397,12 +408,13 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
         part_o = torch.empty((tokens, splits, heads, dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((tokens, splits, heads, 2), dtype=torch.float32, device=q.device)
     warps = 8 if block_d >= 512 else 4  # 64 keys x 512 columns: 4 warps spill registers
+    stages = {} if interpreting() else {"num_stages": _pipeline_stages(block_h, block_l, block_d)}
     _mqa_split_kernel[(tokens, head_blocks, splits)](
         q, kv_cache, slots, positions, part_o, part_ml, sink, cos_table, sin_table, out,
         heads, dim, length, float(scale),
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1),
         SPLITS=splits, STEPS=steps, HALF=half, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_D=block_d,
-        EXACT_CAST=interpreting(), num_warps=warps, **pdl_options(),
+        EXACT_CAST=interpreting(), num_warps=warps, **stages, **pdl_options(),
     )
     if splits == 1:
         return out

@@ -92,9 +92,9 @@ def record_launches() -> None:
                                    return_bf16=False)
     cos, sin = reference.rope_tables(1024, 64, 10000.0)
     cache = torch.zeros(64, 1024, 512, dtype=torch.bfloat16)
-    # default tiles 16 x 64 (8 key splits, merged), 32 x 64 and 64 x 32 wgmma (2 splits, merged), and
-    # 64 x 32 with one split (prefill: the split kernel writes the output); rope_qkv with and without
-    # the fused kv norm
+    # default tiles 16 x 64 (16 key splits, merged), 64 x 64 wgmma at two stages (2 splits, merged)
+    # and 32 x 64 with one split (the split kernel writes the output); rope_qkv with and without the
+    # fused kv norm
     for rows in (1, 64, 256, 2048):
         slots, positions = torch.arange(rows) % 64, torch.full((rows,), 1023)
         kv_weight = bf16(512) if rows > 1 else None

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fp8chain_kernel import reference as ref
-from fp8chain_kernel.attention import _split_tile, key_splits, mqa_attention, rope_qkv
+from fp8chain_kernel.attention import _pipeline_stages, _split_tile, key_splits, mqa_attention, rope_qkv
 from fp8chain_kernel.launch import H200_SMS
 
 ROPE_DIM = 64
@@ -76,7 +76,8 @@ def test_many_tokens_use_wide_merge_programs():
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("tile,length", [((32, 32), 256), ((64, 16), 16)], ids=["split", "one-split"])
+@pytest.mark.parametrize("tile,length", [((32, 32), 256), ((64, 64), 256), ((64, 16), 16)],
+                         ids=["split", "wide-split", "one-split"])
 def test_other_split_tiles(tile, length):
     """Wider head tiles and shorter key steps (tile=): keys split over several programs (merged), or
     one program per token's keys."""
@@ -98,23 +99,31 @@ def test_one_split_writes_the_output_itself():
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("tokens,heads,length,tile", [
-    (1, 64, 1024, (16, 64)), (15, 64, 1024, (16, 64)), (16, 64, 1024, (32, 64)), (255, 64, 1024, (32, 64)),
-    (256, 64, 1024, (64, 32)), (2048, 64, 2048, (32, 64)), (2048, 16, 2048, (16, 64)), (64, 16, 1024, (16, 64)),
+    (1, 64, 1024, (16, 64)), (15, 64, 1024, (16, 64)), (16, 64, 1024, (32, 64)), (32, 64, 1024, (32, 64)),
+    (64, 64, 1024, (64, 64)), (16, 64, 4096, (64, 64)), (256, 64, 1024, (64, 64)), (264, 64, 1024, (64, 64)),
+    (265, 64, 1024, (32, 64)), (2048, 64, 2048, (32, 64)), (2048, 16, 2048, (16, 64)), (64, 16, 1024, (16, 64)),
     (256, 32, 1024, (32, 64)), (3, 8, 64, (16, 64)),
 ])
 def test_default_split_tile_by_query_rows(tokens, heads, length, tile):
-    """16 heads x 64 keys per program below 1024 (token, head) rows, 32 x 64 from there, 64 x 32
-    from 256 tokens of 64 heads while their keys still split (prefill: 32 x 64), as measured on
-    the H200 (docs/benchmarks.md); never more heads per program than the layer has (a TP4 shard's
-    16 heads keep 16 x 64)."""
+    """16 heads x 64 keys per program below 1024 (token, head) rows, 32 x 64 from there, 64 x 64
+    from 64K (token, key) pairs of 64 heads while their keys still split (at most 264 tokens on
+    132 SMs; prefill: 32 x 64), as measured on the H200 (docs/benchmarks.md); never more heads per
+    program than the layer has (a TP4 shard's 16 heads keep 16 x 64)."""
     assert _split_tile(None, tokens, heads, length, H200_SMS) == tile
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("tile,stages", [((16, 64), 3), ((32, 64), 3), ((64, 32), 3), ((64, 64), 2)])
+def test_split_kernel_pipeline_depth_fits_shared_memory(tile, stages):
+    """Three key tiles in flight where they fit beside the query tile (D = 512, bf16), else two."""
+    assert _pipeline_stages(*tile, 512) == stages
 
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("heads,tokens,length,splits", [
     (64, 1, 1024, 16), (16, 1, 1024, 16), (16, 4, 1024, 16), (64, 4, 1024, 8), (64, 16, 1024, 4),
     (64, 32, 1024, 2), (64, 64, 1024, 2), (64, 256, 1024, 2),
-    (64, 1, 4096, 16), (64, 4, 4096, 8), (64, 16, 4096, 4), (16, 64, 1024, 2), (16, 16, 4096, 8),
+    (64, 1, 4096, 16), (64, 4, 4096, 8), (64, 16, 4096, 8), (16, 64, 1024, 2), (16, 16, 4096, 8),
     (64, 2048, 2048, 1), (16, 300, 1024, 1),
 ])
 def test_key_splits_by_batch(heads, tokens, length, splits):
