@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-k", default="128,256", help="comma-separated BLOCK_K of the M <= 64 candidates")
     parser.add_argument("--block-n", default="64,128", help="comma-separated BLOCK_N of the M <= 64 candidates")
     parser.add_argument("--warps", default="4", help="comma-separated warp counts of the M <= 64 candidates")
+    parser.add_argument("--token-tiles", default="",
+                        help="comma-separated token tiles of the block-diagonal candidates (default: one tile "
+                             "of 4, 8 or 16 tokens, never narrower than M, at M <= 16; 16 and 32 above)")
     parser.add_argument("--splits", default="",
                         help="comma-separated K splits of the M <= 64 candidates (default: the four largest "
                              "that leave each slice two or more K iterations)")
@@ -109,12 +112,15 @@ def _block_diag_token_tiles(m: int) -> tuple[int, ...]:
 def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...] = (4,),
                      modes: tuple[str, ...] = tuple(OPERAND_MODES), block_ks: tuple[int, ...] = (128, 256),
                      scale_ahead: tuple[int | None, ...] = (None,), block_ns: tuple[int, ...] = (64, 128),
-                     warps: tuple[int, ...] = (4,), splits: tuple[int, ...] = ()) -> list[gemm.GemmConfig]:
+                     warps: tuple[int, ...] = (4,), splits: tuple[int, ...] = (),
+                     token_tiles: tuple[int, ...] = ()) -> list[gemm.GemmConfig]:
     """Launch configs worth timing for one (M bucket, N, K, group); bf16-dequantized operands
     and block-diagonal FP8 dots only for 32-groups (power-of-two scales: exact). ``stages``,
     ``modes`` (keys of ``OPERAND_MODES``), ``block_ks``, ``scale_ahead`` (None: the mode's
-    default), ``block_ns`` (below 64 the dots are mma.sync, not wgmma), ``warps`` and ``splits``
-    (K splits; default: ``_splits``) narrow or widen the decode (M <= 64) candidates."""
+    default), ``block_ns`` (below 64 the dots are mma.sync, not wgmma), ``warps``, ``splits`` (K
+    splits; default: ``_splits``) and ``token_tiles`` (the block-diagonal token tiles; default:
+    ``_block_diag_token_tiles``, several tiles cover M where one is narrower) narrow or widen the
+    decode (M <= 64) candidates."""
     cands = []
     # (dequant, block_diag) operand modes; both alternatives to the per-group FP8 dot need 32-groups
     modes = tuple(OPERAND_MODES[name] for name in modes if group == 32 or name == "fp8")
@@ -123,7 +129,7 @@ def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...]
         for dequant, block_diag in modes:
             # the block-diagonal token operand is SUB x wider: keep its accumulator <= 128 columns;
             # at M <= 8 it may also be 4 or 8 tokens wide (its dot stays >= 16 columns)
-            for block_m in _block_diag_token_tiles(m) if block_diag else (bm,):
+            for block_m in (token_tiles or _block_diag_token_tiles(m)) if block_diag else (bm,):
                 for bn in block_ns:
                     for bk in block_ks:
                         token_cols = (bk // group) * block_m if block_diag else block_m
@@ -168,7 +174,8 @@ def _candidates(args, m: int, n: int, k: int, group: int) -> list[gemm.GemmConfi
         raise SystemExit(f"--modes: unknown operand modes {sorted(unknown)}; known: {', '.join(OPERAND_MODES)}")
     ahead = _items(args.scale_ahead, lambda v: None if v == "default" else int(v))
     return sweep_candidates(m, n, k, group, _items(args.stages, int), modes, _items(args.block_k, int), ahead,
-                            _items(args.block_n, int), _items(args.warps, int), _items(args.splits, int))
+                            _items(args.block_n, int), _items(args.warps, int), _items(args.splits, int),
+                            _items(args.token_tiles, int))
 
 
 def _sweep_points(args):
@@ -241,7 +248,7 @@ def _precompile(args):
         argv += ["--ms", args.ms]
     argv += ["--groups", args.groups, "--stages", args.stages, "--modes", args.modes, "--block-k", args.block_k,
              "--scale-ahead", args.scale_ahead, "--block-n", args.block_n, "--warps", args.warps,
-             "--splits", args.splits]
+             "--splits", args.splits, "--token-tiles", args.token_tiles]
     if args.table_from:
         argv += ["--table-from", args.table_from]
     procs = [subprocess.Popen([sys.executable, __file__, *argv, "--worker", f"{i}/{args.precompile}"])

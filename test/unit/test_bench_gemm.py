@@ -64,3 +64,8 @@ def test_split_candidates_default_and_option():
     assert {c.split for c in bench._candidates(args, 1, 1792, 5120, 32)} == {8, 20}
     # none fits: unsplit
     assert {c.split for c in bench._candidates(args, 1, 1792, 128 * 7, 32)} == {1}
+
+
+def test_token_tiles_option_allows_several_tiles_per_m():
+    bench, args = _sweep_args("--modes", "block_diag", "--token-tiles", "8,16")
+    assert {c.block_m for c in bench._candidates(args, 16, 1792, 5120, 32)} == {8, 16}
