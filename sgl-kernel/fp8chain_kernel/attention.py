@@ -42,14 +42,15 @@ _BLOCK_H = 16  # query heads per program (tl.dot needs >= 16 rows)
 _BLOCK_L = 64  # keys per step
 # The split kernel's (heads per program, keys per step) by work. Compiled for sm_90 at D = 512
 # with 8 warps: 16 x 64 runs mma.sync in 80 registers, 32 x 64 in 133, 64 x 64 wgmma in 255 at
-# two pipeline stages (no spills; three stages of 64 keys would need 256 KB of shared memory). On
-# the H200 (docs/benchmarks.md, attention) 16 x 64 is fastest below 1024 (token, head) rows,
-# 32 x 64 from there, and 64 x 64 (each token's keys read once for all 64 heads, on wgmma) from
-# 64K (token, key) pairs while the keys still split: 64 heads, M = 64, context 1024: 68.7 vs
-# 83.2 us; context 4096: 172 vs 231 us; M = 16, context 4096: 57.1 vs 62.6 us (M = 16, context
-# 1024: 25.8 vs 24.6; M = 32, context 1024: a tie). With one split its epilogue (sink,
-# normalisation, inverse RoPE of a 64 x 512 fp32 accumulator in the split kernel) spills
-# registers on sm_90, so one-split grids (prefill, M > 264) keep 32 x 64. ``tile=`` overrides.
+# two pipeline stages (three stages of 64 keys would need 256 KB of shared memory). On the H200
+# (docs/benchmarks.md, attention) 16 x 64 is fastest below 1024 (token, head) rows, 32 x 64 from
+# there, and 64 x 64 (each token's keys read once for all 64 heads, on wgmma) from 64K (token,
+# key) pairs: 64 heads, M = 64, context 1024: 68.7 vs 83.2 us; context 4096: 172 vs 231 us; M = 16,
+# context 4096: 57.1 vs 62.6 us (M = 16, context 1024: 25.8 vs 24.6; M = 32, context 1024: a tie).
+# With one split (M > 264 tokens, prefill) its epilogue (sink, normalisation, inverse RoPE of a
+# 64 x 512 fp32 accumulator in the split kernel) spills 600 bytes of registers on sm_90 and is
+# still faster: M = 300 / 512: 381 / 537 vs 406 / 642 us, a 2048-token prefill 1860 vs 2400 us.
+# ``tile=`` overrides.
 _WIDE_TILE = (64, 64)
 _WIDE_TILE_PAIRS = 1 << 16  # (token, key) pairs from which the wide tile pays
 _ROWS_TILES = ((1024, (32, 64)), (0, (_BLOCK_H, _BLOCK_L)))  # (least token x head rows, tile)
@@ -270,13 +271,11 @@ def _splits(tokens: int, heads: int, block_h: int, key_steps: int, sms: int) -> 
     return min(most, max(2, sms // programs))
 
 
-def _split_tile(tile: tuple[int, int] | None, tokens: int, heads: int, length: int, sms: int) -> tuple[int, int]:
+def _split_tile(tile: tuple[int, int] | None, tokens: int, heads: int, length: int) -> tuple[int, int]:
     """``tile`` checked, or the default for ``tokens`` x ``heads`` query rows over ``length`` keys
     (``_WIDE_TILE``, ``_ROWS_TILES``)."""
     if tile is None:
-        block_h, block_l = _WIDE_TILE
-        if (heads >= block_h and tokens * length >= _WIDE_TILE_PAIRS
-                and _splits(tokens, heads, block_h, triton.cdiv(length, block_l), sms) > 1):
+        if heads >= _WIDE_TILE[0] and tokens * length >= _WIDE_TILE_PAIRS:
             return _WIDE_TILE
         # never more heads per program than there are heads: the rest would be masked
         return next(t for least, t in _ROWS_TILES if tokens * heads >= least and t[0] <= max(heads, _BLOCK_H))
@@ -297,7 +296,7 @@ def key_splits(tokens: int, heads: int, length: int, tile: tuple[int, int] | Non
     """How many split-kernel programs share one token's keys for a cache of ``length`` positions
     (1: the split kernel writes the output itself, no merge launch) on ``device`` (None: an H200)."""
     sms = H200_SMS if device is None else sm_count(device, interpreter=H200_SMS)
-    block_h, block_l = _split_tile(tile, tokens, heads, length, sms)
+    block_h, block_l = _split_tile(tile, tokens, heads, length)
     return _splits(tokens, heads, block_h, triton.cdiv(length, block_l), sms)
 
 
@@ -377,7 +376,7 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     tokens, heads, dim = q.shape
     _check_cache(kv_cache, dim)
     sms = sm_count(q.device, interpreter=H200_SMS)
-    block_h, block_l = _split_tile(tile, tokens, heads, kv_cache.shape[1], sms)
+    block_h, block_l = _split_tile(tile, tokens, heads, kv_cache.shape[1])
     _check_index(slots, "slots", tokens)
     _check_index(positions, "positions", tokens)
     if sink.dtype != torch.float32 or tuple(sink.shape) != (heads,):

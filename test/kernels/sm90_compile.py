@@ -3,7 +3,7 @@
 Run as a script in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit):
 ``python test/kernels/sm90_compile.py`` calls the public kernel functions on CPU tensors at
 DSv4.1-Flash shapes with launching replaced by recording, compiles every recorded launch for
-sm_90 with Triton's own ptxas, and prints ``kernel REG:.. STACK:.. LOCAL:..`` per launch; a
+sm_90 with Triton's own ptxas, and prints ``kernel REG:.. STACK:.. LOCAL:.. smem .. spill-allowed ..`` per launch; a
 compile error exits non-zero. It catches what the CPU interpreter accepts but the compiler
 rejects (branch-local shapes, dot shapes, layouts) and register spills (STACK/LOCAL > 0).
 Kernels whose launch configuration depends on the GPU they run on (the mHC boundary) are
@@ -92,9 +92,9 @@ def record_launches() -> None:
                                    return_bf16=False)
     cos, sin = reference.rope_tables(1024, 64, 10000.0)
     cache = torch.zeros(64, 1024, 512, dtype=torch.bfloat16)
-    # default tiles 16 x 64 (16 key splits, merged), 64 x 64 wgmma at two stages (2 splits, merged)
-    # and 32 x 64 with one split (the split kernel writes the output); rope_qkv with and without the
-    # fused kv norm
+    # default tiles 16 x 64 (16 key splits, merged) and 64 x 64 wgmma at two stages (2 splits,
+    # merged; one split: the split kernel writes the output, the spill SPILL_ALLOWED names);
+    # rope_qkv with and without the fused kv norm
     for rows in (1, 64, 256, 2048):
         slots, positions = torch.arange(rows) % 64, torch.full((rows,), 1023)
         kv_weight = bf16(512) if rows > 1 else None
@@ -123,6 +123,17 @@ def record_boundary_launches() -> None:
             setattr(mhc, name, value)
 
 
+# Launches measured faster on the H200 despite a spill, with the most stack bytes they may use:
+# the 64-head split tile with one key split (its epilogue: docs/benchmarks.md, attention).
+SPILL_ALLOWED = {("_mqa_split_kernel", (("BLOCK_H", 64), ("SPLITS", 1))): 1024}
+
+
+def _spill_allowance(kernel, constexprs) -> int:
+    """Stack bytes ``SPILL_ALLOWED`` grants this launch (0: none)."""
+    return next((most for (name, values), most in SPILL_ALLOWED.items()
+                 if name == kernel.__name__ and all(constexprs.get(k) == v for k, v in values)), 0)
+
+
 def main() -> int:
     JITFunction.run = _record
     launch.supported = lambda: True  # the launches an sm_90 GPU makes
@@ -142,7 +153,7 @@ def main() -> int:
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True,
                                    text=True, check=True).stdout
         print(kernel.__name__, next(line.strip() for line in usage.splitlines() if "REG:" in line),
-              f"smem {compiled.metadata.shared}")
+              f"smem {compiled.metadata.shared} spill-allowed {_spill_allowance(kernel, constexprs)}")
     return 0
 
 

@@ -5,7 +5,6 @@ import torch
 
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.attention import _pipeline_stages, _split_tile, key_splits, mqa_attention, rope_qkv
-from fp8chain_kernel.launch import H200_SMS
 
 ROPE_DIM = 64
 THETA = 10000.0
@@ -101,15 +100,15 @@ def test_one_split_writes_the_output_itself():
 @pytest.mark.parametrize("tokens,heads,length,tile", [
     (1, 64, 1024, (16, 64)), (15, 64, 1024, (16, 64)), (16, 64, 1024, (32, 64)), (32, 64, 1024, (32, 64)),
     (64, 64, 1024, (64, 64)), (16, 64, 4096, (64, 64)), (256, 64, 1024, (64, 64)), (264, 64, 1024, (64, 64)),
-    (265, 64, 1024, (32, 64)), (2048, 64, 2048, (32, 64)), (2048, 16, 2048, (16, 64)), (64, 16, 1024, (16, 64)),
+    (265, 64, 1024, (64, 64)), (2048, 64, 2048, (64, 64)), (2048, 16, 2048, (16, 64)), (64, 16, 1024, (16, 64)),
     (256, 32, 1024, (32, 64)), (3, 8, 64, (16, 64)),
 ])
 def test_default_split_tile_by_query_rows(tokens, heads, length, tile):
     """16 heads x 64 keys per program below 1024 (token, head) rows, 32 x 64 from there, 64 x 64
-    from 64K (token, key) pairs of 64 heads while their keys still split (at most 264 tokens on
-    132 SMs; prefill: 32 x 64), as measured on the H200 (docs/benchmarks.md); never more heads per
-    program than the layer has (a TP4 shard's 16 heads keep 16 x 64)."""
-    assert _split_tile(None, tokens, heads, length, H200_SMS) == tile
+    from 64K (token, key) pairs of 64 heads (split or not: prefill too), as measured on the H200
+    (docs/benchmarks.md); never more heads per program than the layer has (a TP4 shard's 16 heads
+    keep 16 x 64)."""
+    assert _split_tile(None, tokens, heads, length) == tile
 
 
 @pytest.mark.cpu
@@ -248,10 +247,20 @@ def test_zero_tokens_and_bad_input():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 3, 4, 64, 256])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 64, 256, 300])
 @pytest.mark.parametrize("heads", [64, 16])
 def test_attention_matches_reference_gpu(tokens, heads):
     _check_attention(_problem(tokens, heads, 512, 1024, max(tokens, 1), "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [64, 16])
+def test_prefill_attention_gpu(heads):
+    """A causal prefill of 512 tokens of one slot: one key split per token (64 heads: the 64 x 64
+    tile's one-split epilogue)."""
+    tokens = 512
+    assert key_splits(tokens, heads, tokens, device=torch.device("cuda")) == 1
+    _check_attention(_problem(tokens, heads, 512, tokens, 1, "cuda", positions=torch.arange(tokens, device="cuda")))
 
 
 @pytest.mark.gpu

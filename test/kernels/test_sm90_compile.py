@@ -1,5 +1,6 @@
 """Kernels the CPU interpreter accepts must also compile for Hopper (sm_90) without spilling
-registers, and the producers' FP8 stores must not shuffle their tile through shared memory."""
+registers (except the launches ``sm90_compile.SPILL_ALLOWED`` names, within their bound), and the
+producers' FP8 stores must not shuffle their tile through shared memory."""
 
 import os
 import re
@@ -28,7 +29,9 @@ def test_kernels_compile_for_sm90():
     usage = [line.split(" ", 1) for line in result.stdout.strip().splitlines()]
     assert {name for name, _ in usage} == EVERY_KERNEL, result.stdout
     for name, resources in usage:
-        assert "STACK:0 " in resources and "LOCAL:0 " in resources, f"{name} spills: {resources}"
+        allowed = int(re.search(r"spill-allowed (\d+)", resources).group(1))
+        stack = int(re.search(r"STACK:(\d+)", resources).group(1))
+        assert stack <= allowed and "LOCAL:0 " in resources, f"{name} spills: {resources}"
         if name in SHARED_LAYOUT:
             shared = int(re.search(r"smem (\d+)", resources).group(1))
             assert shared <= SHARED_LAYOUT_MAX_BYTES, f"{name} shuffles its tile through shared memory: {resources}"
