@@ -63,14 +63,17 @@ def _silu_mul_kernel(gu_ptr, y_ptr, data_ptr, scale_ptr, M, I, limit,
 
 
 def _launch_config(rows: int, cols: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): the widest power-of-two tile in 128..1024 that divides the
-    columns (I = 2304 -> 256, 9 column programs even for one row), ~4K outputs per program."""
-    block_n = next((b for b in (1024, 512, 256, 128) if cols % b == 0 and b <= cols), None)
+    """(BLOCK_M, BLOCK_N, num_warps): the widest power-of-two tile in 128..256 that divides the
+    columns (I = 2304 -> 256, 9 column programs even for one row), 512 outputs per program up to 64
+    rows and 1024 beyond, 4 warps. Small programs keep the latency-bound decode launch spread over
+    the SMs: on the H200 (docs/benchmarks.md, producers) at T = 16 this takes the FP8 launch from
+    1.81 us (16 x 256 tiles, 8 warps) to 1.20 and the bf16 one from 1.58 to 1.12; at T = 2048 it ties."""
+    block_n = next((b for b in (256, 128) if cols % b == 0 and b <= cols), None)
     if block_n is None:
-        block_n = max(128, min(1024, triton.next_power_of_2(cols)))
-    block_m = max(1, min(triton.next_power_of_2(rows), 4096 // block_n))
-    num_warps = 4 if block_m * block_n <= 2048 else 8
-    return block_m, block_n, num_warps
+        block_n = max(128, min(256, triton.next_power_of_2(cols)))
+    outputs = 512 if rows <= 64 else 1024
+    block_m = max(1, min(triton.next_power_of_2(rows), outputs // block_n))
+    return block_m, block_n, 4
 
 
 def check_limit(limit) -> None:

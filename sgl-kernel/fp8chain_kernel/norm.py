@@ -154,11 +154,21 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, H, ep
 
 
 def _launch_config(rows: int, cols: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_H, num_warps): whole rows per program, ~16 fp32 values per thread."""
+    """(BLOCK_M, BLOCK_H, num_warps): whole rows per program. Narrow rows share a program (2048
+    values, ~16 per thread); a row of 1025..8192 values has a program of 8 warps to itself, two
+    rows of 1025..2048 from 1024 rows on (4 warps). The bf16-only and the FP8 launch must take the
+    same configuration: the warps set the order of the row's sum of squares, and the unchained
+    model has to see the very bf16 values the chained one quantizes. From an H200 sweep
+    (docs/benchmarks.md, producers), bf16 / FP8 us: H = 1280, T = 1: 1.33 / 1.49 with 8 warps
+    against 1.32 / 1.59 with 4; H = 5120, T = 1: 1.96 / 2.03 against 1.83 / 2.22 with 16; two rows
+    of 1280 a program at T = 2048: 2.96 / 4.22 against 3.11 / 4.50 with one."""
     block_h = max(128, triton.next_power_of_2(cols))
     block_m = max(1, min(triton.next_power_of_2(rows), 2048 // block_h))
-    num_warps = max(4, min(16, block_m * block_h // 512))
-    return block_m, block_h, num_warps
+    if block_h == 2048 and rows >= 1024:
+        return 2, block_h, 4
+    if 2048 <= block_h <= 8192:
+        return 1, block_h, 8
+    return block_m, block_h, max(4, min(16, block_m * block_h // 512))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,

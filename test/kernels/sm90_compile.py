@@ -75,7 +75,8 @@ def record_launches() -> None:
         quant.quantize(bf16(64, 5120), fmt)
     for fmt in (ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN):
         for rows in (1, 2048):
-            norm.rms_norm(bf16(rows, 5120), bf16(5120), 1e-6, out_format=fmt)
+            for width in (5120, 1280):  # the boundary's RMSNorm at layer 0, q_norm
+                norm.rms_norm(bf16(rows, width), bf16(width), 1e-6, out_format=fmt)
             act.silu_mul(bf16(rows, 4608), limit=10.0, out_format=fmt)
         for rows, groups in ((1, 2), (4, 8), (64, 2), (2048, 8)):
             einsum.wo_a_einsum(bf16(rows, groups, 4096), bf16(groups, 1024, 4096), out_format=fmt)

@@ -68,6 +68,17 @@ def test_silu_mul_cpu_ragged_width(device):
         check_silu_mul(3, 160, fmt, device, LIMIT)
 
 
+@pytest.mark.cpu
+@pytest.mark.parametrize("rows,cols,config", [
+    (1, 2304, (1, 256, 4)), (16, 2304, (2, 256, 4)), (64, 2304, (2, 256, 4)), (65, 2304, (4, 256, 4)),
+    (2048, 2304, (4, 256, 4)), (3, 384, (4, 128, 4)), (2, 160, (2, 256, 4)), (1, 576, (1, 256, 4)),
+])
+def test_silu_mul_launch_config(rows, cols, config):
+    """512 outputs a program up to 64 rows, 1024 beyond, in tiles 128 or 256 wide (the H200 sweep
+    in docs/benchmarks.md)."""
+    assert act._launch_config(rows, cols) == config
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", GPU_T)
 @pytest.mark.parametrize("fmt", ALL_FORMATS)

@@ -81,6 +81,24 @@ def test_rms_norm_cpu_ragged_width(cols, device):
         check_rms_norm(5, cols, fmt, device, residual=True)
 
 
+@pytest.mark.cpu
+@pytest.mark.parametrize("rows,cols,config", [
+    (1, 256, (1, 256, 4)), (16, 256, (8, 256, 4)), (3, 1280, (1, 2048, 8)), (1023, 1280, (1, 2048, 8)),
+    (1024, 1280, (2, 2048, 4)), (1, 5120, (1, 8192, 8)), (2048, 5120, (1, 8192, 8)), (4, 10000, (1, 16384, 16)),
+])
+def test_rms_norm_launch_config(rows, cols, config):
+    """Programs of whole rows: narrow rows share one, a row of up to 8192 values gets 8 warps, two
+    rows of 1280 share one from 1024 rows on (the H200 sweep in docs/benchmarks.md)."""
+    assert norm._launch_config(rows, cols) == config
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("rows", [3, 1030])
+def test_rms_norm_cpu_q_lora_width(rows, device):
+    """q_norm's width (1280 of a 2048 tile): a row per 8-warp program, two rows a program past 1024."""
+    check_rms_norm(rows, 1280, ActFormat.SM90_G32_FP32_MN, device, residual=rows % 2 == 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", GPU_T)
 @pytest.mark.parametrize("cols", [5120, 1280])
