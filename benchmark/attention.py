@@ -3,8 +3,8 @@
 Per case (query heads, M tokens, context), median microseconds per call under CUDA-graph replay:
 
 * ``rope_us``: ``rope_qkv`` (per-head RMS + RoPE of q, the RoPE'd latent written into the cache);
-* ``attention_us``: ``mqa_attention`` (one launch of the split kernel, whose last-arriving program
-  per (token, head block) merges the key splits); ``split_us``: that kernel's GPU time
+* ``attention_us``: ``mqa_attention`` (the split kernel, plus the merge where a token's keys are
+  split over several programs); ``split_us`` / ``merge_us``: the GPU time of each kernel
   (torch.profiler, eager), ``key_splits`` how many programs share a token's keys;
 * with ``--tiles``, ``attention_us[HxL]`` and ``key_splits[HxL]`` for each other split-kernel
   tile (H query heads per program, L keys per step), in the same run;
@@ -130,6 +130,7 @@ def run(args) -> tuple[dict, list[dict]]:
             "phase": phase, "heads": heads, "M": tokens, "context": context,
             "rope_us": rope_us, "attention_us": attention_us,
             "split_us": kernels.get("_mqa_split_kernel", {}).get("us", 0.0),
+            "merge_us": kernels.get("_mqa_merge_kernel", {}).get("us", 0.0),
             "key_splits": attention.key_splits(tokens, heads, cache.shape[1], device=cache.device),
             "bytes": nbytes, "flops": flops, "floor_us": floor_us, "floor_fraction": floor_us / attention_us,
             "kernels": kernels,
@@ -148,7 +149,7 @@ def run(args) -> tuple[dict, list[dict]]:
     return meta, records
 
 
-COLUMNS = ["phase", "heads", "M", "context", "rope_us", "attention_us", "split_us", "key_splits",
+COLUMNS = ["phase", "heads", "M", "context", "rope_us", "attention_us", "split_us", "merge_us", "key_splits",
            "floor_us", "floor_fraction"]
 
 
@@ -158,7 +159,7 @@ def report(meta: dict, records: list[dict], results_dir=None) -> str:
     decode = [dict(r, panel=f"{r['heads']} heads, context {r['context']}") for r in records if r["phase"] == "decode"]
     if decode:
         harness.plot_records("attention", decode, "M",
-                             ["attention_us", "split_us", "floor_us"]
+                             ["attention_us", "split_us", "merge_us", "floor_us"]
                              + [c for c in tile_columns if c.startswith("attention_us")],
                              "us per call", group="panel", results_dir=results_dir)
     return f"{json_path}\n" + harness.markdown_table(records, COLUMNS + tile_columns)

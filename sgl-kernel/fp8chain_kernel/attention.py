@@ -12,15 +12,13 @@
     ``q`` bf16 ``[T, nh, D]``, ``kv_cache`` bf16 ``[S, L, D]`` contiguous (one latent head, keys =
     values), ``sink`` fp32 ``[nh]`` -> ``o`` bf16 ``[T, nh, D]``: token ``t`` attends to
     ``kv_cache[slots[t], 0..positions[t]]`` with per-head sinks, then the last ``rd`` dims are
-    rotated back (inverse RoPE). One launch spreads (token, head block, key split) over the GPU,
+    rotated back (inverse RoPE). Launch 1 spreads (token, head block, key split) over the GPU,
     each program an online softmax over its share of the keys on the tensor cores: ``q.k`` from
     bf16 operands into fp32 (exact products), the probabilities rounded to bf16 for ``p @ v``
-    (relative error <= 2^-9 per term, as in FlashAttention), softmax statistics in fp32. Where a
-    token's keys are split, each program publishes its fp32 partial and softmax state and bumps
-    its (token, head block)'s arrival counter (``launch.arrive_last``); the last to arrive merges
-    the partials with the sink in split order (deterministic whatever the arrival order) and
-    applies the inverse RoPE. Where one split holds all of a token's keys (many tokens: the
-    programs fill the GPU without splitting keys) each program does that for its own result.
+    (relative error <= 2^-9 per term, as in FlashAttention), softmax statistics in fp32.
+    Launch 2 merges the fp32 partials and the sink and applies the inverse RoPE; where one split
+    holds all of a token's keys (many tokens: the programs fill the GPU without splitting keys)
+    launch 1 does that itself and there is no launch 2.
 
 RoPE acts on interleaved pairs ``(x[2i], x[2i+1])``; ``cos_table``/``sin_table`` are fp32
 ``[L, rd/2]`` rows per position (``reference.rope_tables``). Both functions equal their
@@ -36,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .fp8_tile import dot_bf16, interpreting, rms_rstd, round_bf16
-from .launch import ARRIVAL_SLOTS, H200_SMS, arrival_counters, arrive_last, await_producer, pdl_options, rearm, sm_count
+from .launch import H200_SMS, await_producer, pdl_options, sm_count
 
 __all__ = ["rope_qkv", "mqa_attention", "key_splits"]
 
@@ -57,7 +55,12 @@ _WIDE_TILE = (64, 64)
 _WIDE_TILE_PAIRS = 1 << 16  # (token, key) pairs from which the wide tile pays
 _ROWS_TILES = ((1024, (32, 64)), (0, (_BLOCK_H, _BLOCK_L)))  # (least token x head rows, tile)
 _SMEM_BYTES = 227 << 10  # an H200 program's shared memory
-_MERGE_ELEMS = 4096  # partial elements the merging program sums at a time: 16 registers a thread at 8 warps
+# columns per merge program: few (token, head block)s -> narrow programs that still fill the GPU;
+# once those alone fill the SMs, wider programs read longer rows. From an H200 A/B of (16, 64),
+# (32, 128) and (64, 256) (docs/benchmarks.md, attention): the narrowest was fastest or within
+# 0.4 us at every batch (64 heads, M = 1: merge 2.4 / 2.8 / 5.2 us).
+_MERGE_COLUMNS = (16, 64)
+_MERGE_ELEMS = 8192  # at most this many partial elements per merge program: 64 registers at 4 warps
 # Key splits per (token, head block), from an H200 sweep (`fp8chain bench attention --splits`,
 # docs/benchmarks.md): as many as one wave of split programs holds (one per SM: 150-168 KB of
 # shared memory each), at least 2 while the unsplit programs fit in two waves, at most
@@ -177,15 +180,14 @@ def _attend_block(q, kv_ptr, slot, first, last, L, m_i, l_i, acc, scale, stride_
 
 
 @triton.jit
-def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr, count_ptr,
+def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
                       sink_ptr, cos_ptr, sin_ptr, o_ptr, NH, D, L, scale,
                       stride_qt, stride_qh, stride_ks, stride_kl, stride_ot, stride_oh,
                       SPLITS: tl.constexpr, STEPS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_COLUMNS: tl.constexpr,
-                      EXACT_CAST: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EXACT_CAST: tl.constexpr,
+                      PDL: tl.constexpr):
     # With SPLITS == 1 the program holds all of its token's keys and writes the final output itself
-    # (sink, normalisation, inverse RoPE); otherwise it publishes fp32 partials and the last split
-    # of its (token, head block) to arrive merges them.
+    # (sink, normalisation, inverse RoPE: the merge's arithmetic); otherwise fp32 partials.
     await_producer(PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -227,43 +229,36 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
                  mask=h_ok[:, None] & d_ok[None, :])
         tl.store(part_ml_ptr + (base + offs_h) * 2, m_i, mask=h_ok)
         tl.store(part_ml_ptr + (base + offs_h) * 2 + 1, l_i, mask=h_ok)
-        slot = t * tl.num_programs(1) + hb
-        if arrive_last(count_ptr, slot, SPLITS):
-            o_rows = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
-            _merge_splits(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, o_rows, t, offs_h, h_ok,
-                          last.to(tl.int64), NH, D, SPLITS, HALF, BLOCK_D, MERGE_COLUMNS, EXACT_CAST)
-            rearm(count_ptr, slot)
 
 
 @triton.jit
-def _merge_splits(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, o_rows, t, offs_h, h_ok, pos, NH, D,
-                  SPLITS: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, COLUMNS: tl.constexpr,
-                  EXACT_CAST: tl.constexpr):
-    """In the program that arrives last for a (token, head block): combine every split's fp32
-    partial and softmax state with the sink, in split order (the same bits whatever the arrival
-    order), and store the normalised, inverse-RoPE'd output ``COLUMNS`` columns at a time. The
-    partials are read past L1 (``.cg``): the other programs wrote them through L2."""
-    rows = (t * SPLITS).to(tl.int64) * NH + offs_h  # split 0's rows; split s adds s * NH
+def _mqa_merge_kernel(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, pos_ptr, o_ptr, NH, D,
+                      stride_ot, stride_oh, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HALF: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, EXACT_CAST: tl.constexpr,
+                      PDL: tl.constexpr):
+    # Program (t, head block, column chunk): BLOCK_C columns of BLOCK_H heads. Every split's
+    # softmax state and partial is loaded at once ([SPLITS_P2, BLOCK_H(, BLOCK_C)] tiles, one
+    # round trip each) and reduced over the splits in registers.
+    await_producer(PDL)
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_s = tl.arange(0, SPLITS_P2)
+    h_ok = offs_h < NH
+    rows = (t * SPLITS).to(tl.int64) * NH + offs_s[:, None] * NH + offs_h[None, :]  # [SPLITS_P2, BLOCK_H]
+    row_ok = (offs_s < SPLITS)[:, None] & h_ok[None, :]
+    m_s = tl.load(part_ml_ptr + rows * 2, mask=row_ok, other=float("-inf"))
+    l_s = tl.load(part_ml_ptr + rows * 2 + 1, mask=row_ok, other=0.0)
+    part = tl.load(part_o_ptr + rows[:, :, None] * D + cols[None, None, :],
+                   mask=row_ok[:, :, None] & (cols < D)[None, None, :], other=0.0)
     sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
-    peak = sink
-    for s in tl.range(SPLITS, num_stages=1):
-        peak = tl.maximum(peak, tl.load(part_ml_ptr + (rows + s * NH) * 2, mask=h_ok, other=float("-inf"),
-                                        cache_modifier=".cg"))
-    denom = tl.exp(sink - peak)
-    for s in tl.range(SPLITS, num_stages=1):
-        m_s = tl.load(part_ml_ptr + (rows + s * NH) * 2, mask=h_ok, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(part_ml_ptr + (rows + s * NH) * 2 + 1, mask=h_ok, other=0.0, cache_modifier=".cg")
-        denom += l_s * tl.exp(m_s - peak)  # 0 for a split that saw no key (m_s = -inf)
-    for first_col in tl.static_range(0, BLOCK_D, COLUMNS):
-        cols = first_col + tl.arange(0, COLUMNS)
-        mask = h_ok[:, None] & (cols < D)[None, :]
-        total = tl.zeros((offs_h.shape[0], COLUMNS), tl.float32)
-        for s in tl.range(SPLITS, num_stages=1):
-            m_s = tl.load(part_ml_ptr + (rows + s * NH) * 2, mask=h_ok, other=float("-inf"), cache_modifier=".cg")
-            part = tl.load(part_o_ptr + (rows + s * NH)[:, None] * D + cols[None, :], mask=mask, other=0.0,
-                           cache_modifier=".cg")
-            total += part * tl.exp(m_s - peak)[:, None]
-        _store_rotated_back(o_rows, total, first_col, denom, h_ok, cos_ptr, sin_ptr, pos, D, HALF, EXACT_CAST)
+    peak = tl.maximum(sink, tl.max(m_s, axis=0))
+    weight = tl.exp(m_s - peak[None, :])  # 0 for a split that saw no key (m_s = -inf)
+    denom = tl.exp(sink - peak) + tl.sum(l_s * weight, axis=0)
+    total = tl.sum(part * weight[:, :, None], axis=0)
+    o_rows = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
+    _store_rotated_back(o_rows, total, tl.program_id(2) * BLOCK_C, denom, h_ok, cos_ptr, sin_ptr,
+                        tl.load(pos_ptr + t).to(tl.int64), D, HALF, EXACT_CAST)
 
 
 def _splits(tokens: int, heads: int, block_h: int, key_steps: int, sms: int) -> int:
@@ -299,7 +294,7 @@ def _pipeline_stages(block_h: int, block_l: int, block_d: int) -> int:
 def key_splits(tokens: int, heads: int, length: int, tile: tuple[int, int] | None = None,
                device: torch.device | None = None) -> int:
     """How many split-kernel programs share one token's keys for a cache of ``length`` positions
-    (1: no partials to merge) on ``device`` (None: an H200)."""
+    (1: the split kernel writes the output itself, no merge launch) on ``device`` (None: an H200)."""
     sms = H200_SMS if device is None else sm_count(device, interpreter=H200_SMS)
     block_h, block_l = _split_tile(tile, tokens, heads, length)
     return _splits(tokens, heads, block_h, triton.cdiv(length, block_l), sms)
@@ -404,25 +399,30 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
         splits = _splits(tokens, heads, block_h, key_steps, sms)
     elif isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= key_steps:
         raise ValueError(f"splits must be an int in 1..{key_steps} (steps of {block_l} keys), got {splits!r}")
-    if splits > 1 and tokens * head_blocks > ARRIVAL_SLOTS:
-        raise ValueError(f"{tokens} tokens x {head_blocks} head blocks exceed the {ARRIVAL_SLOTS} arrival "
-                         f"counters of a split launch: use splits=1")
     steps = triton.cdiv(key_steps, splits)
     block_d = triton.next_power_of_2(dim)
-    if splits == 1:  # the split kernel writes ``out`` itself: no partials, no counters
-        part_o = part_ml = counters = out
+    if splits == 1:  # the split kernel writes ``out`` itself: no partials, no merge launch
+        part_o = part_ml = out
     else:
         part_o = torch.empty((tokens, splits, heads, dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((tokens, splits, heads, 2), dtype=torch.float32, device=q.device)
-        counters = arrival_counters("attention", q.device, tokens * head_blocks)
     warps = 8 if block_d >= 512 else 4  # 64 keys x 512 columns: 4 warps spill registers
     stages = {} if interpreting() else {"num_stages": _pipeline_stages(block_h, block_l, block_d)}
     _mqa_split_kernel[(tokens, head_blocks, splits)](
-        q, kv_cache, slots, positions, part_o, part_ml, counters, sink, cos_table, sin_table, out,
+        q, kv_cache, slots, positions, part_o, part_ml, sink, cos_table, sin_table, out,
         heads, dim, length, float(scale),
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1),
         SPLITS=splits, STEPS=steps, HALF=half, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_D=block_d,
-        MERGE_COLUMNS=min(block_d, _MERGE_ELEMS // block_h), EXACT_CAST=interpreting(), num_warps=warps,
-        **stages, **pdl_options(),
+        EXACT_CAST=interpreting(), num_warps=warps, **stages, **pdl_options(),
+    )
+    if splits == 1:
+        return out
+    merge_blocks = triton.cdiv(heads, _BLOCK_H)
+    splits_p2 = triton.next_power_of_2(splits)
+    columns = min(_MERGE_COLUMNS[tokens * merge_blocks >= sms], _MERGE_ELEMS // (_BLOCK_H * splits_p2))
+    _mqa_merge_kernel[(tokens, merge_blocks, triton.cdiv(dim, columns))](
+        part_o, part_ml, sink, cos_table, sin_table, positions, out, heads, dim, out.stride(0), out.stride(1),
+        SPLITS=splits, SPLITS_P2=splits_p2, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_C=columns,
+        EXACT_CAST=interpreting(), num_warps=4, **pdl_options(),
     )
     return out

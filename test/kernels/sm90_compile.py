@@ -93,8 +93,8 @@ def record_launches() -> None:
                                    return_bf16=False)
     cos, sin = reference.rope_tables(1024, 64, 10000.0)
     cache = torch.zeros(64, 1024, 512, dtype=torch.bfloat16)
-    # default tiles 16 x 64 (16 key splits, merged by the last to arrive) and 64 x 64 wgmma at two
-    # stages (2 splits; one split: no merge, the spill SPILL_ALLOWED names);
+    # default tiles 16 x 64 (16 key splits, merged) and 64 x 64 wgmma at two stages (2 splits,
+    # merged; one split: the split kernel writes the output, the spill SPILL_ALLOWED names);
     # rope_qkv with and without the fused kv norm
     for rows in (1, 64, 256, 2048):
         slots, positions = torch.arange(rows) % 64, torch.full((rows,), 1023)

@@ -5,7 +5,6 @@ import torch
 
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.attention import _pipeline_stages, _split_tile, key_splits, mqa_attention, rope_qkv
-from fp8chain_kernel.launch import arrival_counters
 
 ROPE_DIM = 64
 THETA = 10000.0
@@ -67,32 +66,20 @@ def test_attention_matches_reference_cpu(tokens, heads, dim, length):
 
 
 @pytest.mark.cpu
-def test_many_tokens_merge_in_column_chunks():
-    """48 tokens x 64 heads: the keys still split in two (48 x 2 x 2 programs of 32 heads); the
-    last of each (token, head block) to arrive merges 128 columns at a time (160 columns: the
-    second chunk partly masked)."""
+def test_many_tokens_use_wide_merge_programs():
+    """48 tokens x 4 merge head blocks fill 132 SMs: the keys still split in two (48 x 2 split
+    programs of 32 heads), and the merge runs 64-column programs (160 columns: the third chunk
+    is partly masked)."""
     assert key_splits(48, 64, 256) == 2
     _check_attention(_problem(48, 64, 160, 256, 4, "cpu"))
-
-
-@pytest.mark.cpu
-def test_split_merge_rearms_its_counters():
-    """The merging program re-arms its arrival counter: back-to-back calls (as in a replayed CUDA
-    graph) each write their whole output, and every counter is zero afterwards."""
-    problem = _problem(3, 32, 128, 256, 3, "cpu", positions=torch.tensor([255, 7, 100]))
-    assert key_splits(3, 32, 256) > 1
-    for _ in range(2):
-        out = torch.full(problem[0].shape, float("nan"), dtype=torch.bfloat16)
-        _assert_attention_close(mqa_attention(*problem, out=out), problem)
-    assert not arrival_counters("attention", torch.device("cpu"), 1).any()
 
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("tile,length", [((32, 32), 256), ((64, 64), 256), ((64, 16), 16)],
                          ids=["split", "wide-split", "one-split"])
 def test_other_split_tiles(tile, length):
-    """Wider head tiles and shorter key steps (tile=): keys split over several programs (merged by
-    the last to arrive), or one program per token's keys."""
+    """Wider head tiles and shorter key steps (tile=): keys split over several programs (merged), or
+    one program per token's keys."""
     assert (key_splits(2, 64, length, tile) > 1) == (length == 256)
     problem = _problem(2, 64, 128, length, 2, "cpu", positions=torch.tensor([length - 1, length // 3]))
     out = torch.full(problem[0].shape, float("nan"), dtype=torch.bfloat16)
@@ -104,7 +91,7 @@ def test_other_split_tiles(tile, length):
 @pytest.mark.cpu
 def test_one_split_writes_the_output_itself():
     """Enough (token, head block) programs to fill the GPU: one split per token, which applies the
-    sink, the normalisation and the inverse RoPE itself (no partials to merge)."""
+    sink, the normalisation and the inverse RoPE itself (no partials, no merge launch)."""
     assert key_splits(17, 256, 300, (16, 64)) == 1
     _check_attention(_problem(17, 256, 64, 300, 5, "cpu"), tile=(16, 64))
 

@@ -35,7 +35,7 @@ def test_tiles_option_and_report(tmp_path):
     with pytest.raises(SystemExit):
         parser.parse_args(["--tiles", "64"])
     record = dict(phase="decode", heads=64, M=1, context=1024, rope_us=1.0, attention_us=10.0, split_us=8.0,
-                  key_splits=8, bytes=1, flops=1, floor_us=1.0, floor_fraction=0.1, kernels={})
+                  merge_us=2.0, key_splits=8, bytes=1, flops=1, floor_us=1.0, floor_fraction=0.1, kernels={})
     record.update({"attention_us[64x32]": 5.0, "key_splits[64x32]": 2})
     text = bench.report({"date": "today"}, [record], tmp_path)
     header, _, row = text.splitlines()[1:4]
@@ -50,7 +50,7 @@ def test_splits_option_and_report(tmp_path):
     bench.add_arguments(parser)
     assert parser.parse_args(["--splits", "2", "4"]).splits == [2, 4]
     record = dict(phase="decode", heads=64, M=16, context=1024, rope_us=1.0, attention_us=30.0, split_us=20.0,
-                  key_splits=4, bytes=1, flops=1, floor_us=1.0, floor_fraction=0.1, kernels={})
+                  merge_us=9.0, key_splits=4, bytes=1, flops=1, floor_us=1.0, floor_fraction=0.1, kernels={})
     record.update({"attention_us[splits=2]": 40.0, "attention_us[splits=8]": 37.0})
     header, _, row = bench.report({"date": "today"}, [record], tmp_path).splitlines()[1:4]
     assert header.endswith("| attention_us[splits=2] | attention_us[splits=8] |")
