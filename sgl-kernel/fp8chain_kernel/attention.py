@@ -55,11 +55,12 @@ _WIDE_TILE = (64, 64)
 _WIDE_TILE_PAIRS = 1 << 16  # (token, key) pairs from which the wide tile pays
 _ROWS_TILES = ((1024, (32, 64)), (0, (_BLOCK_H, _BLOCK_L)))  # (least token x head rows, tile)
 _SMEM_BYTES = 227 << 10  # an H200 program's shared memory
-# columns per merge program: few (token, head block)s -> narrow programs that still fill the GPU;
-# once those alone fill the SMs, wider programs read longer rows. From an H200 A/B of (16, 64),
-# (32, 128) and (64, 256) (docs/benchmarks.md, attention): the narrowest was fastest or within
-# 0.4 us at every batch (64 heads, M = 1: merge 2.4 / 2.8 / 5.2 us).
-_MERGE_COLUMNS = (16, 64)
+# columns per merge program: 16 at every batch. From H200 sweeps of 16-256 columns, 16-64 heads
+# and 2-8 warps per program (docs/benchmarks.md, attention): 16 columns of 16 heads on 4 warps
+# was within 0.3 us of the best shape at each batch but M = 16 (64 heads: 6.97 against 6.16 us on
+# 2 warps), and beat the 64 columns taken before from 132 (token, head block)s on (64 heads, M =
+# 64: 17.3 against 19.5 us; M = 256: 64.6 against 71.8).
+_MERGE_COLUMNS = 16
 _MERGE_ELEMS = 8192  # at most this many partial elements per merge program: 64 registers at 4 warps
 # Key splits per (token, head block), from an H200 sweep (`fp8chain bench attention --splits`,
 # docs/benchmarks.md): as many as one wave of split programs holds (one per SM: 150-168 KB of
@@ -419,7 +420,7 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
         return out
     merge_blocks = triton.cdiv(heads, _BLOCK_H)
     splits_p2 = triton.next_power_of_2(splits)
-    columns = min(_MERGE_COLUMNS[tokens * merge_blocks >= sms], _MERGE_ELEMS // (_BLOCK_H * splits_p2))
+    columns = min(_MERGE_COLUMNS, _MERGE_ELEMS // (_BLOCK_H * splits_p2))
     _mqa_merge_kernel[(tokens, merge_blocks, triton.cdiv(dim, columns))](
         part_o, part_ml, sink, cos_table, sin_table, positions, out, heads, dim, out.stride(0), out.stride(1),
         SPLITS=splits, SPLITS_P2=splits_p2, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_C=columns,

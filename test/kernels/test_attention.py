@@ -66,12 +66,12 @@ def test_attention_matches_reference_cpu(tokens, heads, dim, length):
 
 
 @pytest.mark.cpu
-def test_many_tokens_use_wide_merge_programs():
+def test_many_tokens_merge_in_column_chunks():
     """48 tokens x 4 merge head blocks fill 132 SMs: the keys still split in two (48 x 2 split
-    programs of 32 heads), and the merge runs 64-column programs (160 columns: the third chunk
-    is partly masked)."""
+    programs of 32 heads), and the merge runs 16-column programs (168 columns: the last chunk is
+    partly masked)."""
     assert key_splits(48, 64, 256) == 2
-    _check_attention(_problem(48, 64, 160, 256, 4, "cpu"))
+    _check_attention(_problem(48, 64, 168, 256, 4, "cpu"))
 
 
 @pytest.mark.cpu
