@@ -23,6 +23,11 @@ against the table's choice, with the weights rotating through copies past L2
 (``harness.copies_past_l2``), and writes ``producers_wo_a_sweep.json`` (the source of
 ``einsum._launch_config``).
 
+``--sweep-launch`` instead times candidate program shapes (rows per program, tile width, warps)
+of the row-tiled producers (RMSNorm, q_norm, SiLU*mul; ``config=``), each shape's bf16-only and
+FP8 launch and the launch rule's in graphs replayed in turn, and writes
+``producers_launch_sweep.json`` (the source of ``norm._launch_config`` and ``act._launch_config``).
+
 Next to each figure: the bytes-moved floor of each arm (bytes / copy bandwidth measured in the
 same run), and the ratios fp8/bf16-only and fp8/(bf16+quant). ``fp8_launches`` counts kernel
 launches of the FP8 arm (torch.profiler).
@@ -66,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time candidate wo_a_einsum launch configs (FP8 out) instead of the four arms")
     parser.add_argument("--splits", nargs="+", type=int, default=None,
                         help="with --sweep-wo-a: only one-scale-group tiles, with these K splits")
+    parser.add_argument("--sweep-launch", action="store_true",
+                        help="time candidate program shapes of RMSNorm, q_norm and SiLU*mul instead of the four arms")
 
 
 def _pair_bytes(rows: int, cols: int, fmt: ActFormat) -> int:
@@ -95,9 +102,10 @@ def peer_function(name: str, fmt: ActFormat):
 
 class Case:
     """One producer at one T: the three arms as closures over preallocated buffers, the peer, and
-    the bytes each arm must move (``in_bytes`` read + written besides the output)."""
+    the bytes each arm must move (``in_bytes`` read + written besides the output). ``config``: a
+    launch config for the row-tiled producers (``--sweep-launch``)."""
 
-    def __init__(self, name, rows, fmt, device):
+    def __init__(self, name, rows, fmt, device, config=None):
         self.name, self.rows, self.fmt = name, rows, fmt
         t = rows
         quant_out = None
@@ -111,9 +119,10 @@ class Case:
             self.in_bytes = t * h * 2 + h * 2 + (2 * t * h * 2 if res is not None else 0)
             y = torch.empty(t, h, device=device, dtype=torch.bfloat16)
             pair = empty_pair(t, h, fmt, device)
-            self.bf16 = lambda: norm.rms_norm(x, w, EPS, residual=res, out_bf16=y)
+            self.bf16 = lambda: norm.rms_norm(x, w, EPS, residual=res, out_bf16=y, config=config)
             self.fp8 = lambda: norm.rms_norm(x, w, EPS, residual=res, out_format=fmt, out=pair,
-                                             out_bf16=y if self.fp8_bf16 else None, return_bf16=self.fp8_bf16)
+                                             out_bf16=y if self.fp8_bf16 else None, return_bf16=self.fp8_bf16,
+                                             config=config)
             self.peer_args = (x, w, res)
         elif name == "silu_mul":
             i = 2304
@@ -123,8 +132,9 @@ class Case:
             self.in_bytes = t * 2 * i * 2
             y = torch.empty(t, i, device=device, dtype=torch.bfloat16)
             pair = empty_pair(t, i, fmt, device)
-            self.bf16 = lambda: act.silu_mul(gu, limit=SWIGLU_LIMIT, out_bf16=y)
-            self.fp8 = lambda: act.silu_mul(gu, limit=SWIGLU_LIMIT, out_format=fmt, out=pair, return_bf16=False)
+            self.bf16 = lambda: act.silu_mul(gu, limit=SWIGLU_LIMIT, out_bf16=y, config=config)
+            self.fp8 = lambda: act.silu_mul(gu, limit=SWIGLU_LIMIT, out_format=fmt, out=pair, return_bf16=False,
+                                            config=config)
             self.peer_args = (gu,)
         elif name.startswith("wo_a"):
             g, r, d = (8 if name == "wo_a_g8" else 2), 1024, 4096
@@ -228,11 +238,63 @@ def run_wo_a_sweep(args) -> tuple[dict, list[dict]]:
     return meta, records
 
 
+LAUNCH_SWEEP = ("rms_norm", "q_norm", "silu_mul")
+
+
+def launch_candidates(name: str, rows: int) -> list[dict]:
+    """Program shapes for ``--sweep-launch``: RMSNorm whole rows (1-8 per program, 2-16 warps);
+    SiLU*mul tiles 128 or 256 wide of 1-32 rows, 64-8192 outputs, 2-8 warps (at least one output
+    per thread)."""
+    if name in ("rms_norm", "q_norm"):
+        width = triton.next_power_of_2(5120 if name == "rms_norm" else 1280)
+        return [dict(BLOCK_M=m, BLOCK_H=width, num_warps=w) for m in (1, 2, 4, 8) if m <= rows
+                for w in ((4, 8, 16) if width > 2048 else (2, 4, 8))]
+    if name == "silu_mul":
+        return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w) for n in (128, 256) for m in (1, 2, 4, 8, 16, 32)
+                for w in (2, 4, 8) if m <= rows and 32 * w <= m * n <= 8192]
+    raise ValueError(f"--sweep-launch covers {LAUNCH_SWEEP}, not {name}")
+
+
+def run_launch_sweep(args) -> tuple[dict, list[dict]]:
+    meta = harness.bench_meta()
+    fmt = ActFormat(args.formats[0])
+    records = []
+    cases = [(p, t) for p in args.producers if p in LAUNCH_SWEEP for t in (QUICK_ROWS if args.quick else args.rows)]
+    for name, rows in harness.progress(cases, "launch shapes"):
+        configs = [None] + launch_candidates(name, rows)
+        # every shape's two arms replay in turn: differences are fractions of a microsecond
+        graphs = {}
+        for index, config in enumerate(configs):
+            case = Case(name, rows, fmt, DEVICE, config=config)
+            for arm in ("bf16", "fp8"):
+                graphs[(index, arm)] = harness.capture_graph(getattr(case, arm), args.iters)
+        for (index, arm), us in harness.replay_times_us(graphs, args.iters).items():
+            records.append({"producer": name, "T": rows, "config": configs[index] or "rule", "arm": arm, "us": us})
+        del graphs
+        harness.save_results("producers_launch_sweep", meta, records, args.results_dir)
+    return meta, records
+
+
+def best_launches(records: list[dict]) -> list[dict]:
+    """Per producer and T: the rule's bf16 / FP8 times and the fastest shape of each arm."""
+    rows = {}
+    for rec in records:
+        row = rows.setdefault((rec["producer"], rec["T"]), {"producer": rec["producer"], "T": rec["T"]})
+        arm = rec["arm"]
+        if rec["config"] == "rule":
+            row[f"rule_{arm}_us"] = rec["us"]
+        elif rec["us"] < row.get(f"best_{arm}_us", float("inf")):
+            row[f"best_{arm}_us"], row[f"best_{arm}_config"] = rec["us"], rec["config"]
+    return list(rows.values())
+
+
 def run(args) -> tuple[dict, list[dict]]:
     if not torch.cuda.is_available():
         raise SystemExit("benchmark producers needs a CUDA GPU (kernel logic is tested on CPU instead)")
     if args.sweep_wo_a:
         return run_wo_a_sweep(args)
+    if args.sweep_launch:
+        return run_launch_sweep(args)
     rows_list = QUICK_ROWS if args.quick else args.rows
     meta = harness.bench_meta()
     bandwidth = harness.copy_bandwidth()
@@ -288,6 +350,11 @@ COLUMNS = ["case", "format", "T", "bf16_us", "bf16_quant_us", "fp8_us", "compile
 
 
 def report(meta: dict, records: list[dict], results_dir=None) -> str:
+    if records and "arm" in records[0]:  # --sweep-launch
+        json_path = harness.save_results("producers_launch_sweep", meta, records, results_dir)
+        columns = ["producer", "T", "rule_bf16_us", "rule_fp8_us", "best_bf16_us", "best_bf16_config", "best_fp8_us",
+                   "best_fp8_config"]
+        return f"{json_path}\n" + harness.markdown_table(best_launches(records), columns)
     if records and "config" in records[0]:  # --sweep-wo-a
         json_path = harness.save_results("producers_wo_a_sweep", meta, records, results_dir)
         best = {}

@@ -1,6 +1,6 @@
 """SiLU*mul (with the optional swiglu clamp) -> bf16, and in the same launch its FP8 pair.
 
-``silu_mul(gate_up, *, limit=None, out_format=None, out=None, out_bf16=None, return_bf16=True)``
+``silu_mul(gate_up, *, limit=None, out_format=None, out=None, out_bf16=None, return_bf16=True, config=None)``
 
 * ``gate_up``: bf16 ``[T, 2I]``, unit column stride (any row stride); ``gate = gate_up[:, :I]``,
   ``up = gate_up[:, I:]``.
@@ -11,7 +11,8 @@
   ``reference.quantize(y, out_format)`` bit for bit; ``return_bf16=False`` stores no bf16).
 
 Tiles: ``[BLOCK_M, BLOCK_N]`` of output columns, ``BLOCK_N`` a multiple of 128 (whole quantization
-groups and whole packed scale words per program), a grid over rows and columns.
+groups and whole packed scale words per program), a grid over rows and columns; ``config`` sets
+them in place of the launch rule (benchmarks' sweeps).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import triton.language as tl
 from .formats import ActFormat, QuantizedActivation
 from .fp8_tile import fp8_offsets, round_bf16, store_pair_tile
 from .launch import await_producer, pdl_options
-from .norm import check_tensor, launch_args, producer_result, resolve_outputs
+from .norm import check_launch_config, check_tensor, launch_args, producer_result, resolve_outputs
 
 __all__ = ["silu_mul", "swiglu", "check_limit"]
 
@@ -85,8 +86,10 @@ def check_limit(limit) -> None:
 
 def silu_mul(gate_up: torch.Tensor, *, limit: float | None = None, out_format: ActFormat | str | None = None,
              out: QuantizedActivation | None = None, out_bf16: torch.Tensor | None = None,
-             return_bf16: bool = True):
-    """``silu(gate) * up`` of ``gate_up [T, 2I]`` bf16 -> ``[T, I]``; see the module docstring."""
+             return_bf16: bool = True, config: dict | None = None):
+    """``silu(gate) * up`` of ``gate_up [T, 2I]`` bf16 -> ``[T, I]``; see the module docstring.
+    ``config``: ``BLOCK_M``, ``BLOCK_N`` (>= 128: whole FP8 groups of every format per program)
+    and ``num_warps`` in place of ``_launch_config``'s (benchmarks' sweeps)."""
     check_tensor(gate_up, "gate_up", torch.bfloat16, 2)
     rows, cols2 = gate_up.shape
     if cols2 % 2:
@@ -95,11 +98,14 @@ def silu_mul(gate_up: torch.Tensor, *, limit: float | None = None, out_format: A
         raise ValueError(f"gate_up must have unit column stride, got strides {gate_up.stride()}")
     check_limit(limit)
     cols = cols2 // 2
+    if config is None:
+        block_m, block_n, num_warps = _launch_config(rows, cols)
+    else:
+        block_m, block_n, num_warps = check_launch_config(config, "BLOCK_N", 128)
     fmt, pair, y = resolve_outputs(rows, cols, gate_up.device, out_format, out, out_bf16, return_bf16)
     if rows == 0 or cols == 0:
         return producer_result(y, pair)
     a = launch_args(fmt, pair, y, gate_up)
-    block_m, block_n, num_warps = _launch_config(rows, cols)
     grid = (triton.cdiv(cols, block_n), triton.cdiv(rows, block_m))
     _silu_mul_kernel[grid](
         gate_up, a["y"], a["data"], a["scale"], rows, cols, float(limit) if limit is not None else 0.0,

@@ -1,7 +1,7 @@
 """RMSNorm (with optional fused residual add) -> bf16, and in the same launch its FP8 pair.
 
 ``rms_norm(x, weight, eps, *, residual=None, out_format=None, out=None, out_bf16=None,
-return_bf16=True)``
+return_bf16=True, config=None)``
 
 * ``x``: bf16 ``[T, H]``, unit column stride (any row stride); ``weight``: bf16 ``[H]``, contiguous.
 * ``residual`` (optional): bf16 ``[T, H]``, unit column stride. Then ``h = bf16(x + residual)``
@@ -15,6 +15,8 @@ return_bf16=True)``
 * ``out``: a caller-given pair (``[T, H]`` in ``out_format``; its scale column stride is honoured,
   so a row-slice of a buffer captured for more rows works); ``out`` alone implies its format.
   ``out_bf16``: a caller-given bf16 ``[T, H]`` buffer with unit column stride.
+* ``config`` (benchmarks' sweeps): ``{"BLOCK_M", "BLOCK_H", "num_warps"}`` in place of the launch
+  rule (``_launch_config``), powers of two, ``BLOCK_H >= max(H, 128)``.
 
 The same return convention (and the helpers ``resolve_outputs`` / ``producer_result`` below)
 is shared by ``act.silu_mul`` and ``einsum.wo_a_einsum``.
@@ -96,6 +98,21 @@ def resolve_outputs(rows: int, cols: int, device, out_format, out, out_bf16, ret
     return fmt, pair, y
 
 
+def check_launch_config(config, width_key: str, min_width: int) -> tuple[int, int, int]:
+    """A caller's launch config for a row-tiled producer (benchmarks' sweeps): a dict with
+    ``BLOCK_M`` (rows per program), ``width_key`` (columns per program) and ``num_warps``, all
+    powers of two, the width at least ``min_width``; returned as ``(BLOCK_M, width, num_warps)``."""
+    keys = {"BLOCK_M", width_key, "num_warps"}
+    if not isinstance(config, dict) or set(config) != keys:
+        raise ValueError(f"config must be a dict with keys {sorted(keys)}, got {config!r}")
+    values = (config["BLOCK_M"], config[width_key], config["num_warps"])
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1) for v in values):
+        raise ValueError(f"config values must be powers of two, got {config!r}")
+    if values[1] < min_width or values[2] > 16:
+        raise ValueError(f"config needs {width_key} >= {min_width} and num_warps <= 16, got {config!r}")
+    return values
+
+
 def producer_result(y, pair):
     """``y``, ``(y, pair)`` or ``pair``: the return convention of every producer."""
     if pair is None:
@@ -173,9 +190,10 @@ def _launch_config(rows: int, cols: int) -> tuple[int, int, int]:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,
              out_format: ActFormat | str | None = None, out: QuantizedActivation | None = None,
-             out_bf16: torch.Tensor | None = None, return_bf16: bool = True):
+             out_bf16: torch.Tensor | None = None, return_bf16: bool = True, config: dict | None = None):
     """RMSNorm of ``x [T, H]`` bf16 (optionally after ``residual += x`` in place); see the module
-    docstring for shapes, layouts, numerics and the return convention."""
+    docstring for shapes, layouts, numerics and the return convention. ``config``: ``BLOCK_M``,
+    ``BLOCK_H`` (>= H) and ``num_warps`` in place of ``_launch_config``'s (benchmarks' sweeps)."""
     check_tensor(x, "x", torch.bfloat16, 2)
     rows, cols = x.shape
     if x.numel() and x.stride(1) != 1:
@@ -191,11 +209,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
         check_rows(residual, "residual", (rows, cols), x.device)
     if not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    if config is None:
+        block_m, block_h, num_warps = _launch_config(rows, cols)
+    else:  # whole rows per program, as the rule's, at least 128 wide
+        block_m, block_h, num_warps = check_launch_config(config, "BLOCK_H", max(cols, 128))
     fmt, pair, y = resolve_outputs(rows, cols, x.device, out_format, out, out_bf16, return_bf16)
     if rows == 0 or cols == 0:
         return producer_result(y, pair)
     a = launch_args(fmt, pair, y, x)
-    block_m, block_h, num_warps = _launch_config(rows, cols)
     res = residual if residual is not None else x
     _rms_norm_kernel[(triton.cdiv(rows, block_m),)](
         x, res, weight, a["y"], a["data"], a["scale"], rows, cols, float(eps),

@@ -79,6 +79,22 @@ def test_silu_mul_launch_config(rows, cols, config):
     assert act._launch_config(rows, cols) == config
 
 
+@pytest.mark.cpu
+@pytest.mark.parametrize("config", [dict(BLOCK_M=1, BLOCK_N=128, num_warps=2), dict(BLOCK_M=8, BLOCK_N=512, num_warps=8)])
+def test_silu_mul_launch_config_override(config, device):
+    """``config=`` (the benchmark's sweep) sets the tile; the outputs equal the launch rule's (an
+    elementwise op), the masked tail columns included (I = 320)."""
+    gu = _gate_up(5, 320, device)
+    fmt = ActFormat.SM90_G128_FP32_MN
+    want_y, want_pair = act.silu_mul(gu, limit=LIMIT, out_format=fmt)
+    y, pair = act.silu_mul(gu, limit=LIMIT, out_format=fmt, out=poisoned_pair(5, 320, fmt, device),
+                           out_bf16=_nan_bf16(5, 320, device), config=config)
+    assert torch.equal(y, want_y)
+    assert_pairs_equal(pair, want_pair)
+    with pytest.raises(ValueError, match="config"):
+        act.silu_mul(gu, config=dict(BLOCK_M=1, BLOCK_N=64, num_warps=4))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", GPU_T)
 @pytest.mark.parametrize("fmt", ALL_FORMATS)

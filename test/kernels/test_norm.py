@@ -93,6 +93,34 @@ def test_rms_norm_launch_config(rows, cols, config):
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("config", [dict(BLOCK_M=1, BLOCK_H=256, num_warps=2), dict(BLOCK_M=4, BLOCK_H=512, num_warps=8)])
+def test_rms_norm_launch_config_override(config, device):
+    """``config=`` (the benchmark's sweep) sets the program shape; every row is still written and
+    the pair is the quantization of the bf16 output."""
+    x, w, _ = _inputs(5, 160, device, False)
+    fmt = ActFormat.SM100_G32_UE8M0_PACKED_MN
+    y, pair = norm.rms_norm(x, w, EPS, out_format=fmt, out=poisoned_pair(5, 160, fmt, device),
+                            out_bf16=_nan_bf16(5, 160, device), config=config)
+    assert_close_bf16(y, rms_norm_fp32(x, w, EPS), ulps=1.0)
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("config", [
+    dict(BLOCK_M=1, BLOCK_H=128, num_warps=4), dict(BLOCK_M=3, BLOCK_H=256, num_warps=4),
+    dict(BLOCK_M=1, BLOCK_H=256, num_warps=32), dict(BLOCK_M=1, BLOCK_N=256, num_warps=4), (1, 256, 4),
+    dict(BLOCK_M=True, BLOCK_H=256, num_warps=4),
+])
+def test_rms_norm_rejects_bad_launch_config(config, device):
+    """A tile narrower than the row, a non-power of two, too many warps, wrong keys or type."""
+    x, w, _ = _inputs(2, 160, device, False)
+    with pytest.raises(ValueError, match="config"):
+        norm.rms_norm(x, w, EPS, config=config)
+    with pytest.raises(ValueError, match="config"):  # checked before the empty-batch shortcut
+        norm.rms_norm(x[:0], w, EPS, config=config)
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize("rows", [3, 1030])
 def test_rms_norm_cpu_q_lora_width(rows, device):
     """q_norm's width (1280 of a 2048 tile): a row per 8-warp program, two rows a program past 1024."""

@@ -1,0 +1,49 @@
+"""The producers benchmark's launch-shape sweep: its candidates and report (timing needs a GPU)."""
+
+import argparse
+import json
+
+import pytest
+
+from fp8chain.cli import _load_benchmark
+from fp8chain_kernel import act, norm
+
+pytestmark = pytest.mark.cpu
+
+
+@pytest.mark.parametrize("name,cols", [("rms_norm", 5120), ("q_norm", 1280), ("silu_mul", 2304)])
+@pytest.mark.parametrize("rows", [1, 4, 16, 64, 256, 2048])
+def test_launch_candidates_hold_the_rule(name, cols, rows):
+    """The sweep times the launch rule's own shape among its candidates, so it can confirm or
+    overturn it; every candidate is one ``config=`` accepts."""
+    bench = _load_benchmark("producers")
+    candidates = bench.launch_candidates(name, rows)
+    if name == "silu_mul":
+        rule = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps"), act._launch_config(rows, cols)))
+        checked = [norm.check_launch_config(c, "BLOCK_N", 128) for c in candidates]
+    else:
+        rule = dict(zip(("BLOCK_M", "BLOCK_H", "num_warps"), norm._launch_config(rows, cols)))
+        checked = [norm.check_launch_config(c, "BLOCK_H", cols) for c in candidates]
+    assert rule in candidates
+    assert len(set(checked)) == len(candidates) and all(c["BLOCK_M"] <= rows for c in candidates)
+    with pytest.raises(ValueError, match="sweep-launch"):
+        bench.launch_candidates("wo_a_g8", rows)
+
+
+def test_sweep_launch_option_and_report(tmp_path):
+    bench = _load_benchmark("producers")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args(["--sweep-launch"]).sweep_launch
+    shape = dict(BLOCK_M=2, BLOCK_N=256, num_warps=4)
+    records = [dict(producer="silu_mul", T=16, config="rule", arm="bf16", us=1.6),
+               dict(producer="silu_mul", T=16, config="rule", arm="fp8", us=1.8),
+               dict(producer="silu_mul", T=16, config=shape, arm="bf16", us=1.1),
+               dict(producer="silu_mul", T=16, config=shape, arm="fp8", us=1.2),
+               dict(producer="silu_mul", T=16, config=dict(shape, num_warps=8), arm="fp8", us=1.3)]
+    assert bench.best_launches(records) == [dict(producer="silu_mul", T=16, rule_bf16_us=1.6, rule_fp8_us=1.8,
+                                                 best_bf16_us=1.1, best_bf16_config=shape, best_fp8_us=1.2,
+                                                 best_fp8_config=shape)]
+    text = bench.report({"date": "today"}, records, tmp_path)
+    assert "| silu_mul | 16 | 1.6 | 1.8 | 1.1 |" in text
+    assert json.loads((tmp_path / "producers_launch_sweep.json").read_text())["records"] == records
