@@ -67,11 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-peer", action="store_true", help="skip the torch.compile peer")
     parser.add_argument("--iters", type=int, default=50, help="calls per captured graph")
     parser.add_argument("--results-dir", default=None, help="where JSON/PNG go (default benchmark/results)")
-    parser.add_argument("--sweep-wo-a", action="store_true",
+    sweeps = parser.add_mutually_exclusive_group()
+    sweeps.add_argument("--sweep-wo-a", action="store_true",
                         help="time candidate wo_a_einsum launch configs (FP8 out) instead of the four arms")
     parser.add_argument("--splits", nargs="+", type=int, default=None,
                         help="with --sweep-wo-a: only one-scale-group tiles, with these K splits")
-    parser.add_argument("--sweep-launch", action="store_true",
+    sweeps.add_argument("--sweep-launch", action="store_true",
                         help="time candidate program shapes of RMSNorm, q_norm and SiLU*mul instead of the four arms")
 
 

@@ -35,6 +35,8 @@ def test_sweep_launch_option_and_report(tmp_path):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     assert parser.parse_args(["--sweep-launch"]).sweep_launch
+    with pytest.raises(SystemExit):  # one sweep per run
+        parser.parse_args(["--sweep-launch", "--sweep-wo-a"])
     shape = dict(BLOCK_M=2, BLOCK_N=256, num_warps=4)
     records = [dict(producer="silu_mul", T=16, config="rule", arm="bf16", us=1.6),
                dict(producer="silu_mul", T=16, config="rule", arm="fp8", us=1.8),
