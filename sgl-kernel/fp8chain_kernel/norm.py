@@ -193,7 +193,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
              out_bf16: torch.Tensor | None = None, return_bf16: bool = True, config: dict | None = None):
     """RMSNorm of ``x [T, H]`` bf16 (optionally after ``residual += x`` in place); see the module
     docstring for shapes, layouts, numerics and the return convention. ``config``: ``BLOCK_M``,
-    ``BLOCK_H`` (>= H) and ``num_warps`` in place of ``_launch_config``'s (benchmarks' sweeps)."""
+    ``BLOCK_H`` (>= max(H, 128)) and ``num_warps`` in place of ``_launch_config``'s (benchmarks'
+    sweeps)."""
     check_tensor(x, "x", torch.bfloat16, 2)
     rows, cols = x.shape
     if x.numel() and x.stride(1) != 1:
