@@ -263,15 +263,14 @@ def run_launch_sweep(args) -> tuple[dict, list[dict]]:
     cases = [(p, t) for p in args.producers if p in LAUNCH_SWEEP for t in (QUICK_ROWS if args.quick else args.rows)]
     for name, rows in harness.progress(cases, "launch shapes"):
         configs = [None] + launch_candidates(name, rows)
-        # every shape's two arms replay in turn: differences are fractions of a microsecond
-        graphs = {}
-        for index, config in enumerate(configs):
-            case = Case(name, rows, fmt, DEVICE, config=config)
-            for arm in ("bf16", "fp8"):
-                graphs[(index, arm)] = harness.capture_graph(getattr(case, arm), args.iters)
+        # every shape's two arms replay in turn: differences are fractions of a microsecond. The
+        # units own the buffers the graphs read and write: alive until the replays are done.
+        units = [Case(name, rows, fmt, DEVICE, config=config) for config in configs]
+        graphs = {(index, arm): harness.capture_graph(getattr(unit, arm), args.iters)
+                  for index, unit in enumerate(units) for arm in ("bf16", "fp8")}
         for (index, arm), us in harness.replay_times_us(graphs, args.iters).items():
             records.append({"producer": name, "T": rows, "config": configs[index] or "rule", "arm": arm, "us": us})
-        del graphs
+        del graphs, units
         harness.save_results("producers_launch_sweep", meta, records, args.results_dir)
     return meta, records
 

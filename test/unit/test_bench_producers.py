@@ -4,9 +4,14 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from fp8chain.cli import _load_benchmark
 from fp8chain_kernel import act, norm
+from fp8chain_kernel import reference as ref
+from fp8chain_kernel.formats import ActFormat
+from fp8chain_kernel.reference.norm import add_residual, rms_norm_fp32
+from helpers import assert_close_bf16, assert_pairs_equal, poisoned_pair
 
 pytestmark = pytest.mark.cpu
 
@@ -49,3 +54,39 @@ def test_sweep_launch_option_and_report(tmp_path):
     text = bench.report({"date": "today"}, records, tmp_path)
     assert "| silu_mul | 16 | 1.6 | 1.8 | 1.1 |" in text
     assert json.loads((tmp_path / "producers_launch_sweep.json").read_text())["records"] == records
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,cols", [("rms_norm", 5120), ("q_norm", 1280), ("silu_mul", 2304)])
+@pytest.mark.parametrize("rows", [1, 3, 16, 127, 2048])
+def test_every_launch_candidate_keeps_the_contract(name, cols, rows, device):
+    """Each shape the sweep may time is a correct producer: its FP8 pair equals
+    ``reference.quantize`` of its own bf16 output bit for bit, that output is within 1 bf16 ulp of
+    the fp32 reference (SiLU*mul, elementwise: the rule's bytes exactly; RMSNorm's warps set the
+    order of the row's sum of squares), and no output element is left unwritten. A shape that
+    faults or writes wrong bytes fails here, named, before a sweep reports its time."""
+    bench = _load_benchmark("producers")
+    fmt = ActFormat.SM90_G32_FP32_MN
+    if name == "silu_mul":
+        gate_up = (4 * torch.randn(rows, 2 * cols, device=device)).bfloat16()
+        run = lambda config, **out: act.silu_mul(gate_up, limit=7.0, out_format=fmt, config=config, **out)  # noqa: E731
+        exact = run(None)[0]
+    else:
+        x = torch.randn(rows, cols, device=device).bfloat16()
+        weight = (1 + 0.1 * torch.randn(cols, device=device)).bfloat16()
+        residual = torch.randn(rows, cols, device=device).bfloat16() if name == "rms_norm" else None
+        # a fresh residual each call: rms_norm adds x to it in place
+        run = lambda config, **out: norm.rms_norm(  # noqa: E731
+            x, weight, 1e-6, residual=None if residual is None else residual.clone(), out_format=fmt,
+            config=config, **out)
+        h = x if residual is None else add_residual(x, residual)
+        want = rms_norm_fp32(h, weight, 1e-6)
+    for config in bench.launch_candidates(name, rows):
+        y, pair = run(config, out=poisoned_pair(rows, cols, fmt, device),
+                      out_bf16=torch.full((rows, cols), float("nan"), device=device, dtype=torch.bfloat16))
+        torch.cuda.synchronize(device)
+        if name == "silu_mul":
+            assert torch.equal(y, exact), config
+        else:
+            assert_close_bf16(y, want, ulps=1.0)
+        assert_pairs_equal(pair, ref.quantize(y, fmt))
