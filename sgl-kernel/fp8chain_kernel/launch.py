@@ -37,7 +37,7 @@ from .fp8_tile import interpreting
 
 __all__ = ["ARRIVAL_SLOTS", "H200_SMS", "arrival_counters", "arrive_last", "await_producer", "compiled_for_gpu",
            "enabled", "gather_partials", "programmatic_launches", "pdl_options", "publish_partial", "rearm",
-           "sm_count", "split_workspace", "supported"]
+           "sm_count", "split_workspace", "supported", "zeroed_workspace"]
 
 _override: list[bool] = []  # innermost programmatic_launches() block last
 
@@ -153,28 +153,32 @@ def gather_partials(part_ptr, tile, tiles, SPLIT: tl.constexpr, ROWS: tl.constex
 
 
 ARRIVAL_SLOTS = 1 << 14
-_arrival: dict[tuple[str, torch.device], torch.Tensor] = {}
+_workspaces: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def zeroed_workspace(user: str, device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed buffer that kernels keep state in across launches (arrival counters, the
+    boundary's row-barrier generations): one per (``user``, device), allocated on first eager use,
+    so launches of one user on one device must not run concurrently on two streams. A first use
+    inside CUDA-graph capture gets a buffer of its own, allocated from and zeroed by the graph
+    (at every replay), so the cached buffer never lives in a graph's private memory pool."""
+    buf = _workspaces.get((user, device))
+    if buf is not None:
+        return buf
+    buf = torch.zeros(numel, dtype=dtype, device=device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _workspaces[(user, device)] = buf
+    return buf
 
 
 def arrival_counters(user: str, device: torch.device, slots: int) -> torch.Tensor:
     """Zeroed int32 arrival counters for the "last program to arrive finishes" kernels (split-K
     GEMM and wo_a einsum, the row-split mHC boundary): each program bumps its counter once; the
     one that sees the final count does the finishing work and re-arms the counter to zero for the
-    next call.
-
-    One ``ARRIVAL_SLOTS`` buffer per (``user``, device), allocated on first eager use: launches of
-    one user on one device must not run concurrently on two streams. A first use inside CUDA-graph
-    capture gets its own zeroed ``slots`` buffer (allocated from, and zeroed by, the graph), so the
-    cached buffer never lives in a graph's private memory pool.
-    """
-    buf = _arrival.get((user, device))
-    if buf is not None:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(slots, dtype=torch.int32, device=device)
-    buf = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
-    _arrival[(user, device)] = buf
-    return buf
+    next call. ``ARRIVAL_SLOTS`` of them per (``user``, device) (``zeroed_workspace``; ``slots``
+    where first used inside graph capture)."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return zeroed_workspace(user, device, slots if capturing else ARRIVAL_SLOTS, torch.int32)
 
 
 def split_workspace(user: str, split: int, tiles: int, tile_elems: int, device: torch.device):

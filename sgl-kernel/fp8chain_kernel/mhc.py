@@ -14,13 +14,17 @@ All three boundary entry points run one kernel. A program owns ``BM`` rows and o
 ``SLICE`` columns (a multiple of 128, so FP8 groups never straddle programs): it writes its slice
 of ``R'`` and computes its slice of ``v = bf16(sum_k pre[k]*R'[k])``, so a decode batch of a few
 tokens still spreads over ~2 programs per SM, in one launch. When the RMSNorm is needed and a row
-is split over programs, each also stores its slice of ``v`` (bf16, exact) and its sum of squares,
-then bumps the row block's arrival counter (``launch.arrival_counters``); the last program to
-arrive adds the slices' sums in slice order (the same bits whatever the arrival order) and writes
-``x`` and its FP8 data and scales for the whole row as one tile. A program that owns whole rows
+is split over programs and the grid holds at most one program per SM (decode, compiled: the row
+barrier, ``ROW_BARRIER``), each publishes its slice's sum of squares tagged with the row's
+generation, waits until it has read every slice's tagged sum, adds them in slice order and
+writes ``x`` and its FP8 data and scales for its own slice (a power-of-two multiple of 128
+columns, held in registers). Otherwise each stores its slice of ``v`` (bf16, exact) and its sum
+of squares, then bumps the row block's arrival counter (``launch.arrival_counters``); the last
+program to arrive adds the slices' sums in slice order (the same bits whatever the arrival order)
+and writes ``x`` and its pair for the whole row as one tile. A program that owns whole rows
 (large ``T``) normalizes them itself, recombining ``v`` from the ``R'`` it has just written.
-Boundary launches share their arrival counters per device, so two must not run concurrently on
-two streams of one device (the stats, on the side stream, use none).
+Boundary launches share their counters and barrier workspace per device, so two must not run
+concurrently on two streams of one device (the stats, on the side stream, use none).
 Programs write their slices while others still read theirs, so the outputs must not overlap
 the inputs (checked).
 
@@ -43,7 +47,8 @@ import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation, cdiv
 from .fp8_tile import format_constexprs, fp8_offsets, interpreting, round_bf16, store_pair_tile
-from .launch import ARRIVAL_SLOTS, arrival_counters, arrive_last, await_producer, compiled_for_gpu, pdl_options, rearm, sm_count
+from .launch import (ARRIVAL_SLOTS, H200_SMS, arrival_counters, arrive_last, await_producer, compiled_for_gpu, pdl_options,
+                     rearm, sm_count, zeroed_workspace)
 from .quant import prepare_out
 
 __all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary"]
@@ -245,7 +250,7 @@ def _boundary_kernel(
     stride_ct, stride_ci, stride_cj, stride_ot, stride_os, stride_xt, stride_qt,
     stride_sm, stride_sg,
     DO_POST: tl.constexpr, DO_NORM: tl.constexpr, STORE_X: tl.constexpr, QUANT: tl.constexpr,
-    SPLIT_ROW: tl.constexpr, SPLITS: tl.constexpr,
+    SPLIT_ROW: tl.constexpr, ROW_BARRIER: tl.constexpr, SPLITS: tl.constexpr,
     BM: tl.constexpr, SLICE: tl.constexpr, BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr,
     ROW_CHUNKS: tl.constexpr,
     GROUP: tl.constexpr, POW2: tl.constexpr, PACKED: tl.constexpr, EXACT_CAST: tl.constexpr,
@@ -256,6 +261,8 @@ def _boundary_kernel(
     m_ok = offs_m < T
     rows = offs_m.to(tl.int64)
     h_begin = tl.program_id(1) * SLICE
+    if ROW_BARRIER:  # this launch's tag: read before this program publishes (see phase 2)
+        tag = tl.load(count_ptr + tl.program_id(0), cache_modifier=".cg") + 1
 
     # The 24 mix values of each row, loaded once ([BM, 1] columns; unused ones are zero).
     zero = tl.zeros((BM, 1), dtype=tl.float32)
@@ -331,17 +338,42 @@ def _boundary_kernel(
         if DO_NORM:
             v = _combine(n0, n1, n2, n3, p0, p1, p2, p3, EXACT_CAST)
             sq += v * v
-            if SPLIT_ROW:
+            if SPLIT_ROW and not ROW_BARRIER:
                 tl.store(v_ptr + rows[:, None] * H + offs_h[None, :], v.to(tl.bfloat16), mask=mask)
 
     if DO_NORM:
-        # Phase 2: x and its pair. With the row split over programs, each stores its slice's v
-        # (bf16, exact) and sum of squares; the last program of the row block to arrive
-        # (``launch.arrive_last``) sums the partials in slice order (deterministic whatever the arrival order)
-        # and normalizes the whole row as one tile: one round trip for v, w loaded before the
-        # atomic. A whole-row program recombines v from the streams it just wrote (R') or read (R).
+        # Phase 2: x and its pair, in one of three forms (the module docstring).
         partial = tl.sum(sq, axis=1)
-        if SPLIT_ROW:
+        if ROW_BARRIER:
+            # Every program of the row waits for all of the row's sums and normalizes its own
+            # slice (one chunk: v and offs_h are still those of the loop above), so no program
+            # quantizes the whole row alone. Sums are published tagged with this launch's
+            # generation (high word) in a per-row region reused by every launch, so a stale
+            # word never passes for a fresh one; slice 0 advances the generation once it has
+            # seen them all (every program read the generation before publishing).
+            w = tl.load(w_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)[None, :]
+            me = tl.program_id(1)
+            offs_s = tl.arange(0, SPLITS)
+            words_ptr = part_ptr + tl.program_id(0) * SPLITS + offs_s[None, :]
+            packed = (tag.to(tl.int64) << 32) | (partial.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+            tl.store(part_ptr + tl.program_id(0) * SPLITS + me + tl.zeros((BM,), tl.int32), packed)
+            others = (offs_s[None, :] < tl.num_programs(1)) & (offs_s[None, :] != me)
+            words = tl.load(words_ptr, mask=others, other=0, volatile=True)
+            while tl.max(tl.max((others & ((words >> 32).to(tl.int32) != tag)).to(tl.int32), axis=1), axis=0) > 0:
+                words = tl.load(words_ptr, mask=others, other=0, volatile=True)
+            sums = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+            parts = tl.where(offs_s[None, :] == me, partial[:, None], tl.where(others, sums, 0.0))
+            if me == 0:
+                tl.store(count_ptr + tl.program_id(0), tag)
+            rs = _rms_scale(tl.sum(parts, axis=1), H, eps, BM)
+            _store_x(v, rs, w, offs_h, h_begin // GROUP, mask, rows, offs_m, T, H, x_ptr, q_ptr, s_ptr,
+                     stride_xt, stride_qt, stride_sm, stride_sg, STORE_X, QUANT, BM, BLOCK, GROUP,
+                     POW2, PACKED, EXACT_CAST)
+        elif SPLIT_ROW:
+            # Each program has stored its slice's v (bf16, exact) and sum of squares; the last of
+            # the row block to arrive (``launch.arrive_last``) sums the partials in slice order
+            # (deterministic whatever the arrival order) and normalizes the whole row as one tile:
+            # one round trip for v, w loaded before the atomic.
             offs_v = tl.arange(0, ROW_BLOCK)
             v_ok = offs_v < H
             w_row = tl.load(w_ptr + offs_v, mask=v_ok, other=0.0).to(tl.float32)[None, :]
@@ -360,7 +392,7 @@ def _boundary_kernel(
                          stride_xt, stride_qt, stride_sm, stride_sg, STORE_X, QUANT, BM, ROW_BLOCK, GROUP,
                          POW2, PACKED, EXACT_CAST)
                 rearm(count_ptr, tl.program_id(0))
-        else:
+        else:  # a whole-row program recombines v from the streams it just wrote (R') or read (R)
             if DO_POST:
                 src_ptr, stride_src_t, stride_src_s = rout_ptr, stride_ot, stride_os
             else:
@@ -411,6 +443,12 @@ def _boundary_config(rows: int, cols: int, device: torch.device, norm: bool = Tr
     while block < 1024 and slice_ % (2 * block) == 0:
         block *= 2
     split_row = norm and splits > 1
+    barrier = _row_barrier_slice(rows, cols, bm, device) if split_row else None
+    if barrier is not None:
+        slice_ = block = barrier
+        splits = cdiv(cols, slice_)
+        return dict(grid=(row_blocks, splits), BM=bm, SLICE=slice_, BLOCK=block, ROW_BLOCK=block, ROW_CHUNKS=1,
+                    SPLITS=_BARRIER_SPLITS, SPLIT_ROW=True, ROW_BARRIER=True, num_warps=4 if block <= 1024 else 8)
     if split_row:
         row_block = whole_row
         # ~32 values of the last program's row tile per thread up to 64 rows, ~64 above: measured
@@ -424,7 +462,31 @@ def _boundary_config(rows: int, cols: int, device: torch.device, norm: bool = Tr
         warps = 4
     return dict(grid=(row_blocks, splits), BM=bm, SLICE=slice_, BLOCK=block, ROW_BLOCK=row_block,
                 ROW_CHUNKS=cdiv(cols, row_block), SPLITS=triton.next_power_of_2(splits), SPLIT_ROW=split_row,
-                num_warps=warps)
+                ROW_BARRIER=False, num_warps=warps)
+
+
+_BARRIER_SPLITS = 64  # slices per row in row-barrier mode, at most: the stride of a row's sums
+_BARRIER_ROWS = 256   # row blocks in row-barrier mode, at most: the rows of its workspace
+# Off: split rows always finish in their last program (tests compare the two forms).
+_row_barrier_enabled = True
+
+
+def _row_barrier_slice(rows: int, cols: int, bm: int, device: torch.device) -> int | None:
+    """The slice width of a row-barrier launch (``ROW_BARRIER``: every program of a row waits for
+    the row's sums of squares and normalizes its own slice), or None. Only compiled (the
+    interpreter runs programs one after another: a waiting program would never see the next
+    one's sum), one row per program, and at most one program per SM, so that every program of a
+    row runs at once: the narrowest power-of-two multiple of 128 that fits the grid."""
+    if not (_row_barrier_enabled and compiled_for_gpu(device) and bm == 1 and rows <= _BARRIER_ROWS):
+        return None
+    sms = sm_count(device, interpreter=H200_SMS)
+    width = 128
+    while width < cols:
+        splits = cdiv(cols, width)
+        if splits <= _BARRIER_SPLITS and rows * splits <= sms:
+            return width
+        width *= 2
+    return None
 
 
 def _stats_config(rows: int, cols: int, device: torch.device) -> tuple[int, int, int, int]:
@@ -544,7 +606,11 @@ def _launch(y, residual, pre, post, comb, norm_weight, norm_eps, new_residual, x
     grid = cfg.pop("grid")
     quant = pair is not None
     q_data, q_scale = (pair.data, pair.scale) if quant else (None, None)
-    if cfg["SPLIT_ROW"]:
+    if cfg["ROW_BARRIER"]:  # generations and tagged sums, kept across launches
+        v = None
+        counters = zeroed_workspace("mhc_boundary_generations", residual.device, _BARRIER_ROWS, torch.int32)
+        part = zeroed_workspace("mhc_boundary_sums", residual.device, _BARRIER_ROWS * _BARRIER_SPLITS, torch.int64)
+    elif cfg["SPLIT_ROW"]:
         v = torch.empty((rows, cols), dtype=torch.bfloat16, device=residual.device)
         part = torch.empty((rows, grid[1]), dtype=torch.float32, device=residual.device)
         counters = arrival_counters("mhc_boundary", residual.device, grid[0])

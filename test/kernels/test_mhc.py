@@ -447,6 +447,66 @@ def test_gpu_launch_configs_on_interpreter(monkeypatch):
 
 
 @cpu
+def test_row_barrier_launch_shapes(monkeypatch):
+    """Compiled, one row per program: a split row takes the row barrier with the narrowest
+    power-of-two slice that keeps the grid at one program per SM (H200: 132); past that, and on
+    the interpreter (programs run one after another), the last program to arrive normalizes."""
+    monkeypatch.setattr(mhc, "_max_rows_per_program", lambda device: 1)
+    monkeypatch.setattr(mhc, "_target_programs", lambda device: 264)
+    cpu = torch.device("cpu")
+    assert not mhc._boundary_config(1, GPU_H, cpu)["ROW_BARRIER"]  # the interpreter
+    monkeypatch.setattr(mhc, "compiled_for_gpu", lambda device: True)
+    shapes = {t: mhc._boundary_config(t, GPU_H, cpu) for t in (1, 3, 4, 16, 64, 127)}
+    for t, slice_, splits in ((1, 128, 40), (3, 128, 40), (4, 256, 20), (16, 1024, 5), (64, 4096, 2)):
+        cfg = shapes[t]
+        assert cfg["ROW_BARRIER"] and cfg["SLICE"] == cfg["BLOCK"] == slice_ and cfg["grid"] == (t, splits)
+        assert t * splits <= 132 and cfg["SPLITS"] == mhc._BARRIER_SPLITS
+    assert not shapes[127]["ROW_BARRIER"] and shapes[127]["SPLIT_ROW"]
+
+
+@gpu
+def test_row_barrier_interleaved_launches(monkeypatch):
+    """The row barrier's per-row generations and tagged sums persist across launches: launches of
+    different T (different slice counts over the same per-row regions), eagerly and replayed
+    from a graph, each give the very bytes of their first run, and x agrees with the
+    last-arrival tail's within one bf16 ulp (another order of the row's sum of squares)."""
+    fmt = ActFormat.SM90_G32_FP32_MN
+    cases = {t: make_inputs(t, GPU_H, "cuda") for t in (1, 3, 16, 2, 64)}
+    first = {t: mhc.mhc_mega_boundary(y, r, pre, post, comb, w, EPS, out_format=fmt)
+             for t, (r, y, w, pre, post, comb) in cases.items()}
+    for t, (r, y, w, pre, post, comb) in cases.items():
+        assert mhc._boundary_config(t, GPU_H, r.device)["ROW_BARRIER"]
+    outs = {t: (torch.empty_like(first[t][0]), torch.empty_like(first[t][1]), empty_pair(t, GPU_H, fmt, "cuda"))
+            for t in cases}
+
+    def run_all():
+        for t, (r, y, w, pre, post, comb) in cases.items():
+            new_r, x, pair = outs[t]
+            mhc.mhc_mega_boundary(y, r, pre, post, comb, w, EPS, out_format=fmt, out_residual=new_r,
+                                  out_bf16=x, out=pair)
+
+    graph = torch.cuda.CUDAGraph()
+    run_all()
+    with torch.cuda.graph(graph):
+        run_all()
+    for replay in (run_all, graph.replay, run_all, graph.replay):
+        for new_r, x, pair in outs.values():
+            new_r.fill_(float("nan"))
+            x.fill_(float("nan"))
+            pair.data.fill_(0)
+        replay()
+        torch.cuda.synchronize()
+        for t, (new_r, x, pair) in outs.items():
+            assert_bitwise(new_r, first[t][0])
+            assert_bitwise(x, first[t][1])
+            assert_pairs_equal(pair, first[t][2])
+    monkeypatch.setattr(mhc, "_row_barrier_enabled", False)
+    for t, (r, y, w, pre, post, comb) in cases.items():
+        _, x_last, _ = mhc.mhc_mega_boundary(y, r, pre, post, comb, w, EPS, out_format=fmt)
+        assert_close_bf16(first[t][1], x_last.float(), ulps=1.0)
+
+
+@cpu
 @pytest.mark.parametrize("targets", [1, 16], ids=["whole-rows", "split-rows"])
 def test_row_split_and_whole_row_programs(monkeypatch, targets):
     """A normalized row owned by one program, or split over programs whose last arrival normalizes
