@@ -158,7 +158,7 @@ _workspaces: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 def zeroed_workspace(user: str, device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed buffer that kernels keep state in across launches (arrival counters, the
-    boundary's row-barrier generations): one per (``user``, device), allocated on first eager use,
+    boundary's row-barrier counters): one per (``user``, device), allocated on first eager use,
     so launches of one user on one device must not run concurrently on two streams. A first use
     inside CUDA-graph capture gets a buffer of its own, allocated from and zeroed by the graph
     (at every replay), so the cached buffer never lives in a graph's private memory pool."""

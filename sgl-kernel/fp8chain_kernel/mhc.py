@@ -15,10 +15,10 @@ All three boundary entry points run one kernel. A program owns ``BM`` rows and o
 of ``R'`` and computes its slice of ``v = bf16(sum_k pre[k]*R'[k])``, so a decode batch of a few
 tokens still spreads over ~2 programs per SM, in one launch. When the RMSNorm is needed and a row
 is split over programs and the grid holds at most one program per SM (decode, compiled: the row
-barrier, ``ROW_BARRIER``), each publishes its slice's sum of squares tagged with the row's
-generation, waits until it has read every slice's tagged sum, adds them in slice order and
-writes ``x`` and its FP8 data and scales for its own slice (a power-of-two multiple of 128
-columns, held in registers). Otherwise each stores its slice of ``v`` (bf16, exact) and its sum
+barrier, ``ROW_BARRIER``), each stores its slice's sum of squares, arrives on the counter of
+its (row, slice count) and waits until every program of the row has arrived, then adds the
+slices' sums in slice order and writes ``x`` and its FP8 data and scales for its own slice (a
+power-of-two multiple of 128 columns, held in registers). Otherwise each stores its slice of ``v`` (bf16, exact) and its sum
 of squares, then bumps the row block's arrival counter (``launch.arrival_counters``); the last
 program to arrive adds the slices' sums in slice order (the same bits whatever the arrival order)
 and writes ``x`` and its pair for the whole row as one tile. A program that owns whole rows
@@ -261,8 +261,6 @@ def _boundary_kernel(
     m_ok = offs_m < T
     rows = offs_m.to(tl.int64)
     h_begin = tl.program_id(1) * SLICE
-    if ROW_BARRIER:  # this launch's tag: read before this program publishes (see phase 2)
-        tag = tl.load(count_ptr + tl.program_id(0), cache_modifier=".cg") + 1
 
     # The 24 mix values of each row, loaded once ([BM, 1] columns; unused ones are zero).
     zero = tl.zeros((BM, 1), dtype=tl.float32)
@@ -345,26 +343,25 @@ def _boundary_kernel(
         # Phase 2: x and its pair, in one of three forms (the module docstring).
         partial = tl.sum(sq, axis=1)
         if ROW_BARRIER:
-            # Every program of the row waits for all of the row's sums and normalizes its own
-            # slice (one chunk: v and offs_h are still those of the loop above), so no program
-            # quantizes the whole row alone. Sums are published tagged with this launch's
-            # generation (high word) in a per-row region reused by every launch, so a stale
-            # word never passes for a fresh one; slice 0 advances the generation once it has
-            # seen them all (every program read the generation before publishing).
+            # Every program of the row publishes its slice's sum, arrives on the counter of (row,
+            # slice count), waits until all of the row's programs have arrived, and normalizes
+            # its own slice (one chunk: v and offs_h are still those of the loop above), so no
+            # program quantizes the whole row alone. The counter is never re-armed: every launch
+            # with this slice count adds exactly n_split arrivals, so this launch's arrivals end
+            # at the next multiple of n_split (int64: no wrap in practice).
             w = tl.load(w_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)[None, :]
-            me = tl.program_id(1)
+            n_split = tl.num_programs(1)
             offs_s = tl.arange(0, SPLITS)
-            words_ptr = part_ptr + tl.program_id(0) * SPLITS + offs_s[None, :]
-            packed = (tag.to(tl.int64) << 32) | (partial.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
-            tl.store(part_ptr + tl.program_id(0) * SPLITS + me + tl.zeros((BM,), tl.int32), packed)
-            others = (offs_s[None, :] < tl.num_programs(1)) & (offs_s[None, :] != me)
-            words = tl.load(words_ptr, mask=others, other=0, volatile=True)
-            while tl.max(tl.max((others & ((words >> 32).to(tl.int32) != tag)).to(tl.int32), axis=1), axis=0) > 0:
-                words = tl.load(words_ptr, mask=others, other=0, volatile=True)
-            sums = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-            parts = tl.where(offs_s[None, :] == me, partial[:, None], tl.where(others, sums, 0.0))
-            if me == 0:
-                tl.store(count_ptr + tl.program_id(0), tag)
+            sums_ptr = part_ptr + tl.program_id(0) * SPLITS + offs_s[None, :]
+            tl.store(part_ptr + tl.program_id(0) * SPLITS + tl.program_id(1) + tl.zeros((BM,), tl.int32), partial)
+            counter = count_ptr + tl.program_id(0) * SPLITS + n_split
+            tl.debug_barrier()  # every thread's store before the release
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel")
+            done = (ticket // n_split + 1) * n_split
+            while tl.atomic_add(counter, 0, sem="acquire") < done:
+                pass
+            tl.debug_barrier()  # the acquire before any thread's loads
+            parts = tl.load(sums_ptr, mask=offs_s[None, :] < n_split, other=0.0, cache_modifier=".cg")
             rs = _rms_scale(tl.sum(parts, axis=1), H, eps, BM)
             _store_x(v, rs, w, offs_h, h_begin // GROUP, mask, rows, offs_m, T, H, x_ptr, q_ptr, s_ptr,
                      stride_xt, stride_qt, stride_sm, stride_sg, STORE_X, QUANT, BM, BLOCK, GROUP,
@@ -465,8 +462,8 @@ def _boundary_config(rows: int, cols: int, device: torch.device, norm: bool = Tr
                 ROW_BARRIER=False, num_warps=warps)
 
 
-_BARRIER_SPLITS = 64  # slices per row in row-barrier mode, at most: the stride of a row's sums
-_BARRIER_ROWS = 256   # row blocks in row-barrier mode, at most: the rows of its workspace
+_BARRIER_SPLITS = 64  # slices per row in row-barrier mode, fewer: a row's counters and sums
+_BARRIER_ROWS = 256   # row blocks in row-barrier mode, at most: the rows of its counters
 # Off: split rows always finish in their last program (tests compare the two forms).
 _row_barrier_enabled = True
 
@@ -483,7 +480,7 @@ def _row_barrier_slice(rows: int, cols: int, bm: int, device: torch.device) -> i
     width = 128
     while width < cols:
         splits = cdiv(cols, width)
-        if splits <= _BARRIER_SPLITS and rows * splits <= sms:
+        if splits < _BARRIER_SPLITS and rows * splits <= sms:
             return width
         width *= 2
     return None
@@ -606,10 +603,11 @@ def _launch(y, residual, pre, post, comb, norm_weight, norm_eps, new_residual, x
     grid = cfg.pop("grid")
     quant = pair is not None
     q_data, q_scale = (pair.data, pair.scale) if quant else (None, None)
-    if cfg["ROW_BARRIER"]:  # generations and tagged sums, kept across launches
+    if cfg["ROW_BARRIER"]:  # counters per (row, slice count), kept across launches, and the sums
         v = None
-        counters = zeroed_workspace("mhc_boundary_generations", residual.device, _BARRIER_ROWS, torch.int32)
-        part = zeroed_workspace("mhc_boundary_sums", residual.device, _BARRIER_ROWS * _BARRIER_SPLITS, torch.int64)
+        counters = zeroed_workspace("mhc_boundary_barrier", residual.device, _BARRIER_ROWS * _BARRIER_SPLITS,
+                                    torch.int64)
+        part = torch.empty((rows, _BARRIER_SPLITS), dtype=torch.float32, device=residual.device)
     elif cfg["SPLIT_ROW"]:
         v = torch.empty((rows, cols), dtype=torch.bfloat16, device=residual.device)
         part = torch.empty((rows, grid[1]), dtype=torch.float32, device=residual.device)
