@@ -41,6 +41,8 @@ reference bit for bit, and the FP8 pair equals ``reference.quantize`` of the ker
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -51,7 +53,7 @@ from .launch import (ARRIVAL_SLOTS, H200_SMS, arrival_counters, arrive_last, awa
                      rearm, sm_count, zeroed_workspace)
 from .quant import prepare_out
 
-__all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary"]
+__all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary", "row_barrier_allowed"]
 
 HC = 4                      # hyper-connection streams
 NMIX = HC * (2 + HC)        # 24 mix values per token: pre 4, post 4, comb 16
@@ -464,8 +466,15 @@ def _boundary_config(rows: int, cols: int, device: torch.device, norm: bool = Tr
 
 _BARRIER_SPLITS = 64  # slices per row in row-barrier mode, fewer: a row's counters and sums
 _BARRIER_ROWS = 256   # row blocks in row-barrier mode, at most: the rows of its counters
-# Off: split rows always finish in their last program (tests compare the two forms).
-_row_barrier_enabled = True
+
+
+def row_barrier_allowed() -> bool:
+    """Whether decode rows may take the row barrier (``FP8CHAIN_ROW_BARRIER``, default on). Its
+    programs wait for each other, so all of a row's programs must be resident at once; the grid is
+    sized to one program per SM of the device, which holds when the process has the whole GPU.
+    ``FP8CHAIN_ROW_BARRIER=0`` keeps every row on the last-arrival form (under MPS with an SM
+    limit, or green contexts: fewer SMs than the device reports)."""
+    return os.environ.get("FP8CHAIN_ROW_BARRIER", "1") != "0"
 
 
 def _row_barrier_slice(rows: int, cols: int, bm: int, device: torch.device) -> int | None:
@@ -474,7 +483,7 @@ def _row_barrier_slice(rows: int, cols: int, bm: int, device: torch.device) -> i
     interpreter runs programs one after another: a waiting program would never see the next
     one's sum), one row per program, and at most one program per SM, so that every program of a
     row runs at once: the narrowest power-of-two multiple of 128 that fits the grid."""
-    if not (_row_barrier_enabled and compiled_for_gpu(device) and bm == 1 and rows <= _BARRIER_ROWS):
+    if not (row_barrier_allowed() and compiled_for_gpu(device) and bm == 1 and rows <= _BARRIER_ROWS):
         return None
     sms = sm_count(device, interpreter=H200_SMS)
     width = 128
