@@ -14,15 +14,20 @@ All three boundary entry points run one kernel. A program owns ``BM`` rows and o
 ``SLICE`` columns (a multiple of 128, so FP8 groups never straddle programs): it writes its slice
 of ``R'`` and computes its slice of ``v = bf16(sum_k pre[k]*R'[k])``, so a decode batch of a few
 tokens still spreads over ~2 programs per SM, in one launch. When the RMSNorm is needed and a row
-is split over programs and the grid holds at most one program per SM (decode, compiled: the row
-barrier, ``ROW_BARRIER``), each stores its slice's sum of squares, arrives on the counter of
-its (row, slice count) and waits until every program of the row has arrived, then adds the
-slices' sums in slice order and writes ``x`` and its FP8 data and scales for its own slice (a
-power-of-two multiple of 128 columns, held in registers). Otherwise each stores its slice of ``v`` (bf16, exact) and its sum
-of squares, then bumps the row block's arrival counter (``launch.arrival_counters``); the last
-program to arrive adds the slices' sums in slice order (the same bits whatever the arrival order)
-and writes ``x`` and its pair for the whole row as one tile. A program that owns whole rows
-(large ``T``) normalizes them itself, recombining ``v`` from the ``R'`` it has just written.
+is split over programs, the row is finished in one of two ways:
+
+* the row barrier (``ROW_BARRIER``; decode, compiled, the grid at most one program per SM, see
+  ``row_barrier_allowed``): each program stores its slice's sum of squares, arrives on the
+  counter of its (row, slice count) and waits until every program of the row has arrived, then
+  adds the slices' sums in slice order and writes ``x`` and its FP8 data and scales for its own
+  slice (a power-of-two multiple of 128 columns, held in registers);
+* otherwise each stores its slice of ``v`` (bf16, exact) and its sum of squares, then bumps the
+  row block's arrival counter (``launch.arrival_counters``); the last program to arrive adds the
+  slices' sums in slice order (the same bits whatever the arrival order) and writes ``x`` and its
+  pair for the whole row as one tile.
+
+A program that owns whole rows (large ``T``) normalizes them itself, recombining ``v`` from the
+``R'`` it has just written.
 Boundary launches share their counters and barrier workspace per device, so two must not run
 concurrently on two streams of one device (the stats, on the side stream, use none).
 Programs write their slices while others still read theirs, so the outputs must not overlap
