@@ -471,8 +471,8 @@ def test_row_barrier_launch_shapes(monkeypatch):
 def test_row_barrier_interleaved_launches(monkeypatch):
     """The row barrier's arrival counters persist across launches (never re-armed): launches of
     different T (different slice counts on the same rows), eagerly and replayed from a graph,
-    each give the very bytes of their first run, and x agrees with the last-arrival tail's
-    within one bf16 ulp (another order of the row's sum of squares)."""
+    each give the very bytes of their first run (400 rounds), and x agrees with the last-arrival
+    tail's within one bf16 ulp (another order of the row's sum of squares)."""
     fmt = ActFormat.SM90_G32_FP32_MN
     cases = {t: make_inputs(t, GPU_H, "cuda") for t in (1, 3, 16, 2, 64)}
     first = {t: mhc.mhc_mega_boundary(y, r, pre, post, comb, w, EPS, out_format=fmt)
@@ -492,17 +492,25 @@ def test_row_barrier_interleaved_launches(monkeypatch):
     run_all()
     with torch.cuda.graph(graph):
         run_all()
-    for replay in (run_all, graph.replay) * 20:
+    # a race shows rarely (a stale sum once in ~300 rounds of an earlier protocol): many rounds,
+    # mismatches counted on the device, checked once
+    mismatches = torch.zeros((), dtype=torch.int64, device="cuda")
+    for replay in (run_all, graph.replay) * 200:
         for new_r, x, pair in outs.values():
             new_r.fill_(float("nan"))
             x.fill_(float("nan"))
             pair.data.fill_(0)
         replay()
-        torch.cuda.synchronize()
         for t, (new_r, x, pair) in outs.items():
-            assert_bitwise(new_r, first[t][0])
-            assert_bitwise(x, first[t][1])
-            assert_pairs_equal(pair, first[t][2])
+            mismatches += (new_r.view(torch.int16) != first[t][0].view(torch.int16)).any()
+            mismatches += (x.view(torch.int16) != first[t][1].view(torch.int16)).any()
+            mismatches += (pair.data.view(torch.uint8) != first[t][2].data.view(torch.uint8)).any()
+            mismatches += (pair.scale.view(torch.int32) != first[t][2].scale.view(torch.int32)).any()
+    assert mismatches.item() == 0, f"{mismatches.item()} outputs differ from their first run"
+    for t, (new_r, x, pair) in outs.items():  # and the last round in full
+        assert_bitwise(new_r, first[t][0])
+        assert_bitwise(x, first[t][1])
+        assert_pairs_equal(pair, first[t][2])
     monkeypatch.setenv("FP8CHAIN_ROW_BARRIER", "0")
     for t, (r, y, w, pre, post, comb) in cases.items():
         assert not mhc._boundary_config(t, GPU_H, r.device)["ROW_BARRIER"]
