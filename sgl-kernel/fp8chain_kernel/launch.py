@@ -16,10 +16,12 @@ On by default on GPUs of compute capability >= 9.0; off on older GPUs and the CP
 turns it off for the process, ``programmatic_launches(False)`` for a block.
 
 Also here, for every kernel family that sizes or finishes its launches: ``sm_count`` (the SM
-count launch shapes are sized against) and the last-arrival protocol for the programs of one
+count launch shapes are sized against) and the arrival protocols for the programs of one
 launch that finish an output together (split-K GEMM and wo_a einsum, the row-split mHC boundary):
-``arrival_counters`` / ``split_workspace`` on the host, ``arrive_last``, ``rearm`` and the split-K
-partial tiles (``publish_partial``, ``gather_partials``) in the kernels.
+``arrival_counters`` / ``split_workspace`` / ``zeroed_workspace`` on the host; in the kernels
+``arrive``, then either ``arrive_last`` (the last to arrive finishes; ``rearm``, and the split-K
+partial tiles ``publish_partial`` / ``gather_partials``) or ``await_arrivals`` (every program
+waits for all, the mHC boundary's row barrier).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from triton.language.extra.cuda import gdc_wait
 
 from .fp8_tile import interpreting
 
-__all__ = ["ARRIVAL_SLOTS", "H200_SMS", "arrival_counters", "arrive_last", "await_producer", "compiled_for_gpu",
+__all__ = ["ARRIVAL_SLOTS", "H200_SMS", "arrival_counters", "arrive", "arrive_last", "await_arrivals", "await_producer",
+           "compiled_for_gpu",
            "enabled", "gather_partials", "programmatic_launches", "pdl_options", "publish_partial", "rearm",
            "sm_count", "split_workspace", "supported", "zeroed_workspace"]
 
@@ -109,13 +112,32 @@ def pdl_options() -> dict:
 
 
 @triton.jit
-def arrive_last(count_ptr, slot, programs):
-    """Call after this program's partial stores: true in the last of the ``programs`` programs
-    sharing counter ``slot`` to arrive, which then finishes their output. The CTA barrier orders
-    every thread's stores before the one acq_rel atomic, whose acquire side makes the other
-    programs' stores visible to the last one."""
+def arrive(count_ptr, slot):
+    """Call after this program's partial stores: bump counter ``slot`` once and return its count
+    before. The CTA barrier orders every thread's stores before the one acq_rel atomic, whose
+    acquire side makes the stores of the programs that arrived before visible to this one."""
     tl.debug_barrier()
-    return tl.atomic_add(count_ptr + slot, 1, sem="acq_rel") == programs - 1
+    return tl.atomic_add(count_ptr + slot, 1, sem="acq_rel")
+
+
+@triton.jit
+def arrive_last(count_ptr, slot, programs):
+    """``arrive``; true in the last of the ``programs`` programs sharing counter ``slot`` to
+    arrive, which then finishes their output."""
+    return arrive(count_ptr, slot) == programs - 1
+
+
+@triton.jit
+def await_arrivals(count_ptr, slot, programs):
+    """``arrive``, then wait until all ``programs`` programs of this launch sharing counter ``slot``
+    have arrived; their stores are then visible to every thread of this one. The counter is never
+    re-armed: every launch on ``slot`` adds exactly ``programs`` arrivals, so this launch's end at
+    the next multiple of ``programs``. Every program sharing the counter must be resident at once
+    (a waiting program holds its SM)."""
+    done = (arrive(count_ptr, slot) // programs + 1) * programs
+    while tl.atomic_add(count_ptr + slot, 0, sem="acquire") < done:
+        pass
+    tl.debug_barrier()  # the acquire before any thread's loads
 
 
 @triton.jit

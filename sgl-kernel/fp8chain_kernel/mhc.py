@@ -54,8 +54,8 @@ import triton.language as tl
 
 from .formats import ActFormat, QuantizedActivation, cdiv
 from .fp8_tile import format_constexprs, fp8_offsets, interpreting, round_bf16, store_pair_tile
-from .launch import (ARRIVAL_SLOTS, H200_SMS, arrival_counters, arrive_last, await_producer, compiled_for_gpu, pdl_options,
-                     rearm, sm_count, zeroed_workspace)
+from .launch import (ARRIVAL_SLOTS, H200_SMS, arrival_counters, arrive_last, await_arrivals, await_producer,
+                     compiled_for_gpu, pdl_options, rearm, sm_count, zeroed_workspace)
 from .quant import prepare_out
 
 __all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary", "row_barrier_allowed"]
@@ -350,25 +350,17 @@ def _boundary_kernel(
         # Phase 2: x and its pair, in one of three forms (the module docstring).
         partial = tl.sum(sq, axis=1)
         if ROW_BARRIER:
-            # Every program of the row publishes its slice's sum, arrives on the counter of (row,
-            # slice count), waits until all of the row's programs have arrived, and normalizes
-            # its own slice (one chunk: v and offs_h are still those of the loop above), so no
-            # program quantizes the whole row alone. The counter is never re-armed: every launch
-            # with this slice count adds exactly n_split arrivals, so this launch's arrivals end
-            # at the next multiple of n_split (int64: no wrap in practice).
+            # Every program of the row stores its slice's sum, waits until all of the row's
+            # programs have arrived on the counter of (row, slice count) (int64, never re-armed:
+            # ``launch.await_arrivals``), and normalizes its own slice (one chunk: v and offs_h
+            # are still those of the loop above), so no program quantizes the whole row alone.
             w = tl.load(w_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)[None, :]
             n_split = tl.num_programs(1)
             offs_s = tl.arange(0, SPLITS)
-            sums_ptr = part_ptr + tl.program_id(0) * SPLITS + offs_s[None, :]
-            tl.store(part_ptr + tl.program_id(0) * SPLITS + tl.program_id(1) + tl.zeros((BM,), tl.int32), partial)
-            counter = count_ptr + tl.program_id(0) * SPLITS + n_split
-            tl.debug_barrier()  # every thread's store before the release
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel")
-            done = (ticket // n_split + 1) * n_split
-            while tl.atomic_add(counter, 0, sem="acquire") < done:
-                pass
-            tl.debug_barrier()  # the acquire before any thread's loads
-            parts = tl.load(sums_ptr, mask=offs_s[None, :] < n_split, other=0.0, cache_modifier=".cg")
+            row_sums = part_ptr + tl.program_id(0) * SPLITS
+            tl.store(row_sums + tl.program_id(1) + tl.zeros((BM,), tl.int32), partial)
+            await_arrivals(count_ptr, tl.program_id(0) * SPLITS + n_split, n_split)
+            parts = tl.load(row_sums + offs_s[None, :], mask=offs_s[None, :] < n_split, other=0.0, cache_modifier=".cg")
             rs = _rms_scale(tl.sum(parts, axis=1), H, eps, BM)
             _store_x(v, rs, w, offs_h, h_begin // GROUP, mask, rows, offs_m, T, H, x_ptr, q_ptr, s_ptr,
                      stride_xt, stride_qt, stride_sm, stride_sg, STORE_X, QUANT, BM, BLOCK, GROUP,
