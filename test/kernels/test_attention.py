@@ -269,3 +269,57 @@ def test_rope_qkv_matches_reference_gpu(tokens):
     _check_rope(tokens, 64, 512, 4096, "cuda")
     _check_rope(tokens, 16, 512, 4096, "cuda", kv_norm=True)
 
+
+
+def _merge_launches(fn) -> int:
+    """``_mqa_merge_kernel`` launches while ``fn`` runs (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if "_mqa_merge_kernel" in e.key)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,heads,dim,length", [
+    (1, 64, 512, 1024), (3, 64, 512, 1024), (4, 64, 512, 4096), (16, 64, 512, 1024), (64, 64, 512, 1024),
+    (4, 16, 512, 1024), (64, 16, 512, 1024), (5, 4, 512, 640), (1, 64, 128, 1024)])
+def test_in_kernel_merge_gpu(tokens, heads, dim, length, monkeypatch):
+    """Decode grids of at most one program per SM merge their key splits in the split kernel (every
+    program of a token waits for the others, then merges its share of the token's tiles): no merge
+    launch, the reference's bound, and the merge launch's result up to fp32 summation order
+    (``FP8CHAIN_GRID_BARRIERS=0``). Head dim 128: more programs of a token (64) than merge tiles
+    (32), so some merge nothing."""
+    problem = _problem(tokens, heads, dim, length, max(tokens, 1), "cuda")
+    out = torch.full(problem[0].shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert _merge_launches(lambda: mqa_attention(*problem, out=out)) == 0
+    _assert_attention_close(out, problem)
+    monkeypatch.setenv("FP8CHAIN_GRID_BARRIERS", "0")
+    assert _merge_launches(lambda: mqa_attention(*problem)) == 1
+    _assert_rounded_alike(out, mqa_attention(*problem))
+
+
+@pytest.mark.gpu
+def test_in_kernel_merge_interleaved_launches():
+    """The merge barrier's counters persist across launches (never re-armed): launches of five
+    batch sizes (other program counts on the same token slots), eagerly and replayed from a graph,
+    give the very bytes of their first run every time (200 rounds of each)."""
+    problems = {t: _problem(t, 64, 512, 1024, t, "cuda") for t in (1, 3, 16, 2, 64)}
+    first = {t: mqa_attention(*p) for t, p in problems.items()}
+    outs = {t: torch.empty_like(o) for t, o in first.items()}
+
+    def run_all():
+        for t, p in problems.items():
+            mqa_attention(*p, out=outs[t])
+
+    assert _merge_launches(run_all) == 0
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_all()
+    mismatches = torch.zeros((), dtype=torch.int64, device="cuda")
+    for replay in (run_all, graph.replay) * 200:
+        for o in outs.values():
+            o.fill_(float("nan"))
+        replay()
+        for t, o in outs.items():
+            mismatches += (o.view(torch.int16) != first[t].view(torch.int16)).any()
+    assert mismatches.item() == 0, f"{mismatches.item()} outputs differ from their first run"
