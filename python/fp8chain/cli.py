@@ -133,7 +133,7 @@ def _cmd_info(args) -> int:
               f"{props.total_memory / 2**30:.0f} GiB")
     else:
         print("GPU: none (kernels run on the Triton CPU interpreter)")
-    from fp8chain_kernel import backends, launch
+    from fp8chain_kernel import backends, launch, mhc
     from fp8chain_kernel.formats import ActFormat
 
     caps = backends.probe()
@@ -142,8 +142,8 @@ def _cmd_info(args) -> int:
           "off (" + ("FP8CHAIN_PDL=0" if launch.supported() else "needs sm_90+ and compiled kernels") + ")"))
     compiled = torch.cuda.is_available() and launch.compiled_for_gpu(torch.device("cuda", 0))
     barrier = ("off (the Triton interpreter runs programs one after another)" if not compiled
-               else "on" if launch.grid_barriers_allowed() else "off (FP8CHAIN_GRID_BARRIERS=0)")
-    print(f"grid barriers at decode (mHC boundary row barrier, attention in-kernel merge): {barrier}")
+               else "on" if mhc.row_barrier_allowed() else "off (FP8CHAIN_ROW_BARRIER=0)")
+    print(f"mHC boundary row barrier at decode: {barrier}")
     for block, fmt in ((32, backends.input_format_for(32)), (128, ActFormat.SM90_G128_FP32_MN)):
         for n, k in ((1792, 5120), (5120, 8192)):
             print(f"weight block {block}, {fmt.value}, N={n} K={k}:")

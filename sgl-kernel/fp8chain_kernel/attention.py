@@ -34,8 +34,7 @@ import triton
 import triton.language as tl
 
 from .fp8_tile import dot_bf16, interpreting, rms_rstd, round_bf16
-from .launch import (H200_SMS, await_arrivals, await_producer, compiled_for_gpu, grid_barriers_allowed, pdl_options,
-                     sm_count, zeroed_workspace)
+from .launch import H200_SMS, await_producer, pdl_options, sm_count
 
 __all__ = ["rope_qkv", "mqa_attention", "key_splits"]
 
@@ -182,46 +181,14 @@ def _attend_block(q, kv_ptr, slot, first, last, L, m_i, l_i, acc, scale, stride_
 
 
 @triton.jit
-def _merge_tile(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, o_ptr, t, head_block, col_block, pos,
-                NH, D, stride_ot, stride_oh, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HALF: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, CACHE: tl.constexpr, EXACT_CAST: tl.constexpr):
-    """Token ``t``'s output columns ``col_block * BLOCK_C ..`` of heads ``head_block * BLOCK_H ..``
-    from its key splits' partials: every split's softmax state and partial loaded at once
-    (``[SPLITS_P2, BLOCK_H(, BLOCK_C)]`` tiles, one round trip each), reduced over the splits in
-    registers, the sink added, normalized and rotated back. ``CACHE``: the loads' cache modifier
-    (".cg" where other programs of the same launch wrote the partials)."""
-    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)
-    offs_s = tl.arange(0, SPLITS_P2)
-    h_ok = offs_h < NH
-    rows = (t * SPLITS).to(tl.int64) * NH + offs_s[:, None] * NH + offs_h[None, :]  # [SPLITS_P2, BLOCK_H]
-    row_ok = (offs_s < SPLITS)[:, None] & h_ok[None, :]
-    m_s = tl.load(part_ml_ptr + rows * 2, mask=row_ok, other=float("-inf"), cache_modifier=CACHE)
-    l_s = tl.load(part_ml_ptr + rows * 2 + 1, mask=row_ok, other=0.0, cache_modifier=CACHE)
-    part = tl.load(part_o_ptr + rows[:, :, None] * D + cols[None, None, :],
-                   mask=row_ok[:, :, None] & (cols < D)[None, None, :], other=0.0, cache_modifier=CACHE)
-    sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
-    peak = tl.maximum(sink, tl.max(m_s, axis=0))
-    weight = tl.exp(m_s - peak[None, :])  # 0 for a split that saw no key (m_s = -inf)
-    denom = tl.exp(sink - peak) + tl.sum(l_s * weight, axis=0)
-    total = tl.sum(part * weight[:, :, None], axis=0)
-    o_rows = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
-    _store_rotated_back(o_rows, total, col_block * BLOCK_C, denom, h_ok, cos_ptr, sin_ptr, pos, D, HALF,
-                        EXACT_CAST)
-
-
-@triton.jit
 def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
-                      sink_ptr, cos_ptr, sin_ptr, o_ptr, count_ptr, NH, D, L, scale,
-                      stride_qt, stride_qh, stride_ks, stride_kl, stride_ot, stride_oh, slots_per_token,
+                      sink_ptr, cos_ptr, sin_ptr, o_ptr, NH, D, L, scale,
+                      stride_qt, stride_qh, stride_ks, stride_kl, stride_ot, stride_oh,
                       SPLITS: tl.constexpr, STEPS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, BARRIER_MERGE: tl.constexpr,
-                      SPLITS_P2: tl.constexpr, MERGE_H: tl.constexpr, MERGE_C: tl.constexpr,
-                      EXACT_CAST: tl.constexpr,
+                      BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EXACT_CAST: tl.constexpr,
                       PDL: tl.constexpr):
     # With SPLITS == 1 the program holds all of its token's keys and writes the final output itself
-    # (sink, normalisation, inverse RoPE: the merge's arithmetic); otherwise fp32 partials, merged
-    # by the merge launch or, with BARRIER_MERGE, by this launch's programs of the token together.
+    # (sink, normalisation, inverse RoPE: the merge's arithmetic); otherwise fp32 partials.
     await_producer(PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -263,18 +230,6 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
                  mask=h_ok[:, None] & d_ok[None, :])
         tl.store(part_ml_ptr + (base + offs_h) * 2, m_i, mask=h_ok)
         tl.store(part_ml_ptr + (base + offs_h) * 2 + 1, l_i, mask=h_ok)
-        if BARRIER_MERGE:
-            # Wait for the token's other programs (counter of (token, program count), never
-            # re-armed: ``launch.await_arrivals``), then merge every n-th of the token's merge
-            # tiles, so the merge is spread over all n programs rather than one per head block.
-            n = tl.num_programs(1) * SPLITS
-            await_arrivals(count_ptr, t * slots_per_token + n, n)
-            col_blocks = tl.cdiv(D, MERGE_C)
-            pos = last.to(tl.int64)
-            for unit in range(hb * SPLITS + split, tl.cdiv(NH, MERGE_H) * col_blocks, n):
-                _merge_tile(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, o_ptr, t, unit // col_blocks,
-                            unit % col_blocks, pos, NH, D, stride_ot, stride_oh, SPLITS, SPLITS_P2, HALF,
-                            MERGE_H, MERGE_C, ".cg", EXACT_CAST)
 
 
 @triton.jit
@@ -282,23 +237,29 @@ def _mqa_merge_kernel(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, pos_p
                       stride_ot, stride_oh, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HALF: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, EXACT_CAST: tl.constexpr,
                       PDL: tl.constexpr):
-    # Program (t, head block, column chunk): one merge tile.
+    # Program (t, head block, column chunk): BLOCK_C columns of BLOCK_H heads. Every split's
+    # softmax state and partial is loaded at once ([SPLITS_P2, BLOCK_H(, BLOCK_C)] tiles, one
+    # round trip each) and reduced over the splits in registers.
     await_producer(PDL)
     t = tl.program_id(0)
-    _merge_tile(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, o_ptr, t, tl.program_id(1), tl.program_id(2),
-                tl.load(pos_ptr + t).to(tl.int64), NH, D, stride_ot, stride_oh, SPLITS, SPLITS_P2, HALF,
-                BLOCK_H, BLOCK_C, "", EXACT_CAST)
-
-
-def _barrier_merge_columns(heads: int, dim: int, programs: int, splits_p2: int, warps: int) -> int:
-    """Columns per merge tile where a token's ``programs`` split programs merge its partials
-    themselves (``BARRIER_MERGE``): as wide as ``_MERGE_ELEMS`` partial elements per 4 warps allow
-    (one round trip per tile), narrower while that would leave some of the programs without a
-    tile."""
-    columns = max(16, min(triton.next_power_of_2(dim), _MERGE_ELEMS * warps // 4 // (_BLOCK_H * splits_p2)))
-    while columns > 16 and triton.cdiv(heads, _BLOCK_H) * triton.cdiv(dim, columns) < programs:
-        columns //= 2
-    return columns
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_s = tl.arange(0, SPLITS_P2)
+    h_ok = offs_h < NH
+    rows = (t * SPLITS).to(tl.int64) * NH + offs_s[:, None] * NH + offs_h[None, :]  # [SPLITS_P2, BLOCK_H]
+    row_ok = (offs_s < SPLITS)[:, None] & h_ok[None, :]
+    m_s = tl.load(part_ml_ptr + rows * 2, mask=row_ok, other=float("-inf"))
+    l_s = tl.load(part_ml_ptr + rows * 2 + 1, mask=row_ok, other=0.0)
+    part = tl.load(part_o_ptr + rows[:, :, None] * D + cols[None, None, :],
+                   mask=row_ok[:, :, None] & (cols < D)[None, None, :], other=0.0)
+    sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
+    peak = tl.maximum(sink, tl.max(m_s, axis=0))
+    weight = tl.exp(m_s - peak[None, :])  # 0 for a split that saw no key (m_s = -inf)
+    denom = tl.exp(sink - peak) + tl.sum(l_s * weight, axis=0)
+    total = tl.sum(part * weight[:, :, None], axis=0)
+    o_rows = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
+    _store_rotated_back(o_rows, total, tl.program_id(2) * BLOCK_C, denom, h_ok, cos_ptr, sin_ptr,
+                        tl.load(pos_ptr + t).to(tl.int64), D, HALF, EXACT_CAST)
 
 
 def _splits(tokens: int, heads: int, block_h: int, key_steps: int, sms: int) -> int:
@@ -448,23 +409,17 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
         part_ml = torch.empty((tokens, splits, heads, 2), dtype=torch.float32, device=q.device)
     warps = 8 if block_d >= 512 else 4  # 64 keys x 512 columns: 4 warps spill registers
     stages = {} if interpreting() else {"num_stages": _pipeline_stages(block_h, block_l, block_d)}
-    programs = tokens * head_blocks * splits
-    barrier_merge = splits > 1 and programs <= sms and grid_barriers_allowed() and compiled_for_gpu(q.device)
-    splits_p2 = triton.next_power_of_2(splits)
-    merge_columns = _barrier_merge_columns(heads, dim, head_blocks * splits, splits_p2, warps)
-    # counters per (token, program count): tokens < programs <= sms, program counts <= sms
-    counters = zeroed_workspace("mqa_merge_barrier", q.device, sms * (sms + 1), torch.int64) if barrier_merge else out
     _mqa_split_kernel[(tokens, head_blocks, splits)](
-        q, kv_cache, slots, positions, part_o, part_ml, sink, cos_table, sin_table, out, counters,
+        q, kv_cache, slots, positions, part_o, part_ml, sink, cos_table, sin_table, out,
         heads, dim, length, float(scale),
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1), sms + 1,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1),
         SPLITS=splits, STEPS=steps, HALF=half, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_D=block_d,
-        BARRIER_MERGE=barrier_merge, SPLITS_P2=splits_p2, MERGE_H=_BLOCK_H, MERGE_C=merge_columns,
         EXACT_CAST=interpreting(), num_warps=warps, **stages, **pdl_options(),
     )
-    if splits == 1 or barrier_merge:
+    if splits == 1:
         return out
     merge_blocks = triton.cdiv(heads, _BLOCK_H)
+    splits_p2 = triton.next_power_of_2(splits)
     columns = min(_MERGE_COLUMNS, _MERGE_ELEMS // (_BLOCK_H * splits_p2))
     _mqa_merge_kernel[(tokens, merge_blocks, triton.cdiv(dim, columns))](
         part_o, part_ml, sink, cos_table, sin_table, positions, out, heads, dim, out.stride(0), out.stride(1),

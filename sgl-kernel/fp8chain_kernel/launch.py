@@ -39,8 +39,7 @@ from .fp8_tile import interpreting
 
 __all__ = ["ARRIVAL_SLOTS", "H200_SMS", "arrival_counters", "arrive", "arrive_last", "await_arrivals", "await_producer",
            "compiled_for_gpu",
-           "enabled", "gather_partials", "grid_barriers_allowed", "programmatic_launches", "pdl_options",
-           "publish_partial", "rearm",
+           "enabled", "gather_partials", "programmatic_launches", "pdl_options", "publish_partial", "rearm",
            "sm_count", "split_workspace", "supported", "zeroed_workspace"]
 
 _override: list[bool] = []  # innermost programmatic_launches() block last
@@ -139,16 +138,6 @@ def await_arrivals(count_ptr, slot, programs):
     while tl.atomic_add(count_ptr + slot, 0, sem="acquire") < done:
         pass
     tl.debug_barrier()  # the acquire before any thread's loads
-
-
-def grid_barriers_allowed() -> bool:
-    """Whether kernels may take a form whose programs wait for each other within one launch
-    (``await_arrivals``: the mHC boundary's row barrier, the attention's in-kernel merge);
-    ``FP8CHAIN_GRID_BARRIERS``, default on. Such launches are sized to at most one program per SM
-    of the device, so all of them are resident at once when the process has the whole GPU; under
-    MPS with an SM limit, or in a green context (fewer SMs than the device reports),
-    ``FP8CHAIN_GRID_BARRIERS=0`` keeps every kernel on its barrier-free form."""
-    return os.environ.get("FP8CHAIN_GRID_BARRIERS", "1") != "0"
 
 
 @triton.jit

@@ -17,7 +17,7 @@ tokens still spreads over ~2 programs per SM, in one launch. When the RMSNorm is
 is split over programs, the row is finished in one of two ways:
 
 * the row barrier (``ROW_BARRIER``; decode, compiled, the grid at most one program per SM, see
-  ``launch.grid_barriers_allowed``): each program stores its slice's sum of squares, arrives on the
+  ``row_barrier_allowed``): each program stores its slice's sum of squares, arrives on the
   counter of its (row, slice count) and waits until every program of the row has arrived, then
   adds the slices' sums in slice order and writes ``x`` and its FP8 data and scales for its own
   slice (a power-of-two multiple of 128 columns, held in registers);
@@ -46,6 +46,8 @@ reference bit for bit, and the FP8 pair equals ``reference.quantize`` of the ker
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -53,10 +55,10 @@ import triton.language as tl
 from .formats import ActFormat, QuantizedActivation, cdiv
 from .fp8_tile import format_constexprs, fp8_offsets, interpreting, round_bf16, store_pair_tile
 from .launch import (ARRIVAL_SLOTS, H200_SMS, arrival_counters, arrive_last, await_arrivals, await_producer,
-                     compiled_for_gpu, grid_barriers_allowed, pdl_options, rearm, sm_count, zeroed_workspace)
+                     compiled_for_gpu, pdl_options, rearm, sm_count, zeroed_workspace)
 from .quant import prepare_out
 
-__all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary"]
+__all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary", "row_barrier_allowed"]
 
 HC = 4                      # hyper-connection streams
 NMIX = HC * (2 + HC)        # 24 mix values per token: pre 4, post 4, comb 16
@@ -463,13 +465,22 @@ _BARRIER_SPLITS = 64  # slices per row in row-barrier mode, fewer: a row's count
 _BARRIER_ROWS = 256   # row blocks in row-barrier mode, at most: the rows of its counters
 
 
+def row_barrier_allowed() -> bool:
+    """Whether decode rows may take the row barrier (``FP8CHAIN_ROW_BARRIER``, default on). Its
+    programs wait for each other, so all of a row's programs must be resident at once; the grid is
+    sized to one program per SM of the device, which holds when the process has the whole GPU.
+    ``FP8CHAIN_ROW_BARRIER=0`` keeps every row on the last-arrival form (under MPS with an SM
+    limit, or green contexts: fewer SMs than the device reports)."""
+    return os.environ.get("FP8CHAIN_ROW_BARRIER", "1") != "0"
+
+
 def _row_barrier_slice(rows: int, cols: int, bm: int, device: torch.device) -> int | None:
     """The slice width of a row-barrier launch (``ROW_BARRIER``: every program of a row waits for
     the row's sums of squares and normalizes its own slice), or None. Only compiled (the
     interpreter runs programs one after another: a waiting program would never see the next
     one's sum), one row per program, and at most one program per SM, so that every program of a
     row runs at once: the narrowest power-of-two multiple of 128 that fits the grid."""
-    if not (grid_barriers_allowed() and compiled_for_gpu(device) and bm == 1 and rows <= _BARRIER_ROWS):
+    if not (row_barrier_allowed() and compiled_for_gpu(device) and bm == 1 and rows <= _BARRIER_ROWS):
         return None
     sms = sm_count(device, interpreter=H200_SMS)
     width = 128

@@ -95,19 +95,13 @@ def record_launches() -> None:
     cache = torch.zeros(64, 1024, 512, dtype=torch.bfloat16)
     # default tiles 16 x 64 (16 key splits, merged) and 64 x 64 wgmma at two stages (2 splits,
     # merged; one split: the split kernel writes the output, the spill SPILL_ALLOWED names);
-    # rope_qkv with and without the fused kv norm. Decode grids of at most one program per SM merge
-    # in the split kernel on a GPU (M = 1, 16 and 64 here); M = 1 also in the merge launch.
-    for rows, on_gpu in ((1, False), (1, True), (16, True), (64, True), (256, True), (2048, True)):
+    # rope_qkv with and without the fused kv norm
+    for rows in (1, 64, 256, 2048):
         slots, positions = torch.arange(rows) % 64, torch.full((rows,), 1023)
         kv_weight = bf16(512) if rows > 1 else None
         q = attention.rope_qkv(bf16(rows, 64 * 512), bf16(rows, 512), cos, sin, cache, slots, positions, 1e-6,
                                kv_weight=kv_weight)
-        saved = attention.compiled_for_gpu
-        attention.compiled_for_gpu = lambda device: on_gpu
-        try:
-            attention.mqa_attention(q, cache, slots, positions, torch.zeros(64), 512 ** -0.5, cos, sin)
-        finally:
-            attention.compiled_for_gpu = saved
+        attention.mqa_attention(q, cache, slots, positions, torch.zeros(64), 512 ** -0.5, cos, sin)
 
 
 def record_boundary_launches() -> None:

@@ -462,7 +462,7 @@ def test_row_barrier_launch_shapes(monkeypatch):
         assert cfg["ROW_BARRIER"] and cfg["SLICE"] == cfg["BLOCK"] == slice_ and cfg["grid"] == (t, splits)
         assert t * splits <= 132 and cfg["SPLITS"] == mhc._BARRIER_SPLITS
     assert not shapes[127]["ROW_BARRIER"] and shapes[127]["SPLIT_ROW"]
-    monkeypatch.setenv("FP8CHAIN_GRID_BARRIERS", "0")  # the opt-out: the last program normalizes
+    monkeypatch.setenv("FP8CHAIN_ROW_BARRIER", "0")  # the opt-out: the last program normalizes
     cfg = mhc._boundary_config(1, GPU_H, cpu)
     assert not cfg["ROW_BARRIER"] and cfg["SPLIT_ROW"] and cfg["grid"] == (1, 40)
 
@@ -511,7 +511,7 @@ def test_row_barrier_interleaved_launches(monkeypatch):
         assert_bitwise(new_r, first[t][0])
         assert_bitwise(x, first[t][1])
         assert_pairs_equal(pair, first[t][2])
-    monkeypatch.setenv("FP8CHAIN_GRID_BARRIERS", "0")
+    monkeypatch.setenv("FP8CHAIN_ROW_BARRIER", "0")
     for t, (r, y, w, pre, post, comb) in cases.items():
         assert not mhc._boundary_config(t, GPU_H, r.device)["ROW_BARRIER"]
         _, x_last, _ = mhc.mhc_mega_boundary(y, r, pre, post, comb, w, EPS, out_format=fmt)

@@ -40,5 +40,5 @@ def test_info_lists_backends(capsys):
     for name in ("triton", "torch_blockwise", "deep_gemm"):
         assert name in out
     assert "programmatic dependent launch: off (needs sm_90+" in out  # CPU
-    assert "grid barriers at decode (mHC boundary row barrier, attention in-kernel merge): off (the Triton interpreter" in out
+    assert "mHC boundary row barrier at decode: off (the Triton interpreter" in out
     assert "SGLang plugin: sglang.srt.plugins entry point registered (fp8chain.integrations.sglang:install)" in out
