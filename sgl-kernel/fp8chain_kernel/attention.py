@@ -39,6 +39,12 @@ from .launch import H200_SMS, await_producer, pdl_options, sm_count
 __all__ = ["rope_qkv", "mqa_attention", "key_splits"]
 
 _BLOCK_H = 16  # query heads per program (tl.dot needs >= 16 rows)
+# rope_qkv: query heads per program and warps. From an H200 sweep of 1-16 heads on 1-8 warps (64
+# heads x 512, docs/benchmarks.md, attention): 4 heads on 4 warps took 1.73 / 1.75 / 1.96 / 3.34 us
+# at T = 1 / 4 / 16 / 64, within 0.15 us of the best shape at T <= 16, against 2.82 / 2.90 / 3.15 /
+# 5.46 with 16 heads on 8 warps; its outputs were bitwise those of the 16-head launch.
+_ROPE_HEADS = 4
+_ROPE_WARPS = 4
 _BLOCK_L = 64  # keys per step
 # The split kernel's (heads per program, keys per step) by work. Compiled for sm_90 at D = 512
 # with 8 warps: 16 x 64 runs mma.sync in 80 registers, 32 x 64 in 133, 64 x 64 wgmma in 255 at
@@ -349,13 +355,13 @@ def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_tab
     out = torch.empty((tokens, heads, dim), dtype=torch.bfloat16, device=q.device)
     if tokens == 0 or heads == 0:
         return out
-    _rope_qkv_kernel[(tokens, triton.cdiv(heads, _BLOCK_H) + 1)](
+    _rope_qkv_kernel[(tokens, triton.cdiv(heads, _ROPE_HEADS) + 1)](
         q, kv, kv_weight if kv_weight is not None else kv, cos_table, sin_table, out, kv_cache, slots, positions,
         heads, dim, float(eps),
         q.stride(0), kv.stride(0), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-        KV_NORM=kv_weight is not None, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_D=triton.next_power_of_2(dim),
+        KV_NORM=kv_weight is not None, HALF=half, BLOCK_H=_ROPE_HEADS, BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_HALF=triton.next_power_of_2(max(half, 1)), EXACT_CAST=interpreting(),
-        num_warps=8 if dim >= 512 else 4, **pdl_options(),
+        num_warps=_ROPE_WARPS, **pdl_options(),
     )
     return out
 
