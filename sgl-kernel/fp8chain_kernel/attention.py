@@ -62,12 +62,15 @@ _WIDE_TILE_PAIRS = 1 << 16  # (token, key) pairs from which the wide tile pays
 _ROWS_TILES = ((1024, (32, 64)), (0, (_BLOCK_H, _BLOCK_L)))  # (least token x head rows, tile)
 _SMEM_BYTES = 227 << 10  # an H200 program's shared memory
 # columns per merge program: 16 at every batch. From H200 sweeps of 16-256 columns, 16-64 heads
-# and 2-8 warps per program (docs/benchmarks.md, attention): 16 columns of 16 heads on 4 warps
-# was within 0.3 us of the best shape at each batch but M = 16 (64 heads: 6.97 against 6.16 us on
-# 2 warps), and beat the 64 columns taken before from 132 (token, head block)s on (64 heads, M =
-# 64: 17.3 against 19.5 us; M = 256: 64.6 against 71.8).
+# and 2-8 warps per program (docs/benchmarks.md, attention): 16 columns of 16 heads beat the 64
+# columns taken before from 132 (token, head block)s on (64 heads, M = 64: 17.3 against 19.5 us;
+# M = 256: 64.6 against 71.8). Its warps by key splits (``_MERGE_WARPS``): 16 partials per thread
+# where the tile holds 4 or more splits (16 splits on 8 warps: 64 heads, M = 1: 2.76 against 3.04
+# us on 4; 4 splits on 2: M = 16, 6.16 against 6.97), 4 warps for 2 splits (M = 64: 17.3 against
+# 17.6 on 2).
 _MERGE_COLUMNS = 16
 _MERGE_ELEMS = 8192  # at most this many partial elements per merge program: 64 registers at 4 warps
+_MERGE_WARPS = {2: 4, 4: 2, 8: 4, 16: 8}  # by key splits rounded up to a power of two; else 4
 # Key splits per (token, head block), from an H200 sweep (`fp8chain bench attention --splits`,
 # docs/benchmarks.md): as many as one wave of split programs holds (one per SM: 150-168 KB of
 # shared memory each), at least 2 while the unsplit programs fit in two waves, at most
@@ -430,6 +433,6 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     _mqa_merge_kernel[(tokens, merge_blocks, triton.cdiv(dim, columns))](
         part_o, part_ml, sink, cos_table, sin_table, positions, out, heads, dim, out.stride(0), out.stride(1),
         SPLITS=splits, SPLITS_P2=splits_p2, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_C=columns,
-        EXACT_CAST=interpreting(), num_warps=4, **pdl_options(),
+        EXACT_CAST=interpreting(), num_warps=_MERGE_WARPS.get(splits_p2, 4), **pdl_options(),
     )
     return out
