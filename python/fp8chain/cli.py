@@ -141,8 +141,8 @@ def _cmd_info(args) -> int:
     print("programmatic dependent launch: " + ("on" if launch.enabled() else
           "off (" + ("FP8CHAIN_PDL=0" if launch.supported() else "needs sm_90+ and compiled kernels") + ")"))
     compiled = torch.cuda.is_available() and launch.compiled_for_gpu(torch.device("cuda", 0))
-    barrier = ("off (the Triton interpreter runs programs one after another)" if not compiled
-               else "on" if mhc.row_barrier_allowed() else "off (FP8CHAIN_ROW_BARRIER=0)")
+    off = "the Triton interpreter runs programs one after another" if not compiled else mhc.row_barrier_off_reason()
+    barrier = "on" if off is None else f"off ({off})"
     print(f"mHC boundary row barrier at decode: {barrier}")
     for block, fmt in ((32, backends.input_format_for(32)), (128, ActFormat.SM90_G128_FP32_MN)):
         for n, k in ((1792, 5120), (5120, 8192)):

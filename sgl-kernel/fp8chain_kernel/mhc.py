@@ -58,7 +58,8 @@ from .launch import (ARRIVAL_SLOTS, H200_SMS, arrival_counters, arrive_last, awa
                      compiled_for_gpu, pdl_options, rearm, sm_count, zeroed_workspace)
 from .quant import prepare_out
 
-__all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary", "row_barrier_allowed"]
+__all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary", "row_barrier_allowed",
+           "row_barrier_off_reason"]
 
 HC = 4                      # hyper-connection streams
 NMIX = HC * (2 + HC)        # 24 mix values per token: pre 4, post 4, comb 16
@@ -465,13 +466,30 @@ _BARRIER_SPLITS = 64  # slices per row in row-barrier mode, fewer: a row's count
 _BARRIER_ROWS = 256   # row blocks in row-barrier mode, at most: the rows of its counters
 
 
+def row_barrier_off_reason() -> str | None:
+    """Why decode rows may not take the row barrier now, or None. Its programs wait for each other,
+    so all of a row's programs must be resident at once; the grid is sized to one program per SM
+    of the device, which holds when the process has the whole GPU. Off with
+    ``FP8CHAIN_ROW_BARRIER=0`` (set it under MPS with an SM limit from the control daemon, or in a
+    green context: fewer SMs than the device reports), and where this process's own
+    ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` is below 100. Every row then takes the last-arrival
+    form."""
+    if os.environ.get("FP8CHAIN_ROW_BARRIER", "1") == "0":
+        return "FP8CHAIN_ROW_BARRIER=0"
+    mps = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    if mps is not None:
+        try:
+            limited = float(mps) < 100.0
+        except ValueError:
+            limited = True
+        if limited:
+            return f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={mps}: an MPS client may have fewer SMs than the device"
+    return None
+
+
 def row_barrier_allowed() -> bool:
-    """Whether decode rows may take the row barrier (``FP8CHAIN_ROW_BARRIER``, default on). Its
-    programs wait for each other, so all of a row's programs must be resident at once; the grid is
-    sized to one program per SM of the device, which holds when the process has the whole GPU.
-    ``FP8CHAIN_ROW_BARRIER=0`` keeps every row on the last-arrival form (under MPS with an SM
-    limit, or green contexts: fewer SMs than the device reports)."""
-    return os.environ.get("FP8CHAIN_ROW_BARRIER", "1") != "0"
+    """Whether decode rows may take the row barrier (``row_barrier_off_reason``)."""
+    return row_barrier_off_reason() is None
 
 
 def _row_barrier_slice(rows: int, cols: int, bm: int, device: torch.device) -> int | None:

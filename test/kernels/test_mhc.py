@@ -465,6 +465,28 @@ def test_row_barrier_launch_shapes(monkeypatch):
     monkeypatch.setenv("FP8CHAIN_ROW_BARRIER", "0")  # the opt-out: the last program normalizes
     cfg = mhc._boundary_config(1, GPU_H, cpu)
     assert not cfg["ROW_BARRIER"] and cfg["SPLIT_ROW"] and cfg["grid"] == (1, 40)
+    assert mhc.row_barrier_off_reason() == "FP8CHAIN_ROW_BARRIER=0"
+
+
+@cpu
+@pytest.mark.parametrize("percentage,barrier", [(None, True), ("100", True), ("50", False), ("12.5", False),
+                                                ("lots", False)])
+def test_row_barrier_off_for_mps_clients_with_fewer_threads(monkeypatch, percentage, barrier):
+    """A process whose own CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is below 100 (or unreadable) may get
+    fewer SMs than the device reports: its decode rows take the last-arrival form, which needs no
+    program to wait for another, and the reason is given."""
+    monkeypatch.setattr(mhc, "_max_rows_per_program", lambda device: 1)
+    monkeypatch.setattr(mhc, "compiled_for_gpu", lambda device: True)
+    monkeypatch.delenv("FP8CHAIN_ROW_BARRIER", raising=False)
+    if percentage is None:
+        monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", percentage)
+    assert mhc._boundary_config(1, GPU_H, torch.device("cpu"))["ROW_BARRIER"] is barrier
+    reason = mhc.row_barrier_off_reason()
+    assert (reason is None) is barrier
+    if not barrier:
+        assert f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percentage}" in reason
 
 
 @gpu
