@@ -16,8 +16,8 @@ of ``R'`` and computes its slice of ``v = bf16(sum_k pre[k]*R'[k])``, so a decod
 tokens still spreads over ~2 programs per SM, in one launch. When the RMSNorm is needed and a row
 is split over programs, the row is finished in one of two ways:
 
-* the row barrier (``ROW_BARRIER``; decode, compiled, the grid at most one program per SM, see
-  ``row_barrier_allowed``): each program stores its slice's sum of squares, arrives on the
+* the row barrier (``ROW_BARRIER``; decode, compiled, the grid at most one program per SM, and no
+  ``row_barrier_off_reason``): each program stores its slice's sum of squares, arrives on the
   counter of its (row, slice count) and waits until every program of the row has arrived, then
   adds the slices' sums in slice order and writes ``x`` and its FP8 data and scales for its own
   slice (a power-of-two multiple of 128 columns, held in registers);
@@ -58,8 +58,7 @@ from .launch import (ARRIVAL_SLOTS, H200_SMS, arrival_counters, arrive_last, awa
                      compiled_for_gpu, pdl_options, rearm, sm_count, zeroed_workspace)
 from .quant import prepare_out
 
-__all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary", "row_barrier_allowed",
-           "row_barrier_off_reason"]
+__all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary", "row_barrier_off_reason"]
 
 HC = 4                      # hyper-connection streams
 NMIX = HC * (2 + HC)        # 24 mix values per token: pre 4, post 4, comb 16
@@ -487,18 +486,13 @@ def row_barrier_off_reason() -> str | None:
     return None
 
 
-def row_barrier_allowed() -> bool:
-    """Whether decode rows may take the row barrier (``row_barrier_off_reason``)."""
-    return row_barrier_off_reason() is None
-
-
 def _row_barrier_slice(rows: int, cols: int, bm: int, device: torch.device) -> int | None:
     """The slice width of a row-barrier launch (``ROW_BARRIER``: every program of a row waits for
     the row's sums of squares and normalizes its own slice), or None. Only compiled (the
     interpreter runs programs one after another: a waiting program would never see the next
     one's sum), one row per program, and at most one program per SM, so that every program of a
     row runs at once: the narrowest power-of-two multiple of 128 that fits the grid."""
-    if not (row_barrier_allowed() and compiled_for_gpu(device) and bm == 1 and rows <= _BARRIER_ROWS):
+    if not (row_barrier_off_reason() is None and compiled_for_gpu(device) and bm == 1 and rows <= _BARRIER_ROWS):
         return None
     sms = sm_count(device, interpreter=H200_SMS)
     width = 128
