@@ -643,12 +643,20 @@ def fp8_gemm(a: QuantizedActivation | torch.Tensor, weight: torch.Tensor, weight
 # fp8_gemm_silu_mul); with them the DSv4.1 gate_up took longer than the GEMM plus act.silu_mul on
 # the H200 (M = 64: 30.8 vs 26.7 us, M = 2048: 368 vs 364 us; smaller tiles 0.7-1.7 us faster).
 SILU_MUL_WIDE_TILE = 128 * 64
+# Token tiles of 16 columns (M = 9..16): in the DSv4.1 layer step the GEMM plus the SiLU*mul launch
+# measured 1.0-1.5 us faster than the epilogue (TP1 and TP4, each variant captured twice, H200,
+# 2026-12-01), though alone the epilogue is faster; at 4, 8 and 32-64 columns the epilogue was
+# 0.3-1.5 us faster in the step. The mHC stats partial on the side stream finds no registers beside
+# these 160-register programs, and the epilogue keeps each tile's last program on its SM longer.
+SILU_MUL_LAUNCH_TOKEN_TILES = (16,)
 
 
 def silu_mul_epilogue_pays(config: GemmConfig) -> bool:
     """Whether ``fp8_gemm_silu_mul`` beats ``fp8_gemm`` + ``act.silu_mul`` with the gate_up problem's
-    ``config`` (``select_config``): where its tile is narrower than ``SILU_MUL_WIDE_TILE``."""
-    return config.block_n * config.block_m < SILU_MUL_WIDE_TILE
+    ``config`` (``select_config``): where its tile is narrower than ``SILU_MUL_WIDE_TILE`` and its
+    token tile not one of ``SILU_MUL_LAUNCH_TOKEN_TILES``."""
+    return (config.block_n * config.block_m < SILU_MUL_WIDE_TILE
+            and config.block_m not in SILU_MUL_LAUNCH_TOKEN_TILES)
 
 
 def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor, *,

@@ -258,15 +258,15 @@ def test_gemm_silu_mul_nan_row_stays_in_its_row(config, device):
 
 @pytest.mark.cpu
 def test_silu_mul_epilogue_only_where_it_pays(device):
-    """DSv4.1 gate_up: the fused launch at decode tiles (64x16, 64x64) and M = 256, the two
-    launches where the fused tile needs 8 warps (M = 2048; measured slower there), and the
-    backend follows."""
+    """DSv4.1 gate_up: the fused launch at decode tiles of 4, 8 and 64 tokens and M = 256; the two
+    launches at 16-token tiles (M = 9..16, measured faster in the layer step) and where the fused
+    tile needs 8 warps (M = 2048; measured slower there), and the backend follows."""
     from fp8chain_kernel.backends import get_backend
 
     n, k = 4608, 5120
     assert [gemm.silu_mul_epilogue_pays(gemm.select_config(m, n, k, 32, device))
-            for m in (1, 16, 64, 256, 2048)] == \
-        [True, True, True, True, False]
+            for m in (1, 4, 8, 9, 16, 32, 64, 256, 2048)] == \
+        [True, True, True, False, False, True, True, True, False]
     w = torch.zeros(n, k, dtype=torch.float8_e4m3fn, device=device)
     s = torch.ones(n // 32, k // 32, device=device)
     pair = ref.quantize(make_activation(2048, k, device), G32)

@@ -461,6 +461,7 @@ def test_row_barrier_launch_shapes(monkeypatch):
         cfg = shapes[t]
         assert cfg["ROW_BARRIER"] and cfg["SLICE"] == cfg["BLOCK"] == slice_ and cfg["grid"] == (t, splits)
         assert t * splits <= 132 and cfg["SPLITS"] == mhc._BARRIER_SPLITS
+        assert cfg["num_warps"] == (4 if slice_ <= 512 else 8)
     assert not shapes[127]["ROW_BARRIER"] and shapes[127]["SPLIT_ROW"]
     monkeypatch.setenv("FP8CHAIN_ROW_BARRIER", "0")  # the opt-out: the last program normalizes
     cfg = mhc._boundary_config(1, GPU_H, cpu)
