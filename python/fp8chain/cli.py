@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -84,26 +85,21 @@ def _cmd_bench(args) -> int:
         print("fp8chain bench needs a CUDA GPU; none found (kernel logic is checked on CPU by "
               "`fp8chain verify` and the test suite)", file=sys.stderr)
         return 2
-    names = BENCHMARKS if args.benchmark == "all" else [args.benchmark]
+    if args.benchmark != "all":
+        _run_benchmark(args.benchmark, args)
+        return 0
     failed = []
-    for name in names:
+    for name in BENCHMARKS:
         if not (BENCH_DIR / f"{name}.py").exists():
             print(f"[skip] benchmark/{name}.py is not in this checkout")
             continue
-        if args.benchmark == "all":
-            parser = argparse.ArgumentParser()
-            _load_benchmark(name).add_arguments(parser)
-            sub_args = parser.parse_args(["--quick"] if args.quick else [])
-            sub_args.results_dir = args.results_dir
-        else:
-            sub_args = args
-        try:
-            _run_benchmark(name, sub_args)
-        except Exception as exc:  # one broken benchmark must not hide the others' numbers
-            import traceback
-
-            traceback.print_exc()
-            failed.append(f"{name}: {exc}")
+        # each benchmark in a process of its own: after one benchmark's torch.profiler launch
+        # counts, every kernel a later one times would be slower (fp8chain.bench.harness)
+        command = [sys.executable, "-m", "fp8chain", "bench", name] + (["--quick"] if args.quick else [])
+        if args.results_dir:
+            command += ["--results-dir", str(args.results_dir)]
+        if subprocess.run(command).returncode != 0:  # one broken benchmark must not hide the others
+            failed.append(name)
     if failed:
         print("failed benchmarks:\n  " + "\n  ".join(failed), file=sys.stderr)
         return 1

@@ -20,3 +20,11 @@ def test_rotating_calls_each_item_in_turn():
     call = harness.rotating(lambda a, b: seen.append((a, b)) or a + b, [(1, 2), (3, 4), (5, 6)])
     assert [call() for _ in range(4)] == [3, 7, 11, 3]
     assert seen == [(1, 2), (3, 4), (5, 6), (1, 2)]
+
+
+def test_no_timing_after_the_profiler(monkeypatch):
+    """Once torch.profiler has run in a process, later replays carry CUPTI's per-kernel cost:
+    ``replay_times_us`` refuses to time, naming the rule."""
+    monkeypatch.setattr(harness, "_profiler_used", True)
+    with pytest.raises(harness.ProfiledProcessError, match="time first, profile last"):
+        harness.replay_times_us({}, iters=1)

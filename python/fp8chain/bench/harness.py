@@ -6,6 +6,12 @@ arms' differences are a few percent, ``capture_graph`` + ``replay_times_us`` (th
 alternated round by round), measures the
 device's copy bandwidth in the same run for the bytes floor, and writes JSON + PNG under
 ``benchmark/results/``.
+
+Time first, profile last: once torch.profiler has run in a process, CUPTI stays attached (Kineto
+does not tear it down) and every kernel of a later graph replay takes longer (~0.7 us per kernel
+on the H200, 2026-12-01: the TP1 layer step at M = 16 went from 123.4 / 130.4 us chained / unchained
+to 135.1 / 145.3 after one ``kernel_profile``). The overhead is per kernel, so it would charge the
+arm with more launches more. ``replay_times_us`` refuses to time after ``kernel_profile``.
 """
 
 from __future__ import annotations
@@ -49,10 +55,21 @@ def capture_graph(fn: Callable[[], object], iters: int = 100) -> torch.cuda.CUDA
     return graph
 
 
+_profiler_used = False  # set by kernel_profile: later timings in this process would carry CUPTI's cost
+
+
+class ProfiledProcessError(RuntimeError):
+    """Timing asked for in a process where torch.profiler has already run."""
+
+
 def replay_times_us(graphs: dict[str, torch.cuda.CUDAGraph], iters: int, rounds: int = 7) -> dict[str, float]:
     """Median microseconds per call of each graph of ``iters`` calls over ``rounds`` rounds, each
     round replaying every graph once in turn: drifts of clocks or temperature weigh on every arm
-    alike, where timing one arm after the other would charge them to whichever ran second."""
+    alike, where timing one arm after the other would charge them to whichever ran second.
+    Raises ``ProfiledProcessError`` after ``kernel_profile`` (see the module docstring)."""
+    if _profiler_used:
+        raise ProfiledProcessError("torch.profiler already ran in this process; CUPTI stays attached and "
+                                   "slows every kernel of later replays: time first, profile last")
     samples: dict[str, list[float]] = {name: [] for name in graphs}
     for _ in range(rounds):
         for name, graph in graphs.items():
@@ -124,11 +141,14 @@ def bf16_matmul_rate(device=None, size: int = 8192) -> float:
 def kernel_profile(fn: Callable[[], object]) -> dict[str, dict[str, float]]:
     """Kernel name -> ``{"launches": n, "us": total GPU time}`` during one eager call of ``fn``
     (torch.profiler, CUDA activity), after one warm-up call. Kernels launch without PDL here: with
-    it, a kernel's span would include its programs' wait for the kernel before it."""
+    it, a kernel's span would include its programs' wait for the kernel before it. No timing
+    with ``replay_times_us`` may follow in this process."""
     from torch.profiler import ProfilerActivity, profile
 
     from fp8chain_kernel.launch import programmatic_launches
 
+    global _profiler_used
+    _profiler_used = True
     with programmatic_launches(False):
         fn()
         torch.cuda.synchronize()
