@@ -77,8 +77,6 @@ def run_demo(args) -> int:
             print("warning: kernels were imported before TRITON_INTERPRET=1 was set; CPU runs "
                   "need the Triton interpreter", file=sys.stderr)
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    import torch
-
     from fp8chain.models.checkpoint import write_random_checkpoint
     from fp8chain.models.deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
     from fp8chain.runtime.engine import Engine

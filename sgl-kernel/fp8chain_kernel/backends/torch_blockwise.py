@@ -42,7 +42,6 @@ class TorchBlockwiseBackend(GemmBackend):
         """Find, for each class of K, the first scale_b layout that torch accepts AND that gives
         the reference's result (a layout torch accepts but reads differently would be silently
         wrong). Returns '' when at least K/128 % 4 == 0 works, else the reason."""
-        from .. import reference
         from . import _tiny_problem
 
         found, notes = {}, []
