@@ -646,8 +646,9 @@ SILU_MUL_WIDE_TILE = 128 * 64
 # Token tiles of 16 columns (M = 9..16): in the DSv4.1 layer step the GEMM plus the SiLU*mul launch
 # measured 1.0-1.5 us faster than the epilogue (TP1 and TP4, each variant captured twice, H200,
 # 2026-12-01), though alone the epilogue is faster; at 4, 8 and 32-64 columns the epilogue was
-# 0.3-1.5 us faster in the step. The mHC stats partial on the side stream finds no registers beside
-# these 160-register programs, and the epilogue keeps each tile's last program on its SM longer.
+# 0.3-1.5 us faster in the step. Both kernels take 160-162 registers per thread there; the cause
+# was not measured (likely: the epilogue keeps each tile's last program on its SM longer while the
+# mHC stats on the side stream wait for room).
 SILU_MUL_LAUNCH_TOKEN_TILES = (16,)
 
 
