@@ -21,7 +21,9 @@ Arms, timed in one process with CUDA-graph replay (median):
   launch, ``fp8chain_kernel.launch``): both steps with it off, so what PDL buys each arm is the
   difference to ``chained`` / ``unchained``;
 - ``compiled_peer``: the same unit in plain torch ops with cuBLAS blockwise FP8 GEMMs
-  (128x128 weight blocks, a torch-composed quantize before each), ``torch.compile``d;
+  (128x128 weight blocks, a torch-composed quantize before each), ``torch.compile``d, computing
+  as a serving implementation would: the mHC stats in fp32, the attention's products on bf16
+  tensor cores (the references' fp64 stats and fp32 attention products are specifications);
 - ``floor``: weight bytes of the unit / copy bandwidth measured in the same run.
 Launches and quantize launches per step come from torch.profiler, after every case is timed.
 """
@@ -30,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -164,7 +168,9 @@ def weight_bytes(layer: DeepseekV41DecoderLayer) -> int:
 
 
 class CompiledPeer:
-    """The same unit in plain torch + cuBLAS blockwise FP8 (g128 weights), torch.compile'd.
+    """The same unit in plain torch + cuBLAS blockwise FP8 (g128 weights), torch.compile'd: the
+    references' arithmetic at serving precision (``reference.mhc_stats`` in fp32,
+    ``reference.mqa_attention`` with bf16 products).
 
     torch 2.11's blockwise ``_scaled_mm`` computes wrong results when K/128 is not a multiple
     of 4 (docs/gemm.md), so for those GEMMs (wq_b K=1280, down K=2304) the peer zero-pads K to
@@ -192,6 +198,9 @@ class CompiledPeer:
         # One static-shape compile per (shapes, M): raise dynamo's default limit of 8 recompiles
         # per function, past which it silently falls back to eager for the remaining cases.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.attention = types.SimpleNamespace(
+            rope_qkv=reference.rope_qkv,
+            mqa_attention=functools.partial(reference.mqa_attention, matmul_dtype=torch.bfloat16))
         self.step = torch.compile(self._step, dynamic=False)
 
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -204,23 +213,26 @@ class CompiledPeer:
         out = torch._scaled_mm(data, w_t, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
         return out[:rows]
 
+    def _stats(self, hc, residual):
+        c = self.c
+        return reference.mhc_stats(residual, hc.fn, hc.scale, hc.base, rms_eps=c.rms_norm_eps, hc_eps=c.hc_eps,
+                                   sinkhorn_iters=c.hc_sinkhorn_iters, dtype=torch.float32)
+
     def _step(self, residual, x, positions, slots, kv_cache):
         layer, c = self.layer, self.c
         attn = layer.attn
         t = x.shape[0]
-        stats = reference.mhc_stats(residual, layer.hc_attn.fn, layer.hc_attn.scale, layer.hc_attn.base,
-                                    rms_eps=c.rms_norm_eps, hc_eps=c.hc_eps, sinkhorn_iters=c.hc_sinkhorn_iters)
+        stats = self._stats(layer.hc_attn, residual)
         qkv = self._linear("wqkv_a", x)
         q_lora, kv = qkv[:, :attn.q_lora_rank], qkv[:, attn.q_lora_rank:]
         q = self._linear("wq_b", reference.rms_norm(q_lora, attn.q_norm.weight, c.rms_norm_eps))
-        o = attn.attend(q, kv.contiguous(), positions, slots, kv_cache, impl=reference)
+        o = attn.attend(q, kv.contiguous(), positions, slots, kv_cache, impl=self.attention)
         o = torch.einsum("tgd,grd->tgr", o, attn.wo_a).reshape(t, -1)
         y = self._linear("wo_b", o)
         pre, post, comb = stats
         residual, xf, _ = reference.mhc_mega_boundary(y, residual, pre, post, comb, layer.ffn_norm.weight,
                                                       c.rms_norm_eps)
-        stats = reference.mhc_stats(residual, layer.hc_ffn.fn, layer.hc_ffn.scale, layer.hc_ffn.base,
-                                    rms_eps=c.rms_norm_eps, hc_eps=c.hc_eps, sinkhorn_iters=c.hc_sinkhorn_iters)
+        stats = self._stats(layer.hc_ffn, residual)
         h = reference.silu_mul(self._linear("gate_up", xf), limit=c.swiglu_limit)
         y = self._linear("down", h)
         pre, post, comb = stats

@@ -51,6 +51,20 @@ def _assert_attention_close(got, problem):
     assert torch.equal(ref.mqa_attention(*problem), want.bfloat16())
 
 
+@pytest.mark.cpu
+@pytest.mark.parametrize("tokens,heads,dim,length", [(3, 17, 96, 160), (1, 64, 512, 1024)])
+def test_reference_with_bf16_products(tokens, heads, dim, length):
+    """``matmul_dtype=bf16`` (the compiled peer's attention): bf16 scores and probabilities, so
+    within a few bf16 roundings of the fp32 specification, not equal to it."""
+    problem = _problem(tokens, heads, dim, length, 2, "cpu")
+    want = ref.mqa_attention(*problem).float()
+    got = ref.mqa_attention(*problem, matmul_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    err = (got.float() - want).abs()
+    assert (err <= 2.0**-4 * (want.abs() + want.abs().mean())).all()
+    assert not torch.equal(got.float(), want)
+
+
 def _check_attention(problem, tile=None):
     q = problem[0]
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)  # poisoned

@@ -144,6 +144,18 @@ def test_stats_matches_reference(kind, t):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
+@cpu
+def test_reference_stats_in_fp32():
+    """``dtype=float32`` (the compiled peer's stats) stays within the kernels' bound of the fp64
+    specification."""
+    residual = torch.randn(5, 4, CPU_H).bfloat16()
+    residual[2] = 0
+    params = make_stats_params(CPU_H, "cpu")
+    got, want = reference.mhc_stats(residual, *params, dtype=torch.float32), reference.mhc_stats(residual, *params)
+    check_stats(got, want, residual)
+    assert not all(torch.equal(a, b) for a, b in zip(got, want))  # computed in fp32, not fp64
+
+
 @pytest.mark.parametrize("kind", [pytest.param("cpu", marks=cpu), pytest.param("gpu", marks=gpu)])
 def test_stats_well_conditioned_rows_converge(kind):
     """With small comb logits 19 Sinkhorn rounds converge: rows sum to one as well."""

@@ -64,22 +64,27 @@ def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_tab
 def attention_with_sinks(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
                          scale: float) -> torch.Tensor:
     """``q [T, nh, D]``, ``keys [T, L, D]`` (keys = values), ``valid [T, L]`` bool, ``sink [nh]``
-    -> ``o [T, nh, D]``: ``softmax([q.k * scale, sink]) @ [keys, 0]``, fp32."""
-    scores = torch.einsum("thd,tld->thl", q, keys) * scale
+    -> ``o [T, nh, D]``: ``softmax([q.k * scale, sink]) @ [keys, 0]``, fp32. The two products
+    run in the dtype of ``q`` and ``keys`` (fp32: the specification; bf16: tensor-core products with
+    bf16 results, the softmax in fp32 and its probabilities rounded to bf16)."""
+    scores = torch.einsum("thd,tld->thl", q, keys).float() * scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     sink = sink.float().view(1, -1, 1)
     peak = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
     probs = torch.exp(scores - peak)
     denom = probs.sum(dim=-1, keepdim=True) + torch.exp(sink - peak)
-    return torch.einsum("thl,tld->thd", probs, keys) / denom
+    return torch.einsum("thl,tld->thd", probs.to(keys.dtype), keys).float() / denom
 
 
 def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                  sink: torch.Tensor, scale: float, cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
+                  sink: torch.Tensor, scale: float, cos_table: torch.Tensor, sin_table: torch.Tensor, *,
+                  matmul_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q [T, nh, D]`` bf16, ``kv_cache [S, L, D]`` bf16 -> bf16 ``[T, nh, D]``: token ``t``
-    attends to ``kv_cache[slots[t], :positions[t] + 1]`` (``attention_with_sinks``), then the
-    last ``rd`` dims are rotated back by the token's angle (inverse RoPE)."""
-    keys = kv_cache[slots].float()
+    attends to ``kv_cache[slots[t], :positions[t] + 1]`` (``attention_with_sinks``, its products in
+    ``matmul_dtype``: fp32 is the specification, bf16 what a plain-torch serving implementation
+    runs, the benchmarks' compiled peer), then the last ``rd`` dims are rotated back by the
+    token's angle (inverse RoPE)."""
+    keys = kv_cache[slots].to(matmul_dtype)
     valid = torch.arange(keys.shape[1], device=q.device)[None, :] <= positions[:, None]
-    o = attention_with_sinks(q.float(), keys, valid, sink, scale)
+    o = attention_with_sinks(q.to(matmul_dtype), keys, valid, sink, scale)
     return _rope_last(o, cos_table[positions], sin_table[positions], inverse=True).to(torch.bfloat16)
