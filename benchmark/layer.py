@@ -17,6 +17,12 @@ Arms, timed in one process with CUDA-graph replay (median):
   is the difference to ``chained`` / ``unchained``;
 - ``chained_silu_launch`` (diagnostic): the chained step with SiLU*mul as its own launch after the
   gate_up GEMM instead of the GEMM's SiLU*mul epilogue (``SharedExpert.fuse_silu_mul``);
+- ``chained_best_stats`` / ``unchained_best_stats``: each arm at the fastest of its steps over
+  the mHC stats' K-split caps (``HyperConnection.max_stats_splits``, every (attention, FFN)
+  combination of ``STATS_SPLIT_CAPS``), with the caps in ``*_best_stats_splits``. The split count
+  sets the stats' bits, so the two arms are bitwise equal only at a shared cap; the overlapped
+  stats contend with different launches in each arm (a cap that frees SMs for the unchained
+  step's wqkv_a GEMM can slow the chained step), so each arm's fastest is its fair time;
 - ``chained_no_pdl`` / ``unchained_no_pdl`` (where kernels launch with programmatic dependent
   launch, ``fp8chain_kernel.launch``): both steps with it off, so what PDL buys each arm is the
   difference to ``chained`` / ``unchained``;
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import itertools
 import sys
 import types
 from pathlib import Path
@@ -240,6 +247,10 @@ class CompiledPeer:
 
 
 ARMS = (("chained", True), ("unchained", False))
+# K-split caps of the mHC stats partial tried per sublayer: the default (about two programs per
+# SM, 128 splits at decode) and 32 (docs/benchmarks.md, layer: the unchained step's fastest at
+# M <= 4, 3-4 us faster there than at the default, which is the chained step's fastest).
+STATS_SPLIT_CAPS = (None, 32)
 
 
 def _time_arms(unit: LayerUnit, record: dict, variant: str, iters: int, silu_launch: bool = False) -> None:
@@ -261,6 +272,27 @@ def _time_arms(unit: LayerUnit, record: dict, variant: str, iters: int, silu_lau
             shared.fuse_silu_mul = True
     for name, us in harness.replay_times_us(graphs, iters, rounds=7).items():
         record[f"{name}_us"] = us
+
+
+def _time_best_stats_splits(unit: LayerUnit, record: dict, iters: int) -> None:
+    """``record["{arm}_best_stats_us"]``: each arm's fastest step over the (attention, FFN) pairs
+    of ``STATS_SPLIT_CAPS`` for the mHC stats' K splits, all graphs replayed in turn, and the
+    pair in ``record["{arm}_best_stats_splits"]`` (None: ``mhc_stats``' default)."""
+    layer = unit.layer
+    graphs = {}
+    try:
+        for caps in itertools.product(STATS_SPLIT_CAPS, repeat=2):
+            layer.hc_attn.max_stats_splits, layer.hc_ffn.max_stats_splits = caps
+            for arm, on in ARMS:
+                unit.set_chain(on)
+                graphs[(arm, caps)] = harness.capture_graph(unit.step, iters)
+    finally:
+        layer.hc_attn.max_stats_splits = layer.hc_ffn.max_stats_splits = None
+    times = harness.replay_times_us(graphs, iters, rounds=7)
+    for arm, _ in ARMS:
+        key = min((k for k in times if k[0] == arm), key=times.get)
+        record[f"{arm}_best_stats_us"] = times[key]
+        record[f"{arm}_best_stats_splits"] = list(key[1])
 
 
 def run(args) -> tuple[dict, list[dict]]:
@@ -293,6 +325,7 @@ def run(args) -> tuple[dict, list[dict]]:
         record = {"shapes": shapes, "M": rows, "phase": "prefill" if is_prefill else "decode"}
         with torch.no_grad():
             _time_arms(unit, record, "", args.iters, silu_launch=True)
+            _time_best_stats_splits(unit, record, args.iters)
             layer.overlap_stats = False  # both steps again with the mHC stats in line
             _time_arms(unit, record, "_serial_stats", args.iters)
             layer.overlap_stats = True
@@ -312,7 +345,8 @@ def run(args) -> tuple[dict, list[dict]]:
                     print(f"compiled peer failed at {shapes} M={rows}: {record['compiled_peer_error']}",
                           file=sys.stderr)
         record["floor_us"] = weight_bytes(layer) / bandwidth * 1e6
-        for variant, ratio in (("", "chained_over_unchained"), ("_serial_stats", "serial_chained_over_unchained"),
+        for variant, ratio in (("", "chained_over_unchained"), ("_best_stats", "best_stats_chained_over_unchained"),
+                               ("_serial_stats", "serial_chained_over_unchained"),
                                ("_no_stats", "no_stats_chained_over_unchained")):
             record[ratio] = record[f"chained{variant}_us"] / record[f"unchained{variant}_us"]
         if record.get("compiled_peer_us"):
@@ -336,10 +370,11 @@ def run(args) -> tuple[dict, list[dict]]:
     return meta, records
 
 
-COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "chained_silu_launch_us", "chained_serial_stats_us",
+COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "chained_best_stats_us", "unchained_best_stats_us",
+           "chained_best_stats_splits", "unchained_best_stats_splits", "chained_silu_launch_us", "chained_serial_stats_us",
            "unchained_serial_stats_us", "chained_no_stats_us", "unchained_no_stats_us", "chained_no_pdl_us",
            "unchained_no_pdl_us", "compiled_peer_us",
-           "floor_us", "chained_over_unchained", "serial_chained_over_unchained",
+           "floor_us", "chained_over_unchained", "best_stats_chained_over_unchained", "serial_chained_over_unchained",
            "no_stats_chained_over_unchained", "chained_over_peer", "chained_over_floor", "chained_launches",
            "unchained_launches", "chained_quantize_launches", "unchained_quantize_launches"]
 
@@ -347,7 +382,8 @@ COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "chained_silu_l
 def report(meta: dict, records: list[dict], results_dir=None) -> str:
     path = harness.save_results("layer", meta, records, results_dir)
     decode = [dict(r, panel=f"{r['shapes']} decode, context {meta['context']}") for r in records if r["phase"] == "decode"]
-    harness.plot_records("layer", decode, "M", ["chained_us", "unchained_us", "compiled_peer_us", "floor_us"],
+    harness.plot_records("layer", decode, "M", ["chained_us", "unchained_us", "unchained_best_stats_us", "compiled_peer_us",
+                                               "floor_us"],
                          "us per decode step (attention + shared expert)", group="panel", results_dir=results_dir)
     return f"{path}\n" + harness.markdown_table(records, COLUMNS) + "\n" + kernel_breakdown(records)
 

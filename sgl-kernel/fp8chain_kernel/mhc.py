@@ -506,8 +506,10 @@ def _row_barrier_slice(rows: int, cols: int, bm: int, device: torch.device) -> i
     return None
 
 
-def _stats_config(rows: int, cols: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BT, BK, chunks per split, splits) for the split-K GEMV over ``cols = 4H``.
+def _stats_config(rows: int, cols: int, device: torch.device,
+                  max_splits: int | None = None) -> tuple[int, int, int, int]:
+    """(BT, BK, chunks per split, splits) for the split-K GEMV over ``cols = 4H``, at most
+    ``max_splits`` splits when given.
 
     Decode batches (up to 64 rows) take 16-token tiles: such a program needs 99 registers per
     thread and 16 KB of shared memory on sm_90, so it fits on an SM beside two programs of the
@@ -519,6 +521,8 @@ def _stats_config(rows: int, cols: int, device: torch.device) -> tuple[int, int,
     bt = 16 if rows <= 64 else 64
     chunks = HC * cdiv(cols // HC, bk)
     want = max(1, min(chunks, cdiv(_target_programs(device), cdiv(rows, bt))))
+    if max_splits is not None:
+        want = min(want, max_splits)
     per_split = cdiv(chunks, want)
     return bt, bk, per_split, cdiv(chunks, per_split)
 
@@ -655,11 +659,17 @@ def _launch(y, residual, pre, post, comb, norm_weight, norm_eps, new_residual, x
 
 
 def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-              *, rms_eps: float = 1e-6, hc_eps: float = 1e-6, sinkhorn_iters: int = 20, out=None):
+              *, rms_eps: float = 1e-6, hc_eps: float = 1e-6, sinkhorn_iters: int = 20, out=None,
+              max_splits: int | None = None):
     """``residual [T, 4, H]`` bf16 -> fp32 ``(pre [T, 4], post [T, 4], comb [T, 4, 4])``.
 
     ``fn [24, 4H]``, ``scale [3]``, ``base [24]`` fp32 (REFERENCE.md section 5). Two launches.
     ``out``: optional caller buffers ``(pre, post, comb)``, contiguous fp32 of those shapes.
+    ``max_splits``: at most this many K splits (programs per token block) for the partial
+    launch, which otherwise takes about two programs per SM. Fewer programs take longer alone
+    but leave more of the GPU to the launches they overlap on another stream (docs/benchmarks.md,
+    layer). The split count sets the order of the fp32 sums, so results differ in the last bits
+    between split counts and are reproducible for each.
     """
     rows, cols = _check_residual(residual)
     device = residual.device
@@ -670,6 +680,9 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     _check_tensor(base, "base", (torch.float32,), (NMIX,), device)
     if int(sinkhorn_iters) < 1:
         raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+    if max_splits is not None and (isinstance(max_splits, bool) or not isinstance(max_splits, int)
+                                   or max_splits < 1):
+        raise ValueError(f"max_splits must be a positive int or None, got {max_splits!r}")
     if out is None:
         pre = torch.empty((rows, HC), dtype=torch.float32, device=device)
         post = torch.empty((rows, HC), dtype=torch.float32, device=device)
@@ -685,7 +698,7 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
         raise ValueError("residual has H = 0")
     scale = scale.contiguous()
     base = base.contiguous()
-    bt, bk, per_split, splits = _stats_config(rows, HC * cols, device)
+    bt, bk, per_split, splits = _stats_config(rows, HC * cols, device, max_splits)
     np_ = triton.next_power_of_2(NMIX + 1)  # the 24 mixes, then the sum of squares
     part = torch.empty((splits, rows, np_), dtype=torch.float32, device=device)
     _stats_partial_kernel[(cdiv(rows, bt), splits)](

@@ -41,6 +41,30 @@ def test_unit_chain_on_equals_off(shapes, rows, prefill):
     assert bench.weight_bytes(layer) > 0
 
 
+def test_unit_stats_split_cap():
+    """``HyperConnection.max_stats_splits`` reaches the stats launch (its fp32 bits change with the
+    split count), and at a shared cap the chained and unchained steps stay bitwise equal (the
+    layer benchmark's ``*_best_stats`` arms)."""
+    bench = _layer_benchmark()
+    config = bench.layer_config("tp1", tiny=True)
+    layer = bench.build_layer(config, "cpu")
+    unit = bench.LayerUnit(layer, config, 2, 16, "cpu")
+    kv_before = unit.kv_cache.clone()
+
+    def step(on):
+        unit.kv_cache.copy_(kv_before)
+        unit.set_chain(on)
+        return unit.step()
+
+    with torch.no_grad():
+        default = layer.hc_attn.stats(unit.residual)
+        layer.hc_attn.max_stats_splits = layer.hc_ffn.max_stats_splits = 1
+        capped = layer.hc_attn.stats(unit.residual)
+        on, off = step(True), step(False)
+    assert not all(torch.equal(a, b) for a, b in zip(default, capped))
+    assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
+
+
 def test_prefill_unit_is_causal():
     """Prefill: one sequence, token t at position t; the step writes every token's key, and a
     token's attention output does not depend on later tokens."""

@@ -184,6 +184,38 @@ def test_stats_options(iters):
                 col_tol=1e-3)  # 1 - S/(S + 1e-4) for column sums S down to ~0.1
 
 
+@pytest.mark.parametrize("kind", [pytest.param("cpu", marks=cpu), pytest.param("gpu", marks=gpu)])
+def test_stats_max_splits(kind, monkeypatch):
+    """``max_splits`` caps the partial launch's K splits (the GPU's 128 at decode down to 32 and
+    1); every cap stays within the reference's bound and is reproducible, and the split count
+    shows in the last bits."""
+    device = _dev(kind)
+    h = GPU_H
+    if kind == "cpu":
+        monkeypatch.setattr(mhc, "_target_programs", lambda device: 264)  # the GPU's split counts
+    t = 2
+    residual = torch.randn(t, 4, h, device=device).bfloat16()
+    params = make_stats_params(h, device)
+    want = reference.mhc_stats(residual, *params)
+    default = mhc.mhc_stats(residual, *params)
+    splits = mhc._stats_config(t, 4 * h, residual.device)[3]
+    assert splits > 32
+    results = []
+    for cap in (32, 5, 1):
+        assert mhc._stats_config(t, 4 * h, residual.device, cap)[3] <= cap
+        got = mhc.mhc_stats(residual, *params, max_splits=cap)
+        check_stats(got, want, residual)
+        again = mhc.mhc_stats(residual, *params, max_splits=cap)
+        assert all(torch.equal(a, b) for a, b in zip(got, again))
+        results.append(got)
+    capped_above = mhc.mhc_stats(residual, *params, max_splits=splits + 7)  # above the default: the default
+    assert all(torch.equal(a, b) for a, b in zip(capped_above, default))
+    assert not all(torch.equal(a, b) for got in results for a, b in zip(got, default))
+    for bad in (0, -3, 2.0, True, "8"):
+        with pytest.raises(ValueError, match="max_splits"):
+            mhc.mhc_stats(residual, *params, max_splits=bad)
+
+
 @cpu
 def test_stats_into_caller_buffers():
     """out=(pre, post, comb) gets the bits of the allocating call; wrong buffers are refused."""

@@ -60,6 +60,7 @@ class HyperConnection(nn.Module):
                                requires_grad=False)
         self.base = nn.Parameter(torch.zeros(self.mix, dtype=torch.float32), requires_grad=False)
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32), requires_grad=False)
+        self.max_stats_splits: int | None = None  # ``mhc_stats(max_splits=...)``: None = its default
 
     def stats(self, residual: torch.Tensor, *, side_stream: torch.cuda.Stream | None = None) -> MHCStats:
         """``(pre, post, comb)`` from the residual ``[T, hc, H]`` entering this sublayer.
@@ -69,7 +70,8 @@ class HyperConnection(nn.Module):
         at the boundary after it). Read the result only after
         ``torch.cuda.current_stream().wait_stream(side_stream)``.
         """
-        kwargs = dict(rms_eps=self.rms_eps, hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters)
+        kwargs = dict(rms_eps=self.rms_eps, hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters,
+                      max_splits=self.max_stats_splits)
         if side_stream is None:
             return MHCStats(*mhc_kernels.mhc_stats(residual, self.fn, self.scale, self.base, **kwargs))
         # The outputs belong to the current stream (allocated here, before the switch): the
