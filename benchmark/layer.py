@@ -248,7 +248,7 @@ class CompiledPeer:
 
 ARMS = (("chained", True), ("unchained", False))
 # K-split caps of the mHC stats partial tried per sublayer: the default (about two programs per
-# SM, 128 splits at decode) and 32 (docs/benchmarks.md, layer: the unchained step's fastest at
+# SM, 160 splits at decode, H = 5120) and 32 (docs/benchmarks.md, layer: the unchained step's fastest at
 # M <= 4, 3-4 us faster there than at the default, which is the chained step's fastest).
 STATS_SPLIT_CAPS = (None, 32)
 
