@@ -514,9 +514,9 @@ _MAX_CHUNKS_PER_SPLIT = 32
 
 def _stats_config(rows: int, cols: int, device: torch.device,
                   max_splits: int | None = None) -> tuple[int, int, int, int]:
-    """(BT, BK, chunks per split, splits) for the split-K GEMV over ``cols = 4H``, at most
-    ``max_splits`` splits when given, but never more than ``_MAX_CHUNKS_PER_SPLIT`` chunks per
-    split.
+    """(BT, BK, chunks per split, splits) for the split-K GEMV over ``cols = 4H``: about two
+    programs per SM over the token blocks, at most ``max_splits`` splits when given, and never
+    more than ``_MAX_CHUNKS_PER_SPLIT`` chunks per split (whatever the cap or the token count).
 
     Decode batches (up to 64 rows) take 16-token tiles: such a program needs 99 registers per
     thread and 16 KB of shared memory on sm_90, so it fits on an SM beside two programs of the
@@ -529,7 +529,8 @@ def _stats_config(rows: int, cols: int, device: torch.device,
     chunks = HC * cdiv(cols // HC, bk)
     want = max(1, min(chunks, cdiv(_target_programs(device), cdiv(rows, bt))))
     if max_splits is not None:
-        want = min(want, max(max_splits, cdiv(chunks, _MAX_CHUNKS_PER_SPLIT)))
+        want = min(want, max_splits)
+    want = max(want, cdiv(chunks, _MAX_CHUNKS_PER_SPLIT))  # long prefills would get 1-4 splits
     per_split = cdiv(chunks, want)
     return bt, bk, per_split, cdiv(chunks, per_split)
 
