@@ -47,9 +47,13 @@ def _bench_parser(sub) -> None:
     which = bench.add_subparsers(dest="benchmark", required=True, metavar="{" + ",".join(BENCHMARKS + ["all"]) + "}")
     for name in BENCHMARKS:
         path = BENCH_DIR / f"{name}.py"
-        parser = which.add_parser(name, help=f"benchmark/{name}.py", description=f"benchmark/{name}.py")
-        if path.exists():
-            _load_benchmark(name).add_arguments(parser)
+        module = _load_benchmark(name) if path.exists() else None
+        doc = (module.__doc__ or "").strip() if module is not None else ""
+        summary = doc.splitlines()[0] if doc else f"benchmark/{name}.py"
+        parser = which.add_parser(name, help=summary, description=f"benchmark/{name}.py: {doc or summary}",
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        if module is not None:
+            module.add_arguments(parser)
         harness.add_results_dir(parser)
     everything = which.add_parser("all", help="every benchmark in turn")
     everything.add_argument("--quick", action="store_true", help="the reduced sweep of each benchmark")
