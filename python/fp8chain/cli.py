@@ -49,8 +49,8 @@ def _bench_parser(sub) -> None:
         path = BENCH_DIR / f"{name}.py"
         module = _load_benchmark(name) if path.exists() else None
         doc = (module.__doc__ or "").strip() if module is not None else ""
-        summary = doc.splitlines()[0] if doc else f"benchmark/{name}.py"
-        parser = which.add_parser(name, help=summary, description=f"benchmark/{name}.py: {doc or summary}",
+        parser = which.add_parser(name, help=doc.splitlines()[0] if doc else f"benchmark/{name}.py",
+                                  description=f"benchmark/{name}.py: {doc}" if doc else f"benchmark/{name}.py",
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
         if module is not None:
             module.add_arguments(parser)

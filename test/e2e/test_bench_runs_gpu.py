@@ -43,10 +43,11 @@ def test_layer_run_times_then_counts(monkeypatch, tmp_path, device):
     records = _run("layer", ["--rows", "1", "3", "--shapes", "tp4", "--prefill", "0", "--no-peer", "--context", "256",
                              "--iters", "3"], monkeypatch, tmp_path)
     assert [r["M"] for r in records] == [1, 3]
+    caps = _load_benchmark("layer").STATS_SPLIT_CAPS
     for r in records:
         assert r["chained_quantize_launches"] == 0 and r["unchained_quantize_launches"] == 5
         assert r["chained_us"] > 0 and r["unchained_serial_stats_us"] > 0 and r["chained_kernels"]
         for arm in ("chained", "unchained"):
             assert r[f"{arm}_best_stats_us"] > 0
-            assert all(cap in _load_benchmark("layer").STATS_SPLIT_CAPS for cap in r[f"{arm}_best_stats_splits"])
+            assert all(cap in caps for cap in r[f"{arm}_best_stats_splits"])
         assert r["best_stats_chained_over_unchained"] > 0

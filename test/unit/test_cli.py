@@ -18,9 +18,8 @@ def test_help_of_every_command(capsys):
         assert "usage:" in out
         if argv[0] == "bench" and len(argv) == 3:  # the benchmark's docstring: what it times
             assert cli._load_benchmark(argv[1]).__doc__.strip().splitlines()[0] in out
-    with pytest.raises(SystemExit):
-        cli.main(["bench", "layer", "--help"])
-    assert "unchained_best_stats" in capsys.readouterr().out  # the arms are listed
+        if argv == ["bench", "layer", "--help"]:
+            assert "unchained_best_stats" in out  # the arms are listed
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
