@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .formats import is_int
 from .fp8_tile import dot_bf16, interpreting, rms_rstd, round_bf16
 from .launch import H200_SMS, await_producer, pdl_options, sm_count
 
@@ -407,7 +408,7 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     key_steps = triton.cdiv(length, block_l)
     if splits is None:
         splits = _splits(tokens, heads, block_h, key_steps, sms)
-    elif isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= key_steps:
+    elif not is_int(splits) or not 1 <= splits <= key_steps:
         raise ValueError(f"splits must be an int in 1..{key_steps} (steps of {block_l} keys), got {splits!r}")
     steps = triton.cdiv(key_steps, splits)
     block_d = triton.next_power_of_2(dim)

@@ -28,6 +28,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def is_int(value) -> bool:
+    """An ``int`` that is not a ``bool`` (``True`` passes ``isinstance(value, int)``): the check
+    behind every count argument (splits, iterations, tile sizes)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def align4(rows: int) -> int:
     """Rows rounded up to 4: 16-byte alignment of a column of 4-byte scales (TMA)."""
     return cdiv(rows, 4) * 4

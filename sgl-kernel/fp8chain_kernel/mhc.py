@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import ActFormat, QuantizedActivation, cdiv
+from .formats import ActFormat, QuantizedActivation, cdiv, is_int
 from .fp8_tile import format_constexprs, fp8_offsets, interpreting, round_bf16, store_pair_tile
 from .launch import (ARRIVAL_SLOTS, H200_SMS, arrival_counters, arrive_last, await_arrivals, await_producer,
                      compiled_for_gpu, pdl_options, rearm, sm_count, zeroed_workspace)
@@ -690,10 +690,9 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
         raise ValueError(f"fn must have unit stride along 4H, got strides {fn.stride()}")
     _check_tensor(scale, "scale", (torch.float32,), (3,), device)
     _check_tensor(base, "base", (torch.float32,), (NMIX,), device)
-    if int(sinkhorn_iters) < 1:
-        raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
-    if max_splits is not None and (isinstance(max_splits, bool) or not isinstance(max_splits, int)
-                                   or max_splits < 1):
+    if not is_int(sinkhorn_iters) or sinkhorn_iters < 1:
+        raise ValueError(f"sinkhorn_iters must be a positive int, got {sinkhorn_iters!r}")
+    if max_splits is not None and (not is_int(max_splits) or max_splits < 1):
         raise ValueError(f"max_splits must be a positive int or None, got {max_splits!r}")
     if out is None:
         pre = torch.empty((rows, HC), dtype=torch.float32, device=device)
@@ -721,7 +720,7 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     bt2 = max(1, min(triton.next_power_of_2(rows), 256 // sp))  # [BT, SP] tiles of <= 256
     _stats_finish_kernel[(cdiv(rows, bt2),)](
         part, scale, base, pre, post, comb, rows, HC * cols, float(rms_eps), float(hc_eps),
-        NSPLIT=splits, SP=sp, SINKHORN_ITERS=int(sinkhorn_iters), NMIX=NMIX, NP=np_, BT=bt2, num_warps=4,
+        NSPLIT=splits, SP=sp, SINKHORN_ITERS=sinkhorn_iters, NMIX=NMIX, NP=np_, BT=bt2, num_warps=4,
         **pdl_options(),
     )
     return pre, post, comb

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import ActFormat, QuantizedActivation
+from .formats import ActFormat, QuantizedActivation, is_int
 from .fp8_tile import format_constexprs, fp8_offsets, interpreting, rms_rstd, round_bf16, store_pair_tile
 from .launch import await_producer, pdl_options
 from .quant import prepare_out
@@ -106,7 +106,7 @@ def check_launch_config(config, width_key: str, min_width: int) -> tuple[int, in
     if not isinstance(config, dict) or set(config) != keys:
         raise ValueError(f"config must be a dict with keys {sorted(keys)}, got {config!r}")
     values = (config["BLOCK_M"], config[width_key], config["num_warps"])
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1) for v in values):
+    if any(not is_int(v) or v < 1 or v & (v - 1) for v in values):
         raise ValueError(f"config values must be powers of two, got {config!r}")
     if values[1] < min_width or values[2] > 16:
         raise ValueError(f"config needs {width_key} >= {min_width} and num_warps <= 16, got {config!r}")

@@ -667,8 +667,9 @@ def test_validation_errors():
         mhc.mhc_stats(residual, fn.bfloat16(), scale, base)
     with pytest.raises(ValueError, match="base"):
         mhc.mhc_stats(residual, fn, scale, base[:-1])
-    with pytest.raises(ValueError, match="sinkhorn_iters"):
-        mhc.mhc_stats(residual, fn, scale, base, sinkhorn_iters=0)
+    for iters in (0, 2.5, True):
+        with pytest.raises(ValueError, match="sinkhorn_iters"):
+            mhc.mhc_stats(residual, fn, scale, base, sinkhorn_iters=iters)
     with pytest.raises(TypeError, match="residual"):
         mhc.mhc_stats(residual.float(), fn, scale, base)
 

@@ -5,7 +5,7 @@ import torch
 
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import (
-    FP8_DTYPE, ActFormat, QuantizedActivation, align4, check_pair, empty_pair,
+    FP8_DTYPE, ActFormat, QuantizedActivation, align4, check_pair, empty_pair, is_int,
 )
 
 pytestmark = pytest.mark.cpu
@@ -45,6 +45,11 @@ def test_shapes_and_strides(rows, cols, fmt):
 
 def test_align4():
     assert [align4(m) for m in (0, 1, 3, 4, 5, 8, 257)] == [0, 4, 4, 4, 8, 8, 260]
+
+
+def test_is_int_refuses_bools_floats_and_strings():
+    assert [is_int(v) for v in (0, 7, -3, 1 << 40)] == [True] * 4
+    assert [is_int(v) for v in (True, False, 2.0, "8", None)] == [False] * 5
 
 
 def test_check_pair_rejects_bad_pairs():
