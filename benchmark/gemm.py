@@ -13,7 +13,7 @@ Columns per (shape, M), all timed in one process with CUDA-graph replay (median)
 
 Weights rotate through enough copies to exceed L2 (every call streams its weights from HBM).
 ``--sweep`` times candidate launch configs per (shape, M bucket) and prints the best (the source
-of ``gemm.CONFIG_TABLE``).
+of ``gemm.CONFIG_TABLE``; at M = 1 the ``gemv`` mode's candidates too: ``gemv.GEMV_TABLE``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ for _p in (_ROOT / "python", _ROOT / "sgl-kernel"):
 from fp8chain.bench import harness  # noqa: E402
 from fp8chain_kernel import gemm, quant, reference  # noqa: E402
 from fp8chain_kernel.formats import ActFormat  # noqa: E402
+from fp8chain_kernel.gemv import GemvConfig, select_gemv  # noqa: E402
 
 SHAPES = {
     "wqkv_a": (1792, 5120),
@@ -44,6 +45,9 @@ SHAPES = {
     "gate_up": (4608, 5120),
     "down": (5120, 2304),
 }
+# the other TP4 shards of the layer benchmark's TP4 shapes (wqkv_a is replicated)
+TP4_SHAPES = {"wq_b_tp4": (8192, 1280), "gate_up_tp4": (1152, 5120), "down_tp4": (5120, 576)}
+SHAPES.update(TP4_SHAPES)
 MS = [1, 4, 16, 64, 256, 2048]
 QUICK_MS = [1, 16, 64, 2048]
 G32, G128 = ActFormat.SM90_G32_FP32_MN, ActFormat.SM90_G128_FP32_MN
@@ -51,7 +55,8 @@ G32, G128 = ActFormat.SM90_G32_FP32_MN, ActFormat.SM90_G128_FP32_MN
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help=f"M in {QUICK_MS}, fewer replays")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shape names")
+    parser.add_argument("--shapes", default=",".join(s for s in SHAPES if s not in TP4_SHAPES),
+                        help=f"comma-separated shape names, of {', '.join(SHAPES)}")
     parser.add_argument("--ms", default=None, help="comma-separated M values")
     parser.add_argument("--iters", type=int, default=None, help="calls per captured graph")
     parser.add_argument("--sweep", action="store_true", help="time candidate configs, print the best")
@@ -68,8 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "that leave each slice two or more K iterations)")
     parser.add_argument("--scale-ahead", default="default",
                         help="comma-separated scale prefetch depths (0-4, or 'default') of the M <= 64 candidates")
-    parser.add_argument("--modes", default=",".join(OPERAND_MODES),
-                        help=f"comma-separated operand modes of the M <= 64 candidates ({', '.join(OPERAND_MODES)})")
+    parser.add_argument("--modes", default=",".join([*OPERAND_MODES, GEMV_MODE]),
+                        help=f"comma-separated operand modes of the M <= 64 candidates ({', '.join(OPERAND_MODES)}; "
+                             f"{GEMV_MODE}: the one-token kernel, at M = 1)")
     parser.add_argument("--sweep-budget-s", type=float, default=150.0, help="stop the sweep's timing after this")
     parser.add_argument("--precompile", type=int, default=0,
                         help="compile the planned kernels in this many worker processes first")
@@ -99,6 +105,15 @@ def _splits(iters: int, wanted: tuple[int, ...] = ()) -> list[int]:
 
 
 OPERAND_MODES = {"fp8": (False, False), "dequant": (True, False), "block_diag": (False, True)}
+GEMV_MODE = "gemv"  # the one-token CUDA-core kernel (fp8chain_kernel.gemv), candidates at M = 1 only
+
+
+def gemv_candidates(group: int) -> list[GemvConfig]:
+    """GEMV launches worth timing: 2-32 weight rows per program (dividing the group), 256-2048
+    columns per step, 2 KB to 16 KB of weights per step, 2-8 warps, loads pipelined or not."""
+    return [GemvConfig(bn, bk, warps, stages) for bn in (2, 4, 8, 16, 32) for bk in (256, 512, 1024, 2048)
+            for warps in (2, 4, 8) for stages in (1, 3)
+            if group % bn == 0 and bk % group == 0 and 2048 <= bn * bk <= 16384]
 
 
 def _block_diag_token_tiles(m: int) -> tuple[int, ...]:
@@ -167,15 +182,18 @@ def _items(text: str, parse=str) -> tuple:
     return tuple(parse(v) for v in text.split(",") if v)
 
 
-def _candidates(args, m: int, n: int, k: int, group: int) -> list[gemm.GemmConfig]:
+def _candidates(args, m: int, n: int, k: int, group: int) -> list[gemm.GemmConfig | GemvConfig]:
     modes = _items(args.modes)
-    unknown = set(modes) - set(OPERAND_MODES)
+    unknown = set(modes) - set(OPERAND_MODES) - {GEMV_MODE}
     if unknown:
-        raise SystemExit(f"--modes: unknown operand modes {sorted(unknown)}; known: {', '.join(OPERAND_MODES)}")
+        raise SystemExit(f"--modes: unknown operand modes {sorted(unknown)}; known: "
+                         f"{', '.join([*OPERAND_MODES, GEMV_MODE])}")
     ahead = _items(args.scale_ahead, lambda v: None if v == "default" else int(v))
-    return sweep_candidates(m, n, k, group, _items(args.stages, int), modes, _items(args.block_k, int), ahead,
-                            _items(args.block_n, int), _items(args.warps, int), _items(args.splits, int),
-                            _items(args.token_tiles, int))
+    gemv = gemv_candidates(group) if GEMV_MODE in modes and m == 1 else []
+    return gemv + sweep_candidates(m, n, k, group, _items(args.stages, int),
+                                   tuple(mode for mode in modes if mode != GEMV_MODE), _items(args.block_k, int),
+                                   ahead, _items(args.block_n, int), _items(args.warps, int),
+                                   _items(args.splits, int), _items(args.token_tiles, int))
 
 
 def _sweep_points(args):
@@ -276,7 +294,7 @@ def run_sweep(args, device, copy_bw):
         x = torch.randn(m, k, device=device) * torch.exp2(torch.randint(-6, 6, (m, 1), device=device).float())
         pair = quant.quantize(x.bfloat16(), gemm.input_format_for_block(group))
         out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
-        heur = gemm.select_config(m, n, k, group, device)
+        heur = select_gemv(m, n, k, group) or gemm.select_config(m, n, k, group, device)  # what config=None runs
         results = []
 
         want = reference.fp8_gemm(pair, ws[0][0], ws[0][1], group)
@@ -305,6 +323,7 @@ def run_sweep(args, device, copy_bw):
         print(f"{name:9s} g{group:<3d} M={m:<5d} best {best_us:8.2f}us {tuple(best)} | table/heur "
               f"{current:8.2f}us {tuple(heur)} | floor {floor:6.2f}us", flush=True)
         records.append(dict(shape=name, n=n, k=k, group=group, m=m, best_us=best_us, best=list(best),
+                            kind=GEMV_MODE if isinstance(best, GemvConfig) else "gemm",
                             current_us=current, floor_us=floor,
                             all=[(us, list(c) if c else None) for us, c in results]))
     return records
@@ -394,7 +413,9 @@ def run(args):
         if rec["cublas_g128_us"]:
             rec["pair_vs_cublas"] = rec["cublas_g128_us"] / rec["pair_us"]
             rec["g128_vs_cublas"] = rec["cublas_g128_us"] / rec["triton_g128_us"]
-        rec["config_g32"] = list(gemm.select_config(m, n, k, 32, device))
+        gemv = select_gemv(m, n, k, 32)
+        rec["kernel_g32"] = GEMV_MODE if gemv else "gemm"
+        rec["config_g32"] = list(gemv or gemm.select_config(m, n, k, 32, device))
         records.append(rec)
     return meta, records
 

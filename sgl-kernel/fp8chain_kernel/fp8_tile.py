@@ -58,6 +58,14 @@ def cast_to_e4m3(x, EXACT_CAST: tl.constexpr):
 
 
 @triton.jit
+def e4m3_to_f32_exact(x):
+    """e4m3fn -> fp32 as the GPU converts, for the interpreter, whose native conversion reads the
+    NaN code 0x7F as 480."""
+    code = x.to(tl.uint8, bitcast=True)
+    return tl.where((code & 0x7F) == 0x7F, float("nan"), x.to(tl.float32))
+
+
+@triton.jit
 def dot_bf16(a, b, acc, EXACT_CAST: tl.constexpr):
     """``acc + a @ b`` for bf16 tiles, fp32 accumulation on the tensor cores.
 

@@ -28,6 +28,9 @@ One Triton kernel serves both, see docs/gemm.md:
   is deterministic and independent of arrival order), writes bf16 and re-arms the counter;
 * configs come from a static table keyed by (M bucket, N, K, group), measured on an H200, with a
   heuristic for shapes outside it. Nothing is autotuned at serving time.
+
+One token (M = 1) of a problem in ``gemv.GEMV_TABLE`` runs ``gemv``'s CUDA-core kernel instead,
+the same product with another fp32 summation order (the H200 measured it faster there).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ import triton.language as tl
 
 from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair
 from .act import check_limit, swiglu
-from .fp8_tile import fp8_offsets, interpreting, round_bf16, store_pair_tile
+from .gemv import GEMV_TABLE, GemvConfig, launch_gemv, select_gemv
+from .fp8_tile import e4m3_to_f32_exact, fp8_offsets, interpreting, round_bf16, store_pair_tile
 from .launch import await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count, split_workspace
 from .norm import launch_args, producer_result, resolve_outputs
 from .quant import check_activation, quantize
@@ -55,13 +59,6 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------
-
-@triton.jit
-def _e4m3_to_f32_exact(x):
-    """e4m3fn -> fp32 on the interpreter, whose native conversion reads the NaN code 0x7F as 480."""
-    code = x.to(tl.uint8, bitcast=True)
-    return tl.where((code & 0x7F) == 0x7F, float("nan"), x.to(tl.float32))
-
 
 @triton.jit
 def _iter_scales(ws_rows, as_rows, it, it_last, stride_wsk, stride_asg, n_ok, m_ok, SUB: tl.constexpr,
@@ -157,14 +154,14 @@ def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, n_ok, m0, M, i
                 w0, a0, w1, a1, w2, a2, w3, a3, ws_rows, as_rows, it, it_last, stride_wsk, stride_asg, n_ok, m_ok,
                 SUB, A_FP8, SCALE_AHEAD)
             if FP32_DOT:
-                wf = _e4m3_to_f32_exact(w)
+                wf = e4m3_to_f32_exact(w)
             else:
                 wf = w.to(tl.float32)
             wd = tl.reshape(tl.reshape(wf, (BLOCK_N, SUB, GROUP)) * w_s[:, :, None], (BLOCK_N, BLOCK_K))
             wd = round_bf16(wd, FP32_DOT)
             if A_FP8:
                 if FP32_DOT:
-                    af = _e4m3_to_f32_exact(a)
+                    af = e4m3_to_f32_exact(a)
                 else:
                     af = a.to(tl.float32)
                 ad = round_bf16(tl.reshape(tl.reshape(af, (BLOCK_M, SUB, GROUP)) * a_s[:, :, None],
@@ -193,7 +190,7 @@ def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, n_ok, m0, M, i
             w = tl.load(w_tile + it * BLOCK_K, mask=n_ok[:, None], other=0.0)
             b = tl.load(b_tile + it * BLOCK_K, mask=b_mask, other=0.0)
             if FP32_DOT:
-                part = tl.dot(_e4m3_to_f32_exact(w), _e4m3_to_f32_exact(b), input_precision="ieee")
+                part = tl.dot(e4m3_to_f32_exact(w), e4m3_to_f32_exact(b), input_precision="ieee")
             else:
                 part = tl.dot(w, b)
             acc3 += tl.reshape(part, (BLOCK_N, SUB, BLOCK_M)) * (w_s[:, :, None] * tl.trans(a_s)[None, :, :])
@@ -213,14 +210,14 @@ def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, n_ok, m0, M, i
                 if A_FP8:
                     a_s = tl.load(as_rows + g * stride_asg, mask=m_ok, other=0.0)
                     if FP32_DOT:
-                        part = tl.dot(_e4m3_to_f32_exact(w), tl.trans(_e4m3_to_f32_exact(a)),
+                        part = tl.dot(e4m3_to_f32_exact(w), tl.trans(e4m3_to_f32_exact(a)),
                                       input_precision="ieee")
                     else:
                         part = tl.dot(w, tl.trans(a))
                     acc += part * (w_s[:, None] * a_s[None, :])
                 else:
                     if FP32_DOT:  # the interpreter's bf16 tl.dot is wrong; fp32 is exact there
-                        part = tl.dot(_e4m3_to_f32_exact(w), tl.trans(a.to(tl.float32)), input_precision="ieee")
+                        part = tl.dot(e4m3_to_f32_exact(w), tl.trans(a.to(tl.float32)), input_precision="ieee")
                     else:
                         part = tl.dot(w.to(tl.bfloat16), tl.trans(a))
                     acc += part * w_s[:, None]
@@ -631,11 +628,17 @@ def fp8_gemm(a: QuantizedActivation | torch.Tensor, weight: torch.Tensor, weight
     ``[M, K]`` tensor together with ``fmt``, quantized first (the unchained baseline).
     A pair (or ``fmt``) of another format raises ``TypeError`` naming both formats.
     ``out``: optional caller buffer (bf16 ``[M, N]``, unit column stride). ``config``: override
-    the table (benchmarks, tests).
+    the tables (benchmarks, tests): a ``GemmConfig``, or a ``gemv.GemvConfig`` for one token.
+    M = 1 runs ``gemv`` where ``gemv.GEMV_TABLE`` holds the problem.
     """
     pair = _pair_operand(a, weight_block, fmt)
-    m, n, _ = _check_operands(pair, weight, weight_scale, weight_block)
+    m, n, k = _check_operands(pair, weight, weight_scale, weight_block)
     out = _prepare_out(out, m, n, weight.device)
+    gemv_config = select_gemv(m, n, k, weight_block) if config is None else config
+    if isinstance(gemv_config, GemvConfig):
+        if m != 1:
+            raise ValueError(f"a GemvConfig runs one token (M = 1), got M = {m}")
+        return launch_gemv(pair.data, pair.scale, weight, weight_scale, out, weight_block, gemv_config)
     return _launch(pair.data, pair.scale, weight, weight_scale, out, weight_block, True, config)
 
 
@@ -731,17 +734,22 @@ def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 def load_table(path) -> None:
-    """Replace ``CONFIG_TABLE`` with the best configs of a ``benchmark/gemm.py --sweep`` JSON."""
+    """Replace ``CONFIG_TABLE`` and ``gemv.GEMV_TABLE`` with the best configs of a
+    ``benchmark/gemm.py --sweep`` JSON (records of ``kind`` "gemv" go to the GEMV table)."""
     import json
 
     records = json.loads(open(path).read())["records"]
     CONFIG_TABLE.clear()
+    GEMV_TABLE.clear()
     for r in records:
-        bucket = _m_bucket(r["m"])
-        CONFIG_TABLE[(bucket, r["n"], r["k"], r["group"])] = GemmConfig(*r["best"])
+        if r.get("kind") == "gemv":
+            GEMV_TABLE[(r["n"], r["k"], r["group"])] = GemvConfig(*r["best"])
+        else:
+            CONFIG_TABLE[(_m_bucket(r["m"]), r["n"], r["k"], r["group"])] = GemmConfig(*r["best"])
 
 
 if os.environ.get("FP8CHAIN_GEMM_NO_TABLE") == "1":  # benchmarks: measure the heuristic alone
     CONFIG_TABLE.clear()
+    GEMV_TABLE.clear()
 elif os.environ.get("FP8CHAIN_GEMM_TABLE"):  # a sweep's JSON (benchmark/gemm.py --sweep --json-out)
     load_table(os.environ["FP8CHAIN_GEMM_TABLE"])

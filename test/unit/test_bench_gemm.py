@@ -69,3 +69,15 @@ def test_split_candidates_default_and_option():
 def test_token_tiles_option_allows_several_tiles_per_m():
     bench, args = _sweep_args("--modes", "block_diag", "--token-tiles", "8,16")
     assert {c.block_m for c in bench._candidates(args, 16, 1792, 5120, 32)} == {8, 16}
+
+
+def test_gemv_candidates_at_one_token_only():
+    bench, args = _sweep_args("--ms", "1")
+    cands = bench._candidates(args, 1, 1792, 5120, 32)
+    gemv = [c for c in cands if isinstance(c, bench.GemvConfig)]
+    assert gemv and len(gemv) < len(cands)  # beside the tensor-core GEMM's candidates
+    assert all(32 % c.block_n == 0 and c.block_k % 32 == 0 and 2048 <= c.block_n * c.block_k <= 16384 for c in gemv)
+    assert not any(isinstance(c, bench.GemvConfig) for c in bench._candidates(args, 2, 1792, 5120, 32))
+    assert all(128 % c.block_n == 0 and c.block_k % 128 == 0 for c in bench.gemv_candidates(128))
+    bench, args = _sweep_args("--modes", "block_diag")
+    assert not any(isinstance(c, bench.GemvConfig) for c in bench._candidates(args, 1, 1792, 5120, 32))

@@ -1,0 +1,158 @@
+"""The one-token FP8 GEMV (``fp8chain_kernel.gemv``) against ``reference.fp8_gemm`` and the
+tensor-core GEMM, and the M = 1 dispatch of ``gemm.fp8_gemm`` to it.
+
+CPU: the Triton interpreter at small shapes. GPU: every ``GEMV_TABLE`` problem (the DSv4.1
+shapes) and the sweep's candidates at one of them.
+"""
+
+import json
+
+import pytest
+import torch
+
+from fp8chain.cli import _load_benchmark
+from fp8chain_kernel import gemm, gemv, quant
+from fp8chain_kernel import reference as ref
+from fp8chain_kernel.formats import ActFormat
+from helpers import rel_error
+
+G32, G128 = ActFormat.SM90_G32_FP32_MN, ActFormat.SM90_G128_FP32_MN
+FORMATS = [(G32, 32), (G128, 128)]
+TOL = 5e-3
+
+
+def one_token(k, device):
+    """One row with values of very different magnitudes, as a decode step's activation."""
+    return (torch.randn(1, k, device=device) * torch.exp2(torch.randint(-6, 6, (1, k), device=device).float())).bfloat16()
+
+
+def poisoned_out(n, device):
+    return torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=device)
+
+
+def run_gemv(pair, w, s, block, config, device):
+    return gemm.fp8_gemm(pair, w, s, weight_block=block, out=poisoned_out(w.shape[0], device), config=config)
+
+
+# ------------------------------------------------------------------------------------------
+# CPU (interpreter)
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt,block", FORMATS, ids=["g32", "g128"])
+@pytest.mark.parametrize("n,k,config", [
+    (64, 512, gemv.GemvConfig(4, 256, 2, 3)),
+    (96, 1280, gemv.GemvConfig(8, 512, 4, 1)),   # K not a multiple of BLOCK_K: masked last step
+    (70, 384, gemv.GemvConfig(32, 128, 2, 3)),   # N not a multiple of BLOCK_N: masked rows
+    (33, 256, gemv.GemvConfig(2, 1024, 2, 1)),   # BLOCK_K wider than K
+])
+def test_gemv_matches_reference_and_gemm_cpu(fmt, block, n, k, config, device):
+    w, s = ref.random_fp8_weight(n, k, block, device)
+    pair = quant.quantize(one_token(k, device), fmt)
+    out = run_gemv(pair, w, s, block, config, device)
+    err = rel_error(out, ref.fp8_gemm(pair, w, s, block))
+    assert err < TOL, f"relative error {err:.3g}"
+    tensor_cores = gemm.fp8_gemm(pair, w, s, weight_block=block, config=gemm.select_config(1, n, k, block, device))
+    assert rel_error(out, tensor_cores) < TOL
+    again = run_gemv(pair, w, s, block, config, device)
+    assert torch.equal(out.view(torch.int16), again.view(torch.int16))  # deterministic
+
+
+@pytest.mark.cpu
+def test_gemv_nan_zero_and_weight_nan_cpu(device):
+    n, k, config = 64, 512, gemv.GemvConfig(4, 256, 2, 3)
+    w, s = ref.random_fp8_weight(n, k, 32, device)
+    zero = quant.quantize(torch.zeros(1, k, dtype=torch.bfloat16, device=device), G32)
+    assert torch.equal(run_gemv(zero, w, s, 32, config, device).float(), torch.zeros(1, n, device=device))
+    x = one_token(k, device)
+    x[0, 300] = float("nan")
+    assert torch.isnan(run_gemv(quant.quantize(x, G32), w, s, 32, config, device)).all()  # NaN reaches every output
+    bad_w = w.clone()
+    bad_w.view(torch.uint8)[5, 17] = 0x7F  # the e4m3 NaN code in weight row 5
+    out = run_gemv(quant.quantize(one_token(k, device), G32), bad_w, s, 32, config, device)
+    assert torch.isnan(out[0, 5]) and torch.isfinite(out[0, [r for r in range(n) if r != 5]]).all()
+
+
+@pytest.mark.cpu
+def test_fp8_gemm_runs_the_gemv_for_one_token_of_a_table_problem(device, monkeypatch):
+    n, k = 64, 512
+    config = gemv.GemvConfig(8, 256, 2, 3)
+    monkeypatch.setitem(gemv.GEMV_TABLE, (n, k, 32), config)
+    launched = []
+    real = gemm.launch_gemv
+    monkeypatch.setattr(gemm, "launch_gemv", lambda *a: launched.append(a[-1]) or real(*a))
+    w, s = ref.random_fp8_weight(n, k, 32, device)
+    x = one_token(k, device)
+    chained = gemm.fp8_gemm(quant.quantize(x, G32), w, s, weight_block=32)
+    unchained = gemm.fp8_gemm(x, w, s, weight_block=32, fmt=G32)
+    assert torch.equal(chained.view(torch.int16), unchained.view(torch.int16))
+    assert torch.equal(chained.view(torch.int16), run_gemv(quant.quantize(x, G32), w, s, 32, config, device).view(torch.int16))
+    assert launched == [config] * 3
+    two = torch.cat([x, x])
+    gemm.fp8_gemm(two, w, s, weight_block=32, fmt=G32)  # M = 2: the tensor-core GEMM
+    gemm.fp8_gemm(quant.quantize(x, G128), *ref.random_fp8_weight(n, k, 128, device), weight_block=128)  # not in the table
+    assert len(launched) == 3
+    assert gemv.select_gemv(1, n, k, 32) == config and gemv.select_gemv(2, n, k, 32) is None
+
+
+@pytest.mark.cpu
+def test_gemv_config_errors(device):
+    n, k = 64, 512
+    w, s = ref.random_fp8_weight(n, k, 32, device)
+    x = one_token(k, device)
+    with pytest.raises(ValueError, match="one token"):
+        gemm.fp8_gemm(torch.cat([x, x]), w, s, weight_block=32, fmt=G32, config=gemv.GemvConfig(4, 256))
+    for bad in (gemv.GemvConfig(3, 256), gemv.GemvConfig(64, 256), gemv.GemvConfig(4, 48),
+                gemv.GemvConfig(4, 384), gemv.GemvConfig(4, 256, 3), gemv.GemvConfig(4, 256, 2, 0),
+                gemv.GemvConfig(4, 256, True)):
+        with pytest.raises(ValueError, match="GemvConfig"):
+            gemm.fp8_gemm(x, w, s, weight_block=32, fmt=G32, config=bad)
+
+
+@pytest.mark.cpu
+def test_load_table_fills_both_tables(tmp_path, monkeypatch):
+    monkeypatch.setattr(gemm, "CONFIG_TABLE", dict(gemm.CONFIG_TABLE))
+    monkeypatch.setattr(gemv, "GEMV_TABLE", dict(gemv.GEMV_TABLE))
+    monkeypatch.setattr(gemm, "GEMV_TABLE", gemv.GEMV_TABLE)
+    records = [dict(n=1792, k=5120, group=32, m=1, kind="gemv", best=[8, 512, 4, 1]),
+               dict(n=1792, k=5120, group=32, m=16, kind="gemm", best=list(gemm.GemmConfig(64, 16, 128, 5)))]
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"records": records}))
+    gemm.load_table(path)
+    assert gemv.GEMV_TABLE == {(1792, 5120, 32): gemv.GemvConfig(8, 512, 4, 1)}
+    assert gemm.CONFIG_TABLE == {(16, 1792, 5120, 32): gemm.GemmConfig(64, 16, 128, 5)}
+
+
+# ------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,group", sorted(gemv.GEMV_TABLE), ids=lambda v: str(v))
+def test_gemv_table_problems_gpu(n, k, group):
+    fmt = gemm.input_format_for_block(group)
+    w, s = ref.random_fp8_weight(n, k, group, "cuda")
+    x = one_token(k, "cuda")
+    pair = quant.quantize(x, fmt)
+    out = gemm.fp8_gemm(pair, w, s, weight_block=group, out=poisoned_out(n, "cuda"))  # the table's GEMV
+    want = ref.dequantize(pair).double() @ ref.dequantize_weight(w, s, group).double().t()
+    assert rel_error(out, want) < TOL
+    unchained = gemm.fp8_gemm(x, w, s, weight_block=group, fmt=fmt)
+    assert torch.equal(out.view(torch.int16), unchained.view(torch.int16))
+    x[0, k // 3] = float("nan")
+    assert torch.isnan(gemm.fp8_gemm(x, w, s, weight_block=group, fmt=fmt)).all()
+    zero = quant.quantize(torch.zeros_like(x), fmt)
+    assert torch.equal(gemm.fp8_gemm(zero, w, s, weight_block=group).float(), torch.zeros(1, n, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,block", FORMATS, ids=["g32", "g128"])
+def test_gemv_sweep_candidates_gpu(fmt, block):
+    gemv_candidates = _load_benchmark("gemm").gemv_candidates
+    n, k = 5120, 2304
+    w, s = ref.random_fp8_weight(n, k, block, "cuda")
+    pair = quant.quantize(one_token(k, "cuda"), fmt)
+    want = ref.dequantize(pair).double() @ ref.dequantize_weight(w, s, block).double().t()
+    for config in gemv_candidates(block):
+        out = run_gemv(pair, w, s, block, config, "cuda")
+        assert rel_error(out, want) < TOL, config
