@@ -43,14 +43,19 @@ class GemvConfig(NamedTuple):
     stages: int = 3
 
 
-# (N, K, group) -> config, from the H200 sweep (benchmark/gemm.py --sweep --ms 1 --modes gemv,...,
-# which times every candidate against the tensor-core GEMM's table entry); a problem not listed
-# runs the GEMM.
+# (N, K, group) -> config, from the H200 sweep (benchmark/gemm.py --sweep --ms 1 --modes gemv,block_diag,
+# which times the candidates beside the tensor-core GEMM's; docs/benchmarks.md, GEMM section); a
+# problem not listed (wq_b at TP1, where the GEMM measured faster) runs the GEMM. us at M = 1,
+# GEMV against the GEMM's best:
 GEMV_TABLE: dict[tuple[int, int, int], GemvConfig] = {
-    (1792, 5120, 32): GemvConfig(4, 1024, 2, 3),  # wqkv_a: 5.0 us against the GEMM's 6.7
-    (5120, 8192, 32): GemvConfig(4, 512, 2, 3),  # wo_b: 13.3 against 14.7
-    (4608, 5120, 32): GemvConfig(2, 1024, 2, 1),  # gate_up: 8.6 against 10.1
-    (5120, 2304, 32): GemvConfig(8, 512, 2, 3),  # down: 5.7 against 7.0
+    (1792, 5120, 32): GemvConfig(4, 1024, 2, 3),  # wqkv_a: 4.6-5.0 against 6.5
+    (5120, 8192, 32): GemvConfig(4, 512, 2, 3),  # wo_b: 12.6-13.3 against 14.6
+    (4608, 5120, 32): GemvConfig(8, 512, 2, 3),  # shared gate_up: 8.8-9.1 against 9.8
+    (5120, 2304, 32): GemvConfig(16, 512, 4, 3),  # shared down: 5.4-5.8 against 7.0
+    (5120, 2048, 32): GemvConfig(4, 2048, 4, 3),  # wo_b, TP4 shard: 4.8 against 6.7
+    (8192, 1280, 32): GemvConfig(8, 256, 2, 3),  # wq_b, TP4 shard: 4.8 against 6.7
+    (1152, 5120, 32): GemvConfig(4, 1024, 4, 3),  # shared gate_up, TP4 shard: 3.7 against 5.2
+    (5120, 576, 32): GemvConfig(8, 256, 2, 1),  # shared down, TP4 shard: 2.5 against 6.4
 }
 
 
