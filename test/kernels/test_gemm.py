@@ -259,8 +259,9 @@ def test_gemm_silu_mul_nan_row_stays_in_its_row(config, device):
 @pytest.mark.cpu
 def test_silu_mul_epilogue_only_where_it_pays(device):
     """DSv4.1 gate_up: the fused launch at decode tiles of 4, 8 and 64 tokens and M = 256; the two
-    launches at 16-token tiles (M = 9..16, measured faster in the layer step) and where the fused
-    tile needs 8 warps (M = 2048; measured slower there), and the backend follows."""
+    launches at 16-token tiles (M = 9..16, measured faster in the layer step), where the fused
+    tile needs 8 warps (M = 2048; measured slower there), and at one token, where the plain
+    GEMM is the GEMV; the backend follows."""
     from fp8chain_kernel.backends import get_backend
 
     n, k = 4608, 5120
@@ -271,6 +272,8 @@ def test_silu_mul_epilogue_only_where_it_pays(device):
     s = torch.ones(n // 32, k // 32, device=device)
     pair = ref.quantize(make_activation(2048, k, device), G32)
     assert get_backend("triton").gemm_silu_mul(pair, w, s, {}, 10.0, G32) is None
+    one = ref.quantize(make_activation(1, k, device), G32)  # one token: fp8_gemm runs the GEMV
+    assert get_backend("triton").gemm_silu_mul(one, w, s, {}, 10.0, G32) is None
 
 
 @pytest.mark.cpu
