@@ -94,3 +94,22 @@ def decode_errors_vs_reference(reference, prompts, run, new_tokens):
             errors.append(((got - want).norm() / want.norm()).item())
             agree += int(got.argmax() == want.argmax())
     return torch.tensor(errors), agree
+
+
+def assert_unit_chain_on_equals_off(unit) -> None:
+    """The layer benchmark's unit (``benchmark/layer.py``, ``LayerUnit``) run once with the chain on
+    and once off from the same KV cache: the same residual and next input bit for bit, and the
+    chained step's pair equal to the quantization of that input."""
+    from fp8chain_kernel import reference
+
+    with torch.no_grad():
+        unit.set_chain(True)
+        kv_before = unit.kv_cache.clone()
+        residual_on, x_on, pair_on = unit.step()
+        unit.kv_cache.copy_(kv_before)
+        unit.set_chain(False)
+        residual_off, x_off, pair_off = unit.step()
+    assert torch.isfinite(x_on.float()).all()
+    assert torch.equal(residual_on, residual_off) and torch.equal(x_on, x_off)
+    assert pair_off is None
+    assert_pairs_equal(pair_on, reference.quantize(x_on, unit.layer.attn.wqkv_a.input_format))

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8chain_kernel import reference
-from helpers import assert_pairs_equal
+from helpers import assert_unit_chain_on_equals_off
 
 pytestmark = pytest.mark.cpu
 
@@ -26,18 +25,7 @@ def test_unit_chain_on_equals_off(shapes, rows, prefill):
     bench = _layer_benchmark()
     config = bench.layer_config(shapes, tiny=True)
     layer = bench.build_layer(config, "cpu")
-    unit = bench.LayerUnit(layer, config, rows, 16, "cpu", prefill=prefill)
-    with torch.no_grad():
-        unit.set_chain(True)
-        kv_before = unit.kv_cache.clone()
-        residual_on, x_on, pair_on = unit.step()
-        unit.kv_cache.copy_(kv_before)
-        unit.set_chain(False)
-        residual_off, x_off, pair_off = unit.step()
-    assert torch.isfinite(x_on.float()).all()
-    assert torch.equal(residual_on, residual_off) and torch.equal(x_on, x_off)
-    assert pair_off is None
-    assert_pairs_equal(pair_on, reference.quantize(x_on, layer.attn.wqkv_a.input_format))
+    assert_unit_chain_on_equals_off(bench.LayerUnit(layer, config, rows, 16, "cpu", prefill=prefill))
     assert bench.weight_bytes(layer) > 0
 
 
