@@ -14,9 +14,9 @@ One program reads ``BLOCK_N`` whole weight rows in ``BLOCK_K``-column steps. ``B
 group fold into the activation: ``a'[k] = a[k] * (s_a[g] * s_w[n // group, g])``, one fp32
 product per group. Each weight then costs one conversion and one FMA on the CUDA cores (at M = 1
 a tensor-core tile would be 1/16 full); each lane sums its columns over K in fp32 and one tree
-per row finishes (deterministic). Small programs (``BLOCK_N`` of 2-8 rows: ~1000 programs for
-the DSv4.1 shapes) keep enough loads in flight to stream the weights, which a decode GEMM's
-K loop of dependent steps does not (docs/gemm.md).
+per row finishes (deterministic). Small programs (``BLOCK_N`` of 4-16 rows: 288-1280 programs
+for the DSv4.1 shapes) keep enough loads in flight to stream the weights, which a decode GEMM's
+K loop of dependent steps does not (docs/gemm.md). Reference: ``reference.fp8_gemm``.
 """
 
 from __future__ import annotations
