@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair
-from .act import check_limit, swiglu
+from .act import check_limit, silu_mul, swiglu
 from .gemv import GEMV_TABLE, GemvConfig, launch_gemv, select_gemv
 from .fp8_tile import e4m3_to_f32_exact, fp8_offsets, interpreting, round_bf16, store_pair_tile
 from .launch import await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count, split_workspace
@@ -667,7 +667,9 @@ def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale
                       weight_block: int, limit: float | None = None, out_format: ActFormat | str | None = None,
                       out: QuantizedActivation | None = None, out_bf16: torch.Tensor | None = None,
                       return_bf16: bool = True, config: GemmConfig | None = None):
-    """``act.silu_mul(fp8_gemm(a, weight, ...), limit=limit, out_format=...)`` in one launch.
+    """``act.silu_mul(fp8_gemm(a, weight, ...), limit=limit, out_format=...)`` in one launch; in
+    two where ``fp8_gemm`` runs the GEMV (one token of a ``gemv.GEMV_TABLE`` problem, no
+    ``config``): the GEMV, then ``act.silu_mul``, so the bytes stay those of the two calls.
 
     ``weight`` is a gate_up projection, e4m3 ``[2I, K]``: gate rows ``0 .. I``, up rows
     ``I .. 2I`` (32- or 128-row weight blocks, so I a multiple of the block). ``a`` is an FP8 pair
@@ -690,6 +692,11 @@ def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale
     fmt, out_pair, y = resolve_outputs(m, inter, weight.device, out_format, out, out_bf16, return_bf16)
     if m == 0 or inter == 0:
         return producer_result(y, out_pair)
+    gemv_config = select_gemv(m, n, k, weight_block) if config is None else None
+    if gemv_config is not None:
+        gate_up = launch_gemv(pair.data, pair.scale, weight, weight_scale, _prepare_out(None, m, n, weight.device),
+                              weight_block, gemv_config)
+        return silu_mul(gate_up, limit=limit, out_format=fmt, out=out_pair, out_bf16=y, return_bf16=y is not None)
     cfg = config or select_config(m, n, k, weight_block, weight.device)
     _check_config(cfg, k, weight_block, True)
     if fmt is not None and cfg.block_n < 2 * fmt.group_size:  # whole quantization groups per tile

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from fp8chain.cli import _load_benchmark
-from fp8chain_kernel import gemm, gemv, quant
+from fp8chain_kernel import act, gemm, gemv, quant
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import ActFormat
-from helpers import rel_error
+from helpers import assert_pairs_equal, poisoned_pair, rel_error
 
 G32, G128 = ActFormat.SM90_G32_FP32_MN, ActFormat.SM90_G128_FP32_MN
 FORMATS = [(G32, 32), (G128, 128)]
@@ -93,6 +93,33 @@ def test_fp8_gemm_runs_the_gemv_for_one_token_of_a_table_problem(device, monkeyp
     gemm.fp8_gemm(quant.quantize(x, G128), *ref.random_fp8_weight(n, k, 128, device), weight_block=128)  # not in the table
     assert len(launched) == 3
     assert gemv.select_gemv(1, n, k, 32) == config and gemv.select_gemv(2, n, k, 32) is None
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("out_fmt", [None, G32, ActFormat.SM100_G32_UE8M0_PACKED_MN], ids=lambda f: str(f))
+def test_gemm_silu_mul_of_one_token_on_the_gemv_is_the_two_calls(out_fmt, device, monkeypatch):
+    """``fp8_gemm_silu_mul`` where ``fp8_gemm`` runs the GEMV: the GEMV, then ``act.silu_mul``, the
+    bytes of ``act.silu_mul(fp8_gemm(...))`` (the tensor-core epilogue sums in another order)."""
+    n, k = 128, 512  # gate_up [2I, K], I = 64
+    monkeypatch.setitem(gemv.GEMV_TABLE, (n, k, 32), gemv.GemvConfig(4, 256))
+    launched = []
+    real = gemm.launch_gemv
+    monkeypatch.setattr(gemm, "launch_gemv", lambda *a: launched.append(a[-1]) or real(*a))
+    w, s = ref.random_fp8_weight(n, k, 32, device)
+    pair = quant.quantize(one_token(k, device), G32)
+    want_y = act.silu_mul(gemm.fp8_gemm(pair, w, s, weight_block=32), limit=10.0)
+    y = torch.full((1, n // 2), float("nan"), dtype=torch.bfloat16, device=device)
+    if out_fmt is None:
+        got = gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, limit=10.0, out_bf16=y)
+        assert got is y
+    else:
+        out = poisoned_pair(1, n // 2, out_fmt, device)
+        got_y, got_pair = gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, limit=10.0, out_format=out_fmt,
+                                                 out=out, out_bf16=y)
+        assert got_y is y and got_pair.data is out.data
+        assert_pairs_equal(got_pair, ref.quantize(want_y, out_fmt))
+    assert torch.equal(y.view(torch.int16), want_y.view(torch.int16))
+    assert len(launched) == 2  # the reference's fp8_gemm and the fused call's
 
 
 @pytest.mark.cpu
