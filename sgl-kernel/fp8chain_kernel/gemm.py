@@ -692,10 +692,8 @@ def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale
     fmt, out_pair, y = resolve_outputs(m, inter, weight.device, out_format, out, out_bf16, return_bf16)
     if m == 0 or inter == 0:
         return producer_result(y, out_pair)
-    gemv_config = select_gemv(m, n, k, weight_block) if config is None else None
-    if gemv_config is not None:
-        gate_up = launch_gemv(pair.data, pair.scale, weight, weight_scale, _prepare_out(None, m, n, weight.device),
-                              weight_block, gemv_config)
+    if config is None and select_gemv(m, n, k, weight_block) is not None:  # the two calls, as documented
+        gate_up = fp8_gemm(pair, weight, weight_scale, weight_block=weight_block)
         return silu_mul(gate_up, limit=limit, out_format=fmt, out=out_pair, out_bf16=y, return_bf16=y is not None)
     cfg = config or select_config(m, n, k, weight_block, weight.device)
     _check_config(cfg, k, weight_block, True)

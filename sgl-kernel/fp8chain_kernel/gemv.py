@@ -69,7 +69,7 @@ def check_gemv_config(cfg: GemvConfig, group: int) -> None:
     """A config the kernel can run for ``group``-column groups (ValueError otherwise)."""
     if not isinstance(cfg, GemvConfig):
         raise TypeError(f"config must be a GemvConfig, got {type(cfg).__name__}")
-    bn, bk, warps, stages = cfg
+    bn, bk, warps, _ = cfg
     if any(not is_int(v) or v < 1 for v in cfg):
         raise ValueError(f"GemvConfig fields must be positive ints, got {cfg}")
     if group % bn or bn & (bn - 1) or bk % group or bk & (bk - 1) or warps & (warps - 1):
