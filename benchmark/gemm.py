@@ -13,7 +13,7 @@ Columns per (shape, M), all timed in one process with CUDA-graph replay (median)
 
 Weights rotate through enough copies to exceed L2 (every call streams its weights from HBM).
 ``--sweep`` times candidate launch configs per (shape, M bucket) and prints the best (the source
-of ``gemm.CONFIG_TABLE``; at M = 1 the ``gemv`` mode's candidates too: ``gemv.GEMV_TABLE``).
+of ``gemm.CONFIG_TABLE``; at M <= 4 the ``gemv`` mode's candidates too: ``gemv.GEMV_TABLE``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ for _p in (_ROOT / "python", _ROOT / "sgl-kernel"):
 from fp8chain.bench import harness  # noqa: E402
 from fp8chain_kernel import gemm, quant, reference  # noqa: E402
 from fp8chain_kernel.formats import ActFormat  # noqa: E402
-from fp8chain_kernel.gemv import GemvConfig, select_gemv  # noqa: E402
+from fp8chain_kernel.gemv import MAX_GEMV_TOKENS, GemvConfig, gemv_token_tile, select_gemv  # noqa: E402
 
 SHAPES = {
     "wqkv_a": (1792, 5120),
@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated scale prefetch depths (0-4, or 'default') of the M <= 64 candidates")
     parser.add_argument("--modes", default=",".join([*OPERAND_MODES, GEMV_MODE]),
                         help=f"comma-separated operand modes of the M <= 64 candidates ({', '.join(OPERAND_MODES)}; "
-                             f"{GEMV_MODE}: the one-token kernel, at M = 1)")
+                             f"{GEMV_MODE}: the CUDA-core kernel, at M <= {MAX_GEMV_TOKENS})")
     parser.add_argument("--sweep-budget-s", type=float, default=150.0, help="stop the sweep's timing after this")
     parser.add_argument("--precompile", type=int, default=0,
                         help="compile the planned kernels in this many worker processes first")
@@ -105,15 +105,18 @@ def _splits(iters: int, wanted: tuple[int, ...] = ()) -> list[int]:
 
 
 OPERAND_MODES = {"fp8": (False, False), "dequant": (True, False), "block_diag": (False, True)}
-GEMV_MODE = "gemv"  # the one-token CUDA-core kernel (fp8chain_kernel.gemv), candidates at M = 1 only
+GEMV_MODE = "gemv"  # the CUDA-core kernel (fp8chain_kernel.gemv), candidates at M <= MAX_GEMV_TOKENS only
 
 
-def gemv_candidates(group: int) -> list[GemvConfig]:
-    """GEMV launches worth timing: 2-32 weight rows per program (dividing the group), 256-2048
-    columns per step, 2 KB to 16 KB of weights per step, 2-8 warps, loads pipelined or not."""
-    return [GemvConfig(bn, bk, warps, stages) for bn in (2, 4, 8, 16, 32) for bk in (256, 512, 1024, 2048)
+def gemv_candidates(m: int, group: int) -> list[GemvConfig]:
+    """GEMV launches worth timing for M tokens: 2-32 weight rows per program (dividing the group),
+    128-2048 columns per step, 2 KB to 16 KB of weights per step, 2-8 warps with at most 128 fp32
+    accumulators per thread (token tile x rows x columns), loads pipelined or not."""
+    tokens = gemv_token_tile(m)
+    return [GemvConfig(bn, bk, warps, stages) for bn in (2, 4, 8, 16, 32) for bk in (128, 256, 512, 1024, 2048)
             for warps in (2, 4, 8) for stages in (1, 3)
-            if group % bn == 0 and bk % group == 0 and 2048 <= bn * bk <= 16384]
+            if group % bn == 0 and bk % group == 0 and 2048 <= bn * bk <= 16384
+            and tokens * bn * bk <= 128 * 32 * warps]
 
 
 def _block_diag_token_tiles(m: int) -> tuple[int, ...]:
@@ -189,7 +192,7 @@ def _candidates(args, m: int, n: int, k: int, group: int) -> list[gemm.GemmConfi
         raise SystemExit(f"--modes: unknown operand modes {sorted(unknown)}; known: "
                          f"{', '.join([*OPERAND_MODES, GEMV_MODE])}")
     ahead = _items(args.scale_ahead, lambda v: None if v == "default" else int(v))
-    gemv = gemv_candidates(group) if GEMV_MODE in modes and m == 1 else []
+    gemv = gemv_candidates(m, group) if GEMV_MODE in modes and m <= MAX_GEMV_TOKENS else []
     return gemv + sweep_candidates(m, n, k, group, _items(args.stages, int),
                                    tuple(mode for mode in modes if mode != GEMV_MODE), _items(args.block_k, int),
                                    ahead, _items(args.block_n, int), _items(args.warps, int),

@@ -29,7 +29,7 @@ One Triton kernel serves both, see docs/gemm.md:
 * configs come from a static table keyed by (M bucket, N, K, group), measured on an H200, with a
   heuristic for shapes outside it. Nothing is autotuned at serving time.
 
-One token (M = 1) of a problem in ``gemv.GEMV_TABLE`` runs ``gemv``'s CUDA-core kernel instead,
+One to four tokens of a problem in ``gemv.GEMV_TABLE`` run ``gemv``'s CUDA-core kernel instead,
 the same product with another fp32 summation order (the H200 measured it faster there).
 """
 
@@ -44,7 +44,7 @@ import triton.language as tl
 
 from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair
 from .act import check_limit, silu_mul, swiglu
-from .gemv import GEMV_TABLE, GemvConfig, launch_gemv, select_gemv
+from .gemv import GEMV_TABLE, MAX_GEMV_TOKENS, GemvConfig, gemv_token_tile, launch_gemv, select_gemv
 from .fp8_tile import e4m3_to_f32_exact, fp8_offsets, interpreting, round_bf16, store_pair_tile
 from .launch import await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count, split_workspace
 from .norm import launch_args, producer_result, resolve_outputs
@@ -628,16 +628,16 @@ def fp8_gemm(a: QuantizedActivation | torch.Tensor, weight: torch.Tensor, weight
     ``[M, K]`` tensor together with ``fmt``, quantized first (the unchained baseline).
     A pair (or ``fmt``) of another format raises ``TypeError`` naming both formats.
     ``out``: optional caller buffer (bf16 ``[M, N]``, unit column stride). ``config``: override
-    the tables (benchmarks, tests): a ``GemmConfig``, or a ``gemv.GemvConfig`` for one token.
-    M = 1 runs ``gemv`` where ``gemv.GEMV_TABLE`` holds the problem.
+    the tables (benchmarks, tests): a ``GemmConfig``, or a ``gemv.GemvConfig`` for 1 to
+    ``gemv.MAX_GEMV_TOKENS`` tokens. Those M run ``gemv`` where ``gemv.GEMV_TABLE`` holds the problem.
     """
     pair = _pair_operand(a, weight_block, fmt)
     m, n, k = _check_operands(pair, weight, weight_scale, weight_block)
     out = _prepare_out(out, m, n, weight.device)
     gemv_config = select_gemv(m, n, k, weight_block) if config is None else config
     if isinstance(gemv_config, GemvConfig):
-        if m != 1:
-            raise ValueError(f"a GemvConfig runs one token (M = 1), got M = {m}")
+        if not 1 <= m <= MAX_GEMV_TOKENS:
+            raise ValueError(f"a GemvConfig runs 1 to {MAX_GEMV_TOKENS} tokens, got M = {m}")
         return launch_gemv(pair.data, pair.scale, weight, weight_scale, out, weight_block, gemv_config)
     return _launch(pair.data, pair.scale, weight, weight_scale, out, weight_block, True, config)
 
@@ -668,8 +668,7 @@ def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale
                       out: QuantizedActivation | None = None, out_bf16: torch.Tensor | None = None,
                       return_bf16: bool = True, config: GemmConfig | None = None):
     """``act.silu_mul(fp8_gemm(a, weight, ...), limit=limit, out_format=...)`` in one launch; in
-    two where ``fp8_gemm`` runs the GEMV (one token of a ``gemv.GEMV_TABLE`` problem, no
-    ``config``): the GEMV, then ``act.silu_mul``, so the bytes stay those of the two calls.
+    two where ``fp8_gemm`` runs the GEMV (``select_gemv`` holds the problem, no ``config``): the GEMV, then ``act.silu_mul``, so the bytes stay those of the two calls.
 
     ``weight`` is a gate_up projection, e4m3 ``[2I, K]``: gate rows ``0 .. I``, up rows
     ``I .. 2I`` (32- or 128-row weight blocks, so I a multiple of the block). ``a`` is an FP8 pair
@@ -748,7 +747,7 @@ def load_table(path) -> None:
     GEMV_TABLE.clear()
     for r in records:
         if r.get("kind") == "gemv":
-            GEMV_TABLE[(r["n"], r["k"], r["group"])] = GemvConfig(*r["best"])
+            GEMV_TABLE[(gemv_token_tile(r["m"]), r["n"], r["k"], r["group"])] = GemvConfig(*r["best"])
         else:
             CONFIG_TABLE[(_m_bucket(r["m"]), r["n"], r["k"], r["group"])] = GemmConfig(*r["best"])
 

@@ -1,22 +1,24 @@
-"""FP8 GEMV for one token: a ``QuantizedActivation`` row times block-scaled FP8 weights, bf16 out.
+"""FP8 GEMV for one to four tokens: ``QuantizedActivation`` rows times block-scaled FP8 weights, bf16 out.
 
-``gemm.fp8_gemm`` runs this kernel in place of its tensor-core GEMM when M = 1 and
-``GEMV_TABLE`` holds the problem (N, K, group): the shapes where the H200 measured it faster
-(docs/gemm.md). The operands are ``fp8_gemm``'s:
+``gemm.fp8_gemm`` runs this kernel in place of its tensor-core GEMM when M <= ``MAX_GEMV_TOKENS``
+and ``GEMV_TABLE`` holds the problem (token tile, N, K, group): the shapes where the H200 measured
+it faster (docs/gemm.md). The token tile is M rounded up to a power of two (1, 2 or 4; rows past
+M are masked). The operands are ``fp8_gemm``'s:
 
-* activation: e4m3 ``[1, K]`` and its fp32 scales, one per ``group`` columns, scale ``g`` at
-  ``g * stride_asg`` (``SM90_G32_FP32_MN`` for 32-groups, ``SM90_G128_FP32_MN`` for 128);
+* activation: e4m3 ``[M, K]`` with unit column stride and its fp32 scales, one per ``group``
+  columns (``SM90_G32_FP32_MN`` for 32-groups, ``SM90_G128_FP32_MN`` for 128);
 * weight: e4m3 ``[N, K]`` with unit column stride, fp32 scales ``[N / group, K / group]``;
-* out: bf16 ``[1, N]``, unit column stride.
+* out: bf16 ``[M, N]``, unit column stride.
 
-One program reads ``BLOCK_N`` whole weight rows in ``BLOCK_K``-column steps. ``BLOCK_N`` divides
-``group``, so the rows of a program share one row of weight blocks and both scales of a column
-group fold into the activation: ``a'[k] = a[k] * (s_a[g] * s_w[n // group, g])``, one fp32
-product per group. Each weight then costs one conversion and one FMA on the CUDA cores (at M = 1
-a tensor-core tile would be 1/16 full); each lane sums its columns over K in fp32 and one tree
-per row finishes (deterministic). Small programs (``BLOCK_N`` of 4-16 rows: 288-1280 programs
-for the DSv4.1 shapes) keep enough loads in flight to stream the weights, which a decode GEMM's
-K loop of dependent steps does not (docs/gemm.md). Reference: ``reference.fp8_gemm``.
+One program reads ``BLOCK_N`` whole weight rows in ``BLOCK_K``-column steps, for every token.
+``BLOCK_N`` divides ``group``, so the rows of a program share one row of weight blocks and both
+scales of a column group fold into the activation: ``a'[m, k] = a[m, k] * (s_a[m, g] *
+s_w[n // group, g])``, one fp32 product per token and group. Each weight then costs one conversion
+and one FMA per token on the CUDA cores (at M <= 4 a tensor-core tile would be at most 1/4 full);
+each lane sums its columns over K in fp32 and one tree per output finishes (deterministic). Small
+programs (``BLOCK_N`` of 4-16 rows: 288-1280 programs for the DSv4.1 shapes) keep enough loads in
+flight to stream the weights, which a decode GEMM's K loop of dependent steps does not
+(docs/gemm.md). Reference: ``reference.fp8_gemm``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from .formats import is_int
 from .fp8_tile import e4m3_to_f32_exact, interpreting, round_bf16
 from .launch import await_producer, pdl_options
 
-__all__ = ["GemvConfig", "GEMV_TABLE", "select_gemv", "launch_gemv"]
+__all__ = ["GemvConfig", "GEMV_TABLE", "MAX_GEMV_TOKENS", "gemv_token_tile", "select_gemv", "launch_gemv"]
+
+MAX_GEMV_TOKENS = 4
 
 
 class GemvConfig(NamedTuple):
@@ -43,26 +47,43 @@ class GemvConfig(NamedTuple):
     stages: int = 3
 
 
-# (N, K, group) -> config, from the H200 sweep (benchmark/gemm.py --sweep --ms 1 --modes gemv,block_diag,
-# which times the candidates beside the tensor-core GEMM's; docs/benchmarks.md, GEMM section); a
-# problem not listed (wq_b at TP1, where the GEMM measured faster) runs the GEMM. us at M = 1,
-# GEMV against the GEMM's best:
-GEMV_TABLE: dict[tuple[int, int, int], GemvConfig] = {
-    (1792, 5120, 32): GemvConfig(4, 1024, 2, 3),  # wqkv_a: 4.6-5.0 against 6.5
-    (5120, 8192, 32): GemvConfig(4, 512, 2, 3),  # wo_b: 12.6-13.3 against 14.6
-    (4608, 5120, 32): GemvConfig(8, 512, 2, 3),  # shared gate_up: 8.8-9.1 against 9.8
-    (5120, 2304, 32): GemvConfig(16, 512, 4, 3),  # shared down: 5.4-5.8 against 7.0
-    (5120, 2048, 32): GemvConfig(4, 2048, 4, 3),  # wo_b, TP4 shard: 4.8 against 6.7
-    (8192, 1280, 32): GemvConfig(8, 256, 2, 3),  # wq_b, TP4 shard: 4.8 against 6.7
-    (1152, 5120, 32): GemvConfig(4, 1024, 4, 3),  # shared gate_up, TP4 shard: 3.7 against 5.2
-    (5120, 576, 32): GemvConfig(8, 256, 2, 1),  # shared down, TP4 shard: 2.5 against 6.4
+# (token tile, N, K, group) -> config, from the H200 sweeps (benchmark/gemm.py --sweep --ms 1,2,4 --modes
+# gemv,block_diag, which times the candidates beside the tensor-core GEMM's; docs/benchmarks.md, GEMM
+# section); a problem not listed runs the GEMM: wq_b at TP1, and at four tokens all but the TP4
+# down shard (each token adds an FMA per weight: the GEMV's time grows ~2.3x from one token to
+# four, the tensor-core GEMM's not at all). us, GEMV against the GEMM's best:
+GEMV_TABLE: dict[tuple[int, int, int, int], GemvConfig] = {
+    (1, 1792, 5120, 32): GemvConfig(4, 1024, 2, 3),  # wqkv_a: 4.6-5.0 against 6.5
+    (1, 5120, 8192, 32): GemvConfig(4, 512, 2, 3),  # wo_b: 12.5-13.3 against 14.5
+    (1, 4608, 5120, 32): GemvConfig(8, 512, 2, 3),  # shared gate_up: 8.2-9.1 against 9.8
+    (1, 5120, 2304, 32): GemvConfig(16, 512, 4, 3),  # shared down: 5.4-5.9 against 7.0
+    (1, 5120, 2048, 32): GemvConfig(4, 2048, 4, 3),  # wo_b, TP4 shard: 4.8-5.0 against 6.7
+    (1, 8192, 1280, 32): GemvConfig(8, 256, 2, 3),  # wq_b, TP4 shard: 4.8 against 6.7
+    (1, 1152, 5120, 32): GemvConfig(4, 1024, 4, 3),  # shared gate_up, TP4 shard: 3.7 against 5.2
+    (1, 5120, 576, 32): GemvConfig(8, 256, 2, 1),  # shared down, TP4 shard: 2.5-2.8 against 6.4
+    (2, 1792, 5120, 32): GemvConfig(4, 1024, 2, 3),  # wqkv_a: 5.5 against 6.3
+    (2, 5120, 2304, 32): GemvConfig(8, 256, 2, 3),  # shared down: 6.9 against 7.0
+    (2, 5120, 2048, 32): GemvConfig(8, 256, 2, 3),  # wo_b, TP4 shard: 6.4 against 6.7
+    (2, 8192, 1280, 32): GemvConfig(16, 256, 2, 3),  # wq_b, TP4 shard: 5.6 against 6.8
+    (2, 1152, 5120, 32): GemvConfig(4, 1024, 2, 3),  # shared gate_up, TP4 shard: 4.7 against 5.2
+    (2, 5120, 576, 32): GemvConfig(8, 256, 2, 1),  # shared down, TP4 shard: 3.4 against 6.2
+    (4, 5120, 576, 32): GemvConfig(8, 256, 2, 3),  # shared down, TP4 shard: 5.3 against 6.3
 }
+
+
+def gemv_token_tile(m: int) -> int:
+    """The kernel's token tile for M tokens, 1 <= M <= ``MAX_GEMV_TOKENS``: M up to a power of two."""
+    if not is_int(m) or not 1 <= m <= MAX_GEMV_TOKENS:
+        raise ValueError(f"the GEMV runs 1 to {MAX_GEMV_TOKENS} tokens, got M = {m}")
+    return triton.next_power_of_2(m)
 
 
 def select_gemv(m: int, n: int, k: int, group: int) -> GemvConfig | None:
     """The GEMV config for an ``m x n x k`` problem in ``group``-column groups, or None where the
-    tensor-core GEMM runs (M != 1, or a problem outside ``GEMV_TABLE``)."""
-    return GEMV_TABLE.get((n, k, group)) if m == 1 else None
+    tensor-core GEMM runs (M outside 1..``MAX_GEMV_TOKENS``, or a problem outside ``GEMV_TABLE``)."""
+    if not 1 <= m <= MAX_GEMV_TOKENS:
+        return None
+    return GEMV_TABLE.get((gemv_token_tile(m), n, k, group))
 
 
 def check_gemv_config(cfg: GemvConfig, group: int) -> None:
@@ -78,43 +99,72 @@ def check_gemv_config(cfg: GemvConfig, group: int) -> None:
 
 
 @triton.jit
-def _gemv_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, N, stride_asg, stride_wn, stride_wsn,
-                 K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 STAGES: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr):
+def _token_fma(acc, w, a_row, a_scale_row, w_scale, offs_k, k_ok, offs_g, g_ok, stride_asg, row_ok,
+               GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """``acc + w * a'`` for one token: its ``BLOCK_K`` activations with both scales folded in."""
+    a = tl.load(a_row + offs_k, mask=k_ok & row_ok, other=0.0)
+    scale = tl.load(a_scale_row + offs_g * stride_asg, mask=g_ok & row_ok, other=0.0) * w_scale
+    a = e4m3_to_f32_exact(a) if EXACT_CAST else a.to(tl.float32)
+    a = tl.reshape(tl.reshape(a, (BLOCK_K // GROUP, GROUP)) * scale[:, None], (BLOCK_K,))
+    return acc + w * a[None, :]
+
+
+@triton.jit
+def _gemv_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, M, N, stride_am, stride_asm, stride_asg,
+                 stride_wn, stride_wsn, stride_ym, K: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EXACT_CAST: tl.constexpr,
+                 PDL: tl.constexpr):
+    # one 2-D accumulator per token (not one 3-D tile: broadcasting the weight tile over a token
+    # axis cost a layout change per step, and 1.3-1.9x the time at one token on the H200)
     await_producer(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     w_scale_row = w_scale_ptr + ((pid * BLOCK_N) // GROUP) * stride_wsn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for it in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
         offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         offs_g = it * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
         g_ok = offs_g < K // GROUP
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        a = tl.load(a_ptr + offs_k, mask=k_ok, other=0.0)
-        scale = (tl.load(a_scale_ptr + offs_g * stride_asg, mask=g_ok, other=0.0)
-                 * tl.load(w_scale_row + offs_g, mask=g_ok, other=0.0))
-        if EXACT_CAST:
-            a, w = e4m3_to_f32_exact(a), e4m3_to_f32_exact(w)
-        else:
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        a = tl.reshape(tl.reshape(a, (BLOCK_K // GROUP, GROUP)) * scale[:, None], (BLOCK_K,))
-        acc += w * a[None, :]
-    tl.store(y_ptr + offs_n, round_bf16(tl.sum(acc, axis=1), EXACT_CAST), mask=n_ok)
+        w = e4m3_to_f32_exact(w) if EXACT_CAST else w.to(tl.float32)
+        w_scale = tl.load(w_scale_row + offs_g, mask=g_ok, other=0.0)
+        acc0 = _token_fma(acc0, w, a_ptr, a_scale_ptr, w_scale, offs_k, k_ok, offs_g, g_ok, stride_asg, True,
+                          GROUP, BLOCK_K, EXACT_CAST)
+        if TOKENS > 1:
+            acc1 = _token_fma(acc1, w, a_ptr + stride_am, a_scale_ptr + stride_asm, w_scale, offs_k, k_ok, offs_g,
+                              g_ok, stride_asg, M > 1, GROUP, BLOCK_K, EXACT_CAST)
+        if TOKENS > 2:
+            acc2 = _token_fma(acc2, w, a_ptr + 2 * stride_am, a_scale_ptr + 2 * stride_asm, w_scale, offs_k, k_ok,
+                              offs_g, g_ok, stride_asg, M > 2, GROUP, BLOCK_K, EXACT_CAST)
+            acc3 = _token_fma(acc3, w, a_ptr + 3 * stride_am, a_scale_ptr + 3 * stride_asm, w_scale, offs_k, k_ok,
+                              offs_g, g_ok, stride_asg, M > 3, GROUP, BLOCK_K, EXACT_CAST)
+    tl.store(y_ptr + offs_n, round_bf16(tl.sum(acc0, axis=1), EXACT_CAST), mask=n_ok)
+    if TOKENS > 1:
+        tl.store(y_ptr + stride_ym + offs_n, round_bf16(tl.sum(acc1, axis=1), EXACT_CAST), mask=n_ok & (M > 1))
+    if TOKENS > 2:
+        tl.store(y_ptr + 2 * stride_ym + offs_n, round_bf16(tl.sum(acc2, axis=1), EXACT_CAST), mask=n_ok & (M > 2))
+        tl.store(y_ptr + 3 * stride_ym + offs_n, round_bf16(tl.sum(acc3, axis=1), EXACT_CAST), mask=n_ok & (M > 3))
 
 
 def launch_gemv(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 out: torch.Tensor, group: int, cfg: GemvConfig) -> torch.Tensor:
-    """``out [1, N]`` = the one token ``a [1, K]`` (e4m3, scales ``a_scale [1, K / group]``) times
-    ``weight`` and its block scales; the operands as ``gemm.fp8_gemm`` has validated them."""
+    """``out [M, N]`` = the tokens ``a [M, K]`` (e4m3, scales ``a_scale [M, K / group]``) times
+    ``weight`` and its block scales, 1 <= M <= ``MAX_GEMV_TOKENS``; the operands as
+    ``gemm.fp8_gemm`` has validated them."""
     check_gemv_config(cfg, group)
+    m = a.shape[0]
+    tokens = gemv_token_tile(m)
     n, k = weight.shape
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        a, a_scale, weight, weight_scale, out, n, a_scale.stride(1), weight.stride(0), weight_scale.stride(0),
-        K=k, GROUP=group, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
+        a, a_scale, weight, weight_scale, out, m, n, a.stride(0), a_scale.stride(0), a_scale.stride(1),
+        weight.stride(0), weight_scale.stride(0), out.stride(0),
+        K=k, GROUP=group, TOKENS=tokens, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
         EXACT_CAST=interpreting(), num_warps=cfg.warps, **pdl_options(),
     )
     return out

@@ -85,8 +85,8 @@ def record_launches() -> None:
         scale = torch.ones(1792 // block, 5120 // block)
         for rows in (1, 64, 2048):
             gemm.fp8_gemm(quant.quantize(bf16(rows, 5120), fmt), weight, scale, weight_block=block)
-    for (n, k, group), cfg in gemv.GEMV_TABLE.items():  # one token: every GEMV table launch
-        gemm.fp8_gemm(quant.quantize(bf16(1, k), gemm.input_format_for_block(group)),
+    for (tokens, n, k, group), cfg in gemv.GEMV_TABLE.items():  # every GEMV table launch
+        gemm.fp8_gemm(quant.quantize(bf16(tokens, k), gemm.input_format_for_block(group)),
                       torch.zeros(n, k, dtype=FP8_DTYPE), torch.ones(-(-n // group), k // group),
                       weight_block=group, config=cfg)
     gate_up = torch.zeros(4608, 5120, dtype=FP8_DTYPE)

@@ -1,5 +1,5 @@
-"""The one-token FP8 GEMV (``fp8chain_kernel.gemv``) against ``reference.fp8_gemm`` and the
-tensor-core GEMM, and the M = 1 dispatch of ``gemm.fp8_gemm`` to it.
+"""The FP8 GEMV for one to four tokens (``fp8chain_kernel.gemv``) against ``reference.fp8_gemm``
+and the tensor-core GEMM, and the dispatch of ``gemm.fp8_gemm`` to it.
 
 CPU: the Triton interpreter at small shapes. GPU: every ``GEMV_TABLE`` problem (the DSv4.1
 shapes) and the sweep's candidates at one of them.
@@ -21,17 +21,22 @@ FORMATS = [(G32, 32), (G128, 128)]
 TOL = 5e-3
 
 
+def tokens(m, k, device):
+    """Rows with values of very different magnitudes, as a decode step's activations."""
+    return (torch.randn(m, k, device=device) * torch.exp2(torch.randint(-6, 6, (m, k), device=device).float())).bfloat16()
+
+
 def one_token(k, device):
-    """One row with values of very different magnitudes, as a decode step's activation."""
-    return (torch.randn(1, k, device=device) * torch.exp2(torch.randint(-6, 6, (1, k), device=device).float())).bfloat16()
+    return tokens(1, k, device)
 
 
-def poisoned_out(n, device):
-    return torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=device)
+def poisoned_out(n, device, m=1):
+    return torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
 
 
 def run_gemv(pair, w, s, block, config, device):
-    return gemm.fp8_gemm(pair, w, s, weight_block=block, out=poisoned_out(w.shape[0], device), config=config)
+    m = pair.data.shape[0]
+    return gemm.fp8_gemm(pair, w, s, weight_block=block, out=poisoned_out(w.shape[0], device, m), config=config)
 
 
 # ------------------------------------------------------------------------------------------
@@ -39,6 +44,7 @@ def run_gemv(pair, w, s, block, config, device):
 # ------------------------------------------------------------------------------------------
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("fmt,block", FORMATS, ids=["g32", "g128"])
 @pytest.mark.parametrize("n,k,config", [
     (64, 512, gemv.GemvConfig(4, 256, 2, 3)),
@@ -46,16 +52,25 @@ def run_gemv(pair, w, s, block, config, device):
     (70, 384, gemv.GemvConfig(32, 128, 2, 3)),   # N not a multiple of BLOCK_N: masked rows
     (33, 256, gemv.GemvConfig(2, 1024, 2, 1)),   # BLOCK_K wider than K
 ])
-def test_gemv_matches_reference_and_gemm_cpu(fmt, block, n, k, config, device):
+def test_gemv_matches_reference_and_gemm_cpu(m, fmt, block, n, k, config, device):
     w, s = ref.random_fp8_weight(n, k, block, device)
-    pair = quant.quantize(one_token(k, device), fmt)
+    x = tokens(m, k, device)
+    pair = quant.quantize(x, fmt)
     out = run_gemv(pair, w, s, block, config, device)
     err = rel_error(out, ref.fp8_gemm(pair, w, s, block))
     assert err < TOL, f"relative error {err:.3g}"
-    tensor_cores = gemm.fp8_gemm(pair, w, s, weight_block=block, config=gemm.select_config(1, n, k, block, device))
+    tensor_cores = gemm.fp8_gemm(pair, w, s, weight_block=block, config=gemm.select_config(m, n, k, block, device))
     assert rel_error(out, tensor_cores) < TOL
     again = run_gemv(pair, w, s, block, config, device)
     assert torch.equal(out.view(torch.int16), again.view(torch.int16))  # deterministic
+    if m < gemv.MAX_GEMV_TOKENS:  # a NaN token beside them reaches none of their outputs
+        nan_row = torch.full((1, k), float("nan"), dtype=x.dtype, device=device)
+        wide = run_gemv(quant.quantize(torch.cat([x, nan_row]), fmt), w, s, block, config, device)
+        assert torch.isnan(wide[m]).all()
+        if gemv.gemv_token_tile(m + 1) == gemv.gemv_token_tile(m):  # the same kernel: the same bits
+            assert torch.equal(wide[:m].view(torch.int16), out.view(torch.int16))
+        else:
+            assert rel_error(wide[:m], out) < TOL
 
 
 @pytest.mark.cpu
@@ -74,10 +89,11 @@ def test_gemv_nan_zero_and_weight_nan_cpu(device):
 
 
 @pytest.mark.cpu
-def test_fp8_gemm_runs_the_gemv_for_one_token_of_a_table_problem(device, monkeypatch):
+def test_fp8_gemm_runs_the_gemv_for_tokens_of_a_table_problem(device, monkeypatch):
     n, k = 64, 512
-    config = gemv.GemvConfig(8, 256, 2, 3)
-    monkeypatch.setitem(gemv.GEMV_TABLE, (n, k, 32), config)
+    config, config4 = gemv.GemvConfig(8, 256, 2, 3), gemv.GemvConfig(4, 256, 2, 1)
+    monkeypatch.setitem(gemv.GEMV_TABLE, (1, n, k, 32), config)
+    monkeypatch.setitem(gemv.GEMV_TABLE, (4, n, k, 32), config4)
     launched = []
     real = gemm.launch_gemv
     monkeypatch.setattr(gemm, "launch_gemv", lambda *a: launched.append(a[-1]) or real(*a))
@@ -88,11 +104,15 @@ def test_fp8_gemm_runs_the_gemv_for_one_token_of_a_table_problem(device, monkeyp
     assert torch.equal(chained.view(torch.int16), unchained.view(torch.int16))
     assert torch.equal(chained.view(torch.int16), run_gemv(quant.quantize(x, G32), w, s, 32, config, device).view(torch.int16))
     assert launched == [config] * 3
-    two = torch.cat([x, x])
-    gemm.fp8_gemm(two, w, s, weight_block=32, fmt=G32)  # M = 2: the tensor-core GEMM
+    three = tokens(3, k, device)
+    chained = gemm.fp8_gemm(quant.quantize(three, G32), w, s, weight_block=32)  # the 4-token tile
+    assert torch.equal(chained.view(torch.int16), gemm.fp8_gemm(three, w, s, weight_block=32, fmt=G32).view(torch.int16))
+    assert launched == [config] * 3 + [config4] * 2
+    gemm.fp8_gemm(tokens(2, k, device), w, s, weight_block=32, fmt=G32)  # M = 2: no 2-token entry, the GEMM
+    gemm.fp8_gemm(tokens(5, k, device), w, s, weight_block=32, fmt=G32)  # past the GEMV's tokens
     gemm.fp8_gemm(quant.quantize(x, G128), *ref.random_fp8_weight(n, k, 128, device), weight_block=128)  # not in the table
-    assert len(launched) == 3
-    assert gemv.select_gemv(1, n, k, 32) == config and gemv.select_gemv(2, n, k, 32) is None
+    assert len(launched) == 5
+    assert [gemv.select_gemv(m, n, k, 32) for m in range(6)] == [None, config, None, config4, config4, None]
 
 
 @pytest.mark.cpu
@@ -101,7 +121,7 @@ def test_gemm_silu_mul_of_one_token_on_the_gemv_is_the_two_calls(out_fmt, device
     """``fp8_gemm_silu_mul`` where ``fp8_gemm`` runs the GEMV: the GEMV, then ``act.silu_mul``, the
     bytes of ``act.silu_mul(fp8_gemm(...))`` (the tensor-core epilogue sums in another order)."""
     n, k = 128, 512  # gate_up [2I, K], I = 64
-    monkeypatch.setitem(gemv.GEMV_TABLE, (n, k, 32), gemv.GemvConfig(4, 256))
+    monkeypatch.setitem(gemv.GEMV_TABLE, (1, n, k, 32), gemv.GemvConfig(4, 256))
     launched = []
     real = gemm.launch_gemv
     monkeypatch.setattr(gemm, "launch_gemv", lambda *a: launched.append(a[-1]) or real(*a))
@@ -127,8 +147,11 @@ def test_gemv_config_errors(device):
     n, k = 64, 512
     w, s = ref.random_fp8_weight(n, k, 32, device)
     x = one_token(k, device)
-    with pytest.raises(ValueError, match="one token"):
-        gemm.fp8_gemm(torch.cat([x, x]), w, s, weight_block=32, fmt=G32, config=gemv.GemvConfig(4, 256))
+    with pytest.raises(ValueError, match="1 to 4 tokens"):
+        gemm.fp8_gemm(tokens(5, k, device), w, s, weight_block=32, fmt=G32, config=gemv.GemvConfig(4, 256))
+    for m in (0, 5, 2.0, True):
+        with pytest.raises(ValueError, match="1 to 4 tokens"):
+            gemv.gemv_token_tile(m)
     for bad in (gemv.GemvConfig(3, 256), gemv.GemvConfig(64, 256), gemv.GemvConfig(4, 48),
                 gemv.GemvConfig(4, 384), gemv.GemvConfig(4, 256, 3), gemv.GemvConfig(4, 256, 2, 0),
                 gemv.GemvConfig(4, 256, True)):
@@ -142,11 +165,13 @@ def test_load_table_fills_both_tables(tmp_path, monkeypatch):
     monkeypatch.setattr(gemv, "GEMV_TABLE", dict(gemv.GEMV_TABLE))
     monkeypatch.setattr(gemm, "GEMV_TABLE", gemv.GEMV_TABLE)
     records = [dict(n=1792, k=5120, group=32, m=1, kind="gemv", best=[8, 512, 4, 1]),
+               dict(n=1792, k=5120, group=32, m=3, kind="gemv", best=[4, 512, 4, 3]),
                dict(n=1792, k=5120, group=32, m=16, kind="gemm", best=list(gemm.GemmConfig(64, 16, 128, 5)))]
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps({"records": records}))
     gemm.load_table(path)
-    assert gemv.GEMV_TABLE == {(1792, 5120, 32): gemv.GemvConfig(8, 512, 4, 1)}
+    assert gemv.GEMV_TABLE == {(1, 1792, 5120, 32): gemv.GemvConfig(8, 512, 4, 1),
+                               (4, 1792, 5120, 32): gemv.GemvConfig(4, 512, 4, 3)}
     assert gemm.CONFIG_TABLE == {(16, 1792, 5120, 32): gemm.GemmConfig(64, 16, 128, 5)}
 
 
@@ -154,22 +179,30 @@ def test_load_table_fills_both_tables(tmp_path, monkeypatch):
 # GPU
 # ------------------------------------------------------------------------------------------
 
+def _table_token_counts():
+    """Every GEMV_TABLE problem at each token count its tile serves."""
+    return [(m, n, k, group) for tile, n, k, group in sorted(gemv.GEMV_TABLE)
+            for m in range(1, tile + 1) if gemv.gemv_token_tile(m) == tile]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k,group", sorted(gemv.GEMV_TABLE), ids=lambda v: str(v))
-def test_gemv_table_problems_gpu(n, k, group):
+@pytest.mark.parametrize("m,n,k,group", _table_token_counts(), ids=lambda v: str(v))
+def test_gemv_table_problems_gpu(m, n, k, group):
     fmt = gemm.input_format_for_block(group)
     w, s = ref.random_fp8_weight(n, k, group, "cuda")
-    x = one_token(k, "cuda")
+    x = tokens(m, k, "cuda")
     pair = quant.quantize(x, fmt)
-    out = gemm.fp8_gemm(pair, w, s, weight_block=group, out=poisoned_out(n, "cuda"))  # the table's GEMV
+    out = gemm.fp8_gemm(pair, w, s, weight_block=group, out=poisoned_out(n, "cuda", m))  # the table's GEMV
     want = ref.dequantize(pair).double() @ ref.dequantize_weight(w, s, group).double().t()
     assert rel_error(out, want) < TOL
     unchained = gemm.fp8_gemm(x, w, s, weight_block=group, fmt=fmt)
     assert torch.equal(out.view(torch.int16), unchained.view(torch.int16))
-    x[0, k // 3] = float("nan")
-    assert torch.isnan(gemm.fp8_gemm(x, w, s, weight_block=group, fmt=fmt)).all()
+    x[m - 1, k // 3] = float("nan")
+    nan_out = gemm.fp8_gemm(x, w, s, weight_block=group, fmt=fmt)
+    assert torch.isnan(nan_out[m - 1]).all()
+    assert torch.equal(nan_out[:m - 1].view(torch.int16), out[:m - 1].view(torch.int16))  # the other tokens' bits
     zero = quant.quantize(torch.zeros_like(x), fmt)
-    assert torch.equal(gemm.fp8_gemm(zero, w, s, weight_block=group).float(), torch.zeros(1, n, device="cuda"))
+    assert torch.equal(gemm.fp8_gemm(zero, w, s, weight_block=group).float(), torch.zeros(m, n, device="cuda"))
 
 
 @pytest.mark.gpu
@@ -178,8 +211,9 @@ def test_gemv_sweep_candidates_gpu(fmt, block):
     gemv_candidates = _load_benchmark("gemm").gemv_candidates
     n, k = 5120, 2304
     w, s = ref.random_fp8_weight(n, k, block, "cuda")
-    pair = quant.quantize(one_token(k, "cuda"), fmt)
-    want = ref.dequantize(pair).double() @ ref.dequantize_weight(w, s, block).double().t()
-    for config in gemv_candidates(block):
-        out = run_gemv(pair, w, s, block, config, "cuda")
-        assert rel_error(out, want) < TOL, config
+    for m in (1, 3):  # the 1- and 4-token tiles
+        pair = quant.quantize(tokens(m, k, "cuda"), fmt)
+        want = ref.dequantize(pair).double() @ ref.dequantize_weight(w, s, block).double().t()
+        for config in gemv_candidates(m, block):
+            out = run_gemv(pair, w, s, block, config, "cuda")
+            assert rel_error(out, want) < TOL, (m, config)

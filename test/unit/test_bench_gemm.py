@@ -71,13 +71,19 @@ def test_token_tiles_option_allows_several_tiles_per_m():
     assert {c.block_m for c in bench._candidates(args, 16, 1792, 5120, 32)} == {8, 16}
 
 
-def test_gemv_candidates_at_one_token_only():
+def test_gemv_candidates_up_to_four_tokens():
     bench, args = _sweep_args("--ms", "1")
     cands = bench._candidates(args, 1, 1792, 5120, 32)
     gemv = [c for c in cands if isinstance(c, bench.GemvConfig)]
     assert gemv and len(gemv) < len(cands)  # beside the tensor-core GEMM's candidates
     assert all(32 % c.block_n == 0 and c.block_k % 32 == 0 and 2048 <= c.block_n * c.block_k <= 16384 for c in gemv)
-    assert not any(isinstance(c, bench.GemvConfig) for c in bench._candidates(args, 2, 1792, 5120, 32))
-    assert all(128 % c.block_n == 0 and c.block_k % 128 == 0 for c in bench.gemv_candidates(128))
+    assert bench.GemvConfig(4, 1024, 2, 3) in gemv  # the wqkv_a table entry
+    four = [c for c in bench._candidates(args, 4, 1792, 5120, 32) if isinstance(c, bench.GemvConfig)]
+    three = [c for c in bench._candidates(args, 3, 1792, 5120, 32) if isinstance(c, bench.GemvConfig)]
+    assert four and three == four and set(four) < set(gemv)  # M = 3 runs the 4-token tile
+    assert all(4 * c.block_n * c.block_k <= 128 * 32 * c.warps for c in four)  # no accumulator spill
+    assert bench.GemvConfig(4, 1024, 2, 3) not in four
+    assert not any(isinstance(c, bench.GemvConfig) for c in bench._candidates(args, 5, 1792, 5120, 32))
+    assert all(128 % c.block_n == 0 and c.block_k % 128 == 0 for c in bench.gemv_candidates(1, 128))
     bench, args = _sweep_args("--modes", "block_diag")
     assert not any(isinstance(c, bench.GemvConfig) for c in bench._candidates(args, 1, 1792, 5120, 32))

@@ -263,9 +263,11 @@ def test_gate_up_silu_mul_epilogue_is_the_two_launches(monkeypatch):
     assert consumer_gemm_silu_mul(biased, pair, 7.0, fmt) is None
     one = quantize(torch.randn(1, 256).bfloat16(), fmt)
     assert consumer_gemm_silu_mul(layer, one, 7.0, fmt) is not None
-    monkeypatch.setitem(gemv.GEMV_TABLE, (256, 256, 32), gemv.GemvConfig(4, 256))
+    monkeypatch.setitem(gemv.GEMV_TABLE, (1, 256, 256, 32), gemv.GemvConfig(4, 256))
     assert consumer_gemm_silu_mul(layer, one, 7.0, fmt) is None  # one token runs the GEMV: two launches
     assert consumer_gemm_silu_mul(layer, pair, 7.0, fmt) is not None
+    monkeypatch.setitem(gemv.GEMV_TABLE, (4, 256, 256, 32), gemv.GemvConfig(4, 256))
+    assert consumer_gemm_silu_mul(layer, pair, 7.0, fmt) is None  # three tokens on the 4-token tile
     monkeypatch.setattr(layer, "gemm_backend", object())  # a backend with no such epilogue
     assert consumer_gemm_silu_mul(layer, pair, 7.0, fmt) is None
 
@@ -293,8 +295,9 @@ def test_shared_expert_epilogue_on_off_and_chain_off_agree(monkeypatch):
     assert calls == [1]
 
 
-def test_shared_expert_one_token_on_the_gemv_keeps_chain_on_equal_off(monkeypatch):
-    """One token of a problem the GEMV serves: the chained shared expert takes GEMV + SiLU*mul
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_shared_expert_tokens_on_the_gemv_keep_chain_on_equal_off(tokens, monkeypatch):
+    """Tokens of a problem the GEMV serves: the chained shared expert takes GEMV + SiLU*mul
     (not the tensor-core GEMM's epilogue, whose sums differ), so chain on and off agree bit for bit."""
     from fp8chain.layers.moe import SharedExpert
     from fp8chain_kernel import gemm, gemv
@@ -302,12 +305,13 @@ def test_shared_expert_one_token_on_the_gemv_keeps_chain_on_equal_off(monkeypatc
     expert = SharedExpert(256, 128, swiglu_limit=7.0, quant_config=CFG32, prefix="shared")
     for linear in (expert.gate_up, expert.down):
         load_weights(linear, checkpoint(*linear.weight.shape, 32).items())
-        monkeypatch.setitem(gemv.GEMV_TABLE, (*linear.weight.shape, 32), gemv.GemvConfig(4, 128))
+        monkeypatch.setitem(gemv.GEMV_TABLE, (gemv.gemv_token_tile(tokens), *linear.weight.shape, 32),
+                            gemv.GemvConfig(4, 128))
     calls = []
     fused_gemm, real_gemv = gemm.fp8_gemm_silu_mul, gemm.launch_gemv
     monkeypatch.setattr(gemm, "fp8_gemm_silu_mul", lambda *a, **kw: calls.append("fused") or fused_gemm(*a, **kw))
     monkeypatch.setattr(gemm, "launch_gemv", lambda *a: calls.append("gemv") or real_gemv(*a))
-    x = torch.randn(1, 256).bfloat16()
+    x = torch.randn(tokens, 256).bfloat16()
     chained = expert(x, quantize(x, expert.gate_up.input_format))
     assert calls == ["gemv", "gemv"]
     expert.chain = False
