@@ -44,7 +44,7 @@ import triton.language as tl
 
 from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair
 from .act import check_limit, silu_mul, swiglu
-from .gemv import GEMV_TABLE, MAX_GEMV_TOKENS, GemvConfig, gemv_token_tile, launch_gemv, select_gemv
+from .gemv import GEMV_TABLE, GemvConfig, gemv_token_tile, launch_gemv, select_gemv
 from .fp8_tile import e4m3_to_f32_exact, fp8_offsets, interpreting, round_bf16, store_pair_tile
 from .launch import await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count, split_workspace
 from .norm import launch_args, producer_result, resolve_outputs
@@ -635,9 +635,7 @@ def fp8_gemm(a: QuantizedActivation | torch.Tensor, weight: torch.Tensor, weight
     m, n, k = _check_operands(pair, weight, weight_scale, weight_block)
     out = _prepare_out(out, m, n, weight.device)
     gemv_config = select_gemv(m, n, k, weight_block) if config is None else config
-    if isinstance(gemv_config, GemvConfig):
-        if not 1 <= m <= MAX_GEMV_TOKENS:
-            raise ValueError(f"a GemvConfig runs 1 to {MAX_GEMV_TOKENS} tokens, got M = {m}")
+    if isinstance(gemv_config, GemvConfig):  # launch_gemv refuses M outside 1..MAX_GEMV_TOKENS
         return launch_gemv(pair.data, pair.scale, weight, weight_scale, out, weight_block, gemv_config)
     return _launch(pair.data, pair.scale, weight, weight_scale, out, weight_block, True, config)
 
@@ -668,7 +666,8 @@ def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale
                       out: QuantizedActivation | None = None, out_bf16: torch.Tensor | None = None,
                       return_bf16: bool = True, config: GemmConfig | None = None):
     """``act.silu_mul(fp8_gemm(a, weight, ...), limit=limit, out_format=...)`` in one launch; in
-    two where ``fp8_gemm`` runs the GEMV (``select_gemv`` holds the problem, no ``config``): the GEMV, then ``act.silu_mul``, so the bytes stay those of the two calls.
+    two where ``fp8_gemm`` runs the GEMV (``select_gemv`` holds the problem, no ``config``): the
+    GEMV, then ``act.silu_mul``, so the bytes stay those of the two calls.
 
     ``weight`` is a gate_up projection, e4m3 ``[2I, K]``: gate rows ``0 .. I``, up rows
     ``I .. 2I`` (32- or 128-row weight blocks, so I a multiple of the block). ``a`` is an FP8 pair

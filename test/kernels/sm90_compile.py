@@ -25,7 +25,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from fp8chain_kernel import act, attention, einsum, gemm, gemv, launch, mhc, norm, quant, reference  # noqa: E402
-from fp8chain_kernel.formats import FP8_DTYPE, ActFormat  # noqa: E402
+from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, cdiv  # noqa: E402
 
 TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv", torch.int32: "i32",
          torch.int64: "i64", torch.uint8: "u8"}
@@ -87,7 +87,7 @@ def record_launches() -> None:
             gemm.fp8_gemm(quant.quantize(bf16(rows, 5120), fmt), weight, scale, weight_block=block)
     for (tokens, n, k, group), cfg in gemv.GEMV_TABLE.items():  # every GEMV table launch
         gemm.fp8_gemm(quant.quantize(bf16(tokens, k), gemm.input_format_for_block(group)),
-                      torch.zeros(n, k, dtype=FP8_DTYPE), torch.ones(-(-n // group), k // group),
+                      torch.zeros(n, k, dtype=FP8_DTYPE), torch.ones(cdiv(n, group), k // group),
                       weight_block=group, config=cfg)
     gate_up = torch.zeros(4608, 5120, dtype=FP8_DTYPE)
     for fmt in (ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN):

@@ -209,12 +209,12 @@ def test_w8a16_matches_reference_cpu(block, dequant, device):
 
 def check_gemm_silu_mul(m, inter, k, config, out_fmt, limit, device, x=None):
     """The fused launch against the two launches it replaces (the bf16 gate_up GEMM with the same
-    config, then ``act.silu_mul``; for one token of a GEMV table problem, the GEMV): the bf16
+    config, then ``act.silu_mul``; for tokens of a GEMV table problem, the GEMV): the bf16
     output bit for bit, the pair equal to the standalone quantization of that output, both
     outputs fully written; and near the fp64 reference."""
     w, s = ref.random_fp8_weight(2 * inter, k, 32, device)
     pair = ref.quantize(make_activation(m, k, device) if x is None else x, G32)
-    cfg = None  # one token on the GEMV: fp8_gemm's own choice is what the fused call runs
+    cfg = None  # tokens on the GEMV: fp8_gemm's own choice is what the fused call runs
     if config is not None or gemv.select_gemv(m, 2 * inter, k, 32) is None:
         cfg = config or gemm.select_config(m, 2 * inter, k, 32, device)
         cfg = cfg._replace(block_n=max(cfg.block_n, 2 * out_fmt.group_size))  # what the fused launch runs
