@@ -51,7 +51,7 @@ from .norm import launch_args, producer_result, resolve_outputs
 from .quant import check_activation, quantize
 
 __all__ = [
-    "GemmConfig", "fp8_gemm", "fp8_gemm_silu_mul", "silu_mul_epilogue_pays", "w8a16_gemm", "input_format_for_block", "check_weight",
+    "GemmConfig", "fp8_gemm", "fp8_gemm_silu_mul", "gemm_config", "silu_mul_epilogue_pays", "w8a16_gemm", "input_format_for_block", "check_weight",
     "select_config", "CONFIG_TABLE",
 ]
 
@@ -634,10 +634,12 @@ def fp8_gemm(a: QuantizedActivation | torch.Tensor, weight: torch.Tensor, weight
     pair = _pair_operand(a, weight_block, fmt)
     m, n, k = _check_operands(pair, weight, weight_scale, weight_block)
     out = _prepare_out(out, m, n, weight.device)
-    gemv_config = select_gemv(m, n, k, weight_block) if config is None else config
-    if isinstance(gemv_config, GemvConfig):  # launch_gemv refuses M outside 1..MAX_GEMV_TOKENS
-        return launch_gemv(pair.data, pair.scale, weight, weight_scale, out, weight_block, gemv_config)
-    return _launch(pair.data, pair.scale, weight, weight_scale, out, weight_block, True, config)
+    if m == 0 or n == 0:
+        return out
+    cfg = config or gemm_config(m, n, k, weight_block, weight.device)
+    if isinstance(cfg, GemvConfig):  # launch_gemv refuses M outside 1..MAX_GEMV_TOKENS
+        return launch_gemv(pair.data, pair.scale, weight, weight_scale, out, weight_block, cfg)
+    return _launch(pair.data, pair.scale, weight, weight_scale, out, weight_block, True, cfg)
 
 
 # From this many accumulator elements per tile up, the SiLU*mul epilogue runs 8 warps (see
@@ -653,10 +655,19 @@ SILU_MUL_WIDE_TILE = 128 * 64
 SILU_MUL_LAUNCH_TOKEN_TILES = (16,)
 
 
-def silu_mul_epilogue_pays(config: GemmConfig) -> bool:
-    """Whether ``fp8_gemm_silu_mul`` beats ``fp8_gemm`` + ``act.silu_mul`` with the gate_up problem's
-    ``config`` (``select_config``): where its tile is narrower than ``SILU_MUL_WIDE_TILE`` and its
-    token tile not one of ``SILU_MUL_LAUNCH_TOKEN_TILES``."""
+def gemm_config(m: int, n: int, k: int, group: int, device: torch.device) -> GemmConfig | GemvConfig:
+    """The launch ``fp8_gemm`` runs for an ``m x n x k`` problem on an FP8 pair: the GEMV's
+    config where ``select_gemv`` holds the problem, else the tensor-core GEMM's (``select_config``)."""
+    return select_gemv(m, n, k, group) or select_config(m, n, k, group, device)
+
+
+def silu_mul_epilogue_pays(config: GemmConfig | GemvConfig) -> bool:
+    """Whether ``fp8_gemm_silu_mul`` with ``config`` (``gemm_config`` of the gate_up problem) beats
+    ``fp8_gemm`` + ``act.silu_mul``: never on the GEMV (there it is those two calls), on the GEMM
+    where its tile is narrower than ``SILU_MUL_WIDE_TILE`` and its token tile not one of
+    ``SILU_MUL_LAUNCH_TOKEN_TILES``."""
+    if isinstance(config, GemvConfig):
+        return False
     return (config.block_n * config.block_m < SILU_MUL_WIDE_TILE
             and config.block_m not in SILU_MUL_LAUNCH_TOKEN_TILES)
 
@@ -664,19 +675,21 @@ def silu_mul_epilogue_pays(config: GemmConfig) -> bool:
 def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor, *,
                       weight_block: int, limit: float | None = None, out_format: ActFormat | str | None = None,
                       out: QuantizedActivation | None = None, out_bf16: torch.Tensor | None = None,
-                      return_bf16: bool = True, config: GemmConfig | None = None):
-    """``act.silu_mul(fp8_gemm(a, weight, ...), limit=limit, out_format=...)`` in one launch; in
-    two where ``fp8_gemm`` runs the GEMV (``select_gemv`` holds the problem, no ``config``): the
-    GEMV, then ``act.silu_mul``, so the bytes stay those of the two calls.
+                      return_bf16: bool = True, config: GemmConfig | GemvConfig | None = None):
+    """``act.silu_mul(fp8_gemm(a, weight, ...), limit=limit, out_format=...)``, bit for bit: the
+    gate_up sums are the ones ``fp8_gemm`` writes with the same config (``config``, else
+    ``gemm_config``'s). On the tensor-core GEMM in one launch; on the GEMV (a ``GemvConfig``) in two,
+    the GEMV, then ``act.silu_mul`` (a one-token GEMV epilogue measured slower than the two
+    launches: docs/gemm.md).
 
     ``weight`` is a gate_up projection, e4m3 ``[2I, K]``: gate rows ``0 .. I``, up rows
     ``I .. 2I`` (32- or 128-row weight blocks, so I a multiple of the block). ``a`` is an FP8 pair
     as for ``fp8_gemm``. Each program's tile takes BLOCK_N / 2 gate rows and the matching up rows,
     so its epilogue rounds the gate_up product to bf16 (the bf16 GEMM's output, bit for bit: the
-    same config, the same per-element sums), applies ``act.swiglu``, rounds ``y [M, I]`` and
-    writes it the way ``act.silu_mul`` does: bf16 ``y``, ``(y, pair)`` or the pair alone
-    (``return_bf16=False``), the pair in ``out_format`` equal to ``reference.quantize(y)``. The
-    outputs and their buffers (``out``, ``out_bf16``) follow ``norm.rms_norm``'s convention.
+    same per-element sums), applies ``act.swiglu``, rounds ``y [M, I]`` and writes it the way
+    ``act.silu_mul`` does: bf16 ``y``, ``(y, pair)`` or the pair alone (``return_bf16=False``), the
+    pair in ``out_format`` equal to ``reference.quantize(y)``. The outputs and their buffers
+    (``out``, ``out_bf16``) follow ``norm.rms_norm``'s convention.
     """
     if not isinstance(a, QuantizedActivation):
         raise TypeError(f"fp8_gemm_silu_mul reads an FP8 pair, got {type(a).__name__}")
@@ -690,10 +703,10 @@ def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale
     fmt, out_pair, y = resolve_outputs(m, inter, weight.device, out_format, out, out_bf16, return_bf16)
     if m == 0 or inter == 0:
         return producer_result(y, out_pair)
-    if config is None and select_gemv(m, n, k, weight_block) is not None:  # the two calls, as documented
-        gate_up = fp8_gemm(pair, weight, weight_scale, weight_block=weight_block)
+    cfg = config or gemm_config(m, n, k, weight_block, weight.device)
+    if isinstance(cfg, GemvConfig):
+        gate_up = fp8_gemm(pair, weight, weight_scale, weight_block=weight_block, config=cfg)
         return silu_mul(gate_up, limit=limit, out_format=fmt, out=out_pair, out_bf16=y, return_bf16=y is not None)
-    cfg = config or select_config(m, n, k, weight_block, weight.device)
     _check_config(cfg, k, weight_block, True)
     if fmt is not None and cfg.block_n < 2 * fmt.group_size:  # whole quantization groups per tile
         cfg = cfg._replace(block_n=2 * fmt.group_size)

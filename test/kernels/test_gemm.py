@@ -8,7 +8,7 @@ bf16 rounding is done on the bits there). GPU: DSv4.1 shapes, both formats, many
 import pytest
 import torch
 
-from fp8chain_kernel import act, gemm, gemv, quant
+from fp8chain_kernel import act, gemm, quant
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import ActFormat, empty_pair
 from helpers import assert_pairs_equal, poisoned_pair, rel_error
@@ -214,10 +214,9 @@ def check_gemm_silu_mul(m, inter, k, config, out_fmt, limit, device, x=None):
     outputs fully written; and near the fp64 reference."""
     w, s = ref.random_fp8_weight(2 * inter, k, 32, device)
     pair = ref.quantize(make_activation(m, k, device) if x is None else x, G32)
-    cfg = None  # tokens on the GEMV: fp8_gemm's own choice is what the fused call runs
-    if config is not None or gemv.select_gemv(m, 2 * inter, k, 32) is None:
-        cfg = config or gemm.select_config(m, 2 * inter, k, 32, device)
-        cfg = cfg._replace(block_n=max(cfg.block_n, 2 * out_fmt.group_size))  # what the fused launch runs
+    cfg = config or gemm.gemm_config(m, 2 * inter, k, 32, device)
+    if isinstance(cfg, gemm.GemmConfig):  # what the fused launch runs (on the GEMV: the GEMV)
+        cfg = cfg._replace(block_n=max(cfg.block_n, 2 * out_fmt.group_size))
     out = poisoned_pair(m, inter, out_fmt, device)
     y, got = gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, limit=limit, out_format=out_fmt, out=out,
                                     out_bf16=poisoned_out(m, inter, device), config=config)
@@ -268,9 +267,9 @@ def test_silu_mul_epilogue_only_where_it_pays(device):
     from fp8chain_kernel.backends import get_backend
 
     n, k = 4608, 5120
-    assert [gemm.silu_mul_epilogue_pays(gemm.select_config(m, n, k, 32, device))
+    assert [gemm.silu_mul_epilogue_pays(gemm.gemm_config(m, n, k, 32, device))
             for m in (1, 4, 8, 9, 16, 32, 64, 256, 2048)] == \
-        [True, True, True, False, False, True, True, True, False]
+        [False, True, True, False, False, True, True, True, False]
     w = torch.zeros(n, k, dtype=torch.float8_e4m3fn, device=device)
     s = torch.ones(n // 32, k // 32, device=device)
     pair = ref.quantize(make_activation(2048, k, device), G32)

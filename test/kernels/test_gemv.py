@@ -117,29 +117,34 @@ def test_fp8_gemm_runs_the_gemv_for_tokens_of_a_table_problem(device, monkeypatc
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("out_fmt", [None, G32, ActFormat.SM100_G32_UE8M0_PACKED_MN], ids=lambda f: str(f))
-def test_gemm_silu_mul_of_one_token_on_the_gemv_is_the_two_calls(out_fmt, device, monkeypatch):
-    """``fp8_gemm_silu_mul`` where ``fp8_gemm`` runs the GEMV: the GEMV, then ``act.silu_mul``, the
-    bytes of ``act.silu_mul(fp8_gemm(...))`` (the tensor-core epilogue sums in another order)."""
+@pytest.mark.parametrize("m, explicit", [(1, False), (3, True)])
+def test_gemm_silu_mul_on_the_gemv_is_the_two_calls(out_fmt, m, explicit, device, monkeypatch):
+    """``fp8_gemm_silu_mul`` where ``fp8_gemm`` runs the GEMV (a table problem, or a ``GemvConfig``
+    given): the GEMV, then ``act.silu_mul``, the bytes of ``act.silu_mul(fp8_gemm(...))`` (the
+    tensor-core epilogue sums in another order)."""
     n, k = 128, 512  # gate_up [2I, K], I = 64
-    monkeypatch.setitem(gemv.GEMV_TABLE, (1, n, k, 32), gemv.GemvConfig(4, 256))
+    config = gemv.GemvConfig(4, 256)
+    if not explicit:
+        monkeypatch.setitem(gemv.GEMV_TABLE, (1, n, k, 32), config)
     launched = []
     real = gemm.launch_gemv
     monkeypatch.setattr(gemm, "launch_gemv", lambda *a: launched.append(a[-1]) or real(*a))
     w, s = ref.random_fp8_weight(n, k, 32, device)
-    pair = quant.quantize(one_token(k, device), G32)
-    want_y = act.silu_mul(gemm.fp8_gemm(pair, w, s, weight_block=32), limit=10.0)
-    y = torch.full((1, n // 2), float("nan"), dtype=torch.bfloat16, device=device)
+    pair = quant.quantize(tokens(m, k, device), G32)
+    given = config if explicit else None
+    want_y = act.silu_mul(gemm.fp8_gemm(pair, w, s, weight_block=32, config=given), limit=10.0)
+    y = torch.full((m, n // 2), float("nan"), dtype=torch.bfloat16, device=device)
     if out_fmt is None:
-        got = gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, limit=10.0, out_bf16=y)
+        got = gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, limit=10.0, out_bf16=y, config=given)
         assert got is y
     else:
-        out = poisoned_pair(1, n // 2, out_fmt, device)
+        out = poisoned_pair(m, n // 2, out_fmt, device)
         got_y, got_pair = gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, limit=10.0, out_format=out_fmt,
-                                                 out=out, out_bf16=y)
+                                                 out=out, out_bf16=y, config=given)
         assert got_y is y and got_pair.data is out.data
         assert_pairs_equal(got_pair, ref.quantize(want_y, out_fmt))
     assert torch.equal(y.view(torch.int16), want_y.view(torch.int16))
-    assert len(launched) == 2  # the reference's fp8_gemm and the fused call's
+    assert launched == [config, config]  # the reference's fp8_gemm and the fused call's
 
 
 @pytest.mark.cpu

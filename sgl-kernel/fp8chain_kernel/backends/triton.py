@@ -6,7 +6,6 @@ import torch
 
 from ..formats import ActFormat, QuantizedActivation
 from .. import gemm as _gemm
-from ..gemv import select_gemv
 from . import GemmBackend
 
 
@@ -46,13 +45,8 @@ class TritonBackend(GemmBackend):
     def gemm_silu_mul(self, pair: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
                       derived: dict, limit: float | None, out_format: ActFormat) -> QuantizedActivation | None:
         n, k = weight.shape
-        m, group = pair.data.shape[0], pair.fmt.group_size
-        if select_gemv(m, n, k, group) is not None:
-            # fp8_gemm runs the GEMV here: SiLU*mul must read the GEMV's sums for the chained and
-            # unchained steps to stay bitwise equal, and the two launches measured faster in the
-            # DSv4.1 layer step (TP1 M = 1: 90.7 against 91.8 us, docs/benchmarks.md)
-            return None
-        config = _gemm.select_config(m, n, k, group, weight.device)
+        m = pair.data.shape[0]
+        config = _gemm.gemm_config(m, n, k, pair.fmt.group_size, weight.device)
         if not _gemm.silu_mul_epilogue_pays(config):
             return None
         return _gemm.fp8_gemm_silu_mul(pair, weight, weight_scale, weight_block=pair.fmt.group_size, limit=limit,
