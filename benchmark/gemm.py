@@ -35,7 +35,7 @@ for _p in (_ROOT / "python", _ROOT / "sgl-kernel"):
 from fp8chain.bench import harness  # noqa: E402
 from fp8chain_kernel import gemm, quant, reference  # noqa: E402
 from fp8chain_kernel.formats import ActFormat  # noqa: E402
-from fp8chain_kernel.gemv import MAX_GEMV_TOKENS, GemvConfig, gemv_token_tile, select_gemv  # noqa: E402
+from fp8chain_kernel.gemv import MAX_GEMV_TOKENS, GemvConfig, select_gemv  # noqa: E402
 
 SHAPES = {
     "wqkv_a": (1792, 5120),
@@ -108,15 +108,13 @@ OPERAND_MODES = {"fp8": (False, False), "dequant": (True, False), "block_diag": 
 GEMV_MODE = "gemv"  # the CUDA-core kernel (fp8chain_kernel.gemv), candidates at M <= MAX_GEMV_TOKENS only
 
 
-def gemv_candidates(m: int, group: int) -> list[GemvConfig]:
-    """GEMV launches worth timing for M tokens: 2-32 weight rows per program (dividing the group),
-    128-2048 columns per step, 2 KB to 16 KB of weights per step, 2-8 warps with at most 128 fp32
-    accumulators per thread (token tile x rows x columns), loads pipelined or not."""
-    tokens = gemv_token_tile(m)
+def gemv_candidates(group: int) -> list[GemvConfig]:
+    """GEMV launches worth timing at any token count (1 to ``MAX_GEMV_TOKENS``): 2-32 weight rows per program (dividing the group), 128-2048 columns per step, 2 KB to 16 KB
+    of weights per step, 2-8 warps with at most 128 converted weights per thread and step (the
+    accumulators are 16x fewer per token), loads pipelined or not."""
     return [GemvConfig(bn, bk, warps, stages) for bn in (2, 4, 8, 16, 32) for bk in (128, 256, 512, 1024, 2048)
             for warps in (2, 4, 8) for stages in (1, 3)
-            if group % bn == 0 and bk % group == 0 and 2048 <= bn * bk <= 16384
-            and tokens * bn * bk <= 128 * 32 * warps]
+            if group % bn == 0 and bk % group == 0 and 2048 <= bn * bk <= 16384 and bn * bk <= 128 * 32 * warps]
 
 
 def _block_diag_token_tiles(m: int) -> tuple[int, ...]:
@@ -192,7 +190,7 @@ def _candidates(args, m: int, n: int, k: int, group: int) -> list[gemm.GemmConfi
         raise SystemExit(f"--modes: unknown operand modes {sorted(unknown)}; known: "
                          f"{', '.join([*OPERAND_MODES, GEMV_MODE])}")
     ahead = _items(args.scale_ahead, lambda v: None if v == "default" else int(v))
-    gemv = gemv_candidates(m, group) if GEMV_MODE in modes and m <= MAX_GEMV_TOKENS else []
+    gemv = gemv_candidates(group) if GEMV_MODE in modes and m <= MAX_GEMV_TOKENS else []
     return gemv + sweep_candidates(m, n, k, group, _items(args.stages, int),
                                    tuple(mode for mode in modes if mode != GEMV_MODE), _items(args.block_k, int),
                                    ahead, _items(args.block_n, int), _items(args.warps, int),

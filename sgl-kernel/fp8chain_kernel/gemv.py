@@ -98,15 +98,21 @@ def check_gemv_config(cfg: GemvConfig, group: int) -> None:
                          f"multiple of {group} and a power-of-two warp count, got {cfg}")
 
 
+# Columns each lane sums before applying their group's two scales: one 16-byte FP8 load per lane.
+CHUNK = tl.constexpr(16)
+
+
 @triton.jit
 def _token_fma(acc, w, a_row, a_scale_row, w_scale, offs_k, k_ok, offs_g, g_ok, stride_asg, row_ok,
-               GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EXACT_CAST: tl.constexpr):
-    """``acc + w * a'`` for one token: its ``BLOCK_K`` activations with both scales folded in."""
+               GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """``acc [BLOCK_N, BLOCK_K / CHUNK]`` plus one token's step: each ``CHUNK`` of ``w * a`` summed
+    (exact products of two e4m3 values), times its column group's ``s_a * s_w``."""
     a = tl.load(a_row + offs_k, mask=k_ok & row_ok, other=0.0)
     scale = tl.load(a_scale_row + offs_g * stride_asg, mask=g_ok & row_ok, other=0.0) * w_scale
     a = e4m3_to_f32_exact(a) if EXACT_CAST else a.to(tl.float32)
-    a = tl.reshape(tl.reshape(a, (BLOCK_K // GROUP, GROUP)) * scale[:, None], (BLOCK_K,))
-    return acc + w * a[None, :]
+    chunks = tl.sum(tl.reshape(w * a[None, :], (BLOCK_N, BLOCK_K // CHUNK, CHUNK)), axis=2)
+    chunk_scale = tl.reshape(tl.broadcast_to(scale[:, None], (BLOCK_K // GROUP, GROUP // CHUNK)), (BLOCK_K // CHUNK,))
+    return acc + chunks * chunk_scale[None, :]
 
 
 @triton.jit
@@ -122,10 +128,10 @@ def _gemv_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, M, N, stride_am,
     n_ok = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     w_scale_row = w_scale_ptr + ((pid * BLOCK_N) // GROUP) * stride_wsn
-    acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
     for it in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
         offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
@@ -135,15 +141,15 @@ def _gemv_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, M, N, stride_am,
         w = e4m3_to_f32_exact(w) if EXACT_CAST else w.to(tl.float32)
         w_scale = tl.load(w_scale_row + offs_g, mask=g_ok, other=0.0)
         acc0 = _token_fma(acc0, w, a_ptr, a_scale_ptr, w_scale, offs_k, k_ok, offs_g, g_ok, stride_asg, True,
-                          GROUP, BLOCK_K, EXACT_CAST)
+                          GROUP, BLOCK_N, BLOCK_K, EXACT_CAST)
         if TOKENS > 1:
             acc1 = _token_fma(acc1, w, a_ptr + stride_am, a_scale_ptr + stride_asm, w_scale, offs_k, k_ok, offs_g,
-                              g_ok, stride_asg, M > 1, GROUP, BLOCK_K, EXACT_CAST)
+                              g_ok, stride_asg, M > 1, GROUP, BLOCK_N, BLOCK_K, EXACT_CAST)
         if TOKENS > 2:
             acc2 = _token_fma(acc2, w, a_ptr + 2 * stride_am, a_scale_ptr + 2 * stride_asm, w_scale, offs_k, k_ok,
-                              offs_g, g_ok, stride_asg, M > 2, GROUP, BLOCK_K, EXACT_CAST)
+                              offs_g, g_ok, stride_asg, M > 2, GROUP, BLOCK_N, BLOCK_K, EXACT_CAST)
             acc3 = _token_fma(acc3, w, a_ptr + 3 * stride_am, a_scale_ptr + 3 * stride_asm, w_scale, offs_k, k_ok,
-                              offs_g, g_ok, stride_asg, M > 3, GROUP, BLOCK_K, EXACT_CAST)
+                              offs_g, g_ok, stride_asg, M > 3, GROUP, BLOCK_N, BLOCK_K, EXACT_CAST)
     tl.store(y_ptr + offs_n, round_bf16(tl.sum(acc0, axis=1), EXACT_CAST), mask=n_ok)
     if TOKENS > 1:
         tl.store(y_ptr + stride_ym + offs_n, round_bf16(tl.sum(acc1, axis=1), EXACT_CAST), mask=n_ok & (M > 1))

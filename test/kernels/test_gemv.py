@@ -219,6 +219,6 @@ def test_gemv_sweep_candidates_gpu(fmt, block):
     for m in (1, 3):  # the 1- and 4-token tiles
         pair = quant.quantize(tokens(m, k, "cuda"), fmt)
         want = ref.dequantize(pair).double() @ ref.dequantize_weight(w, s, block).double().t()
-        for config in gemv_candidates(m, block):
+        for config in gemv_candidates(block):
             out = run_gemv(pair, w, s, block, config, "cuda")
             assert rel_error(out, want) < TOL, (m, config)
