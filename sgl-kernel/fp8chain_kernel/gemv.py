@@ -11,14 +11,15 @@ M are masked). The operands are ``fp8_gemm``'s:
 * out: bf16 ``[M, N]``, unit column stride.
 
 One program reads ``BLOCK_N`` whole weight rows in ``BLOCK_K``-column steps, for every token.
-``BLOCK_N`` divides ``group``, so the rows of a program share one row of weight blocks and both
-scales of a column group fold into the activation: ``a'[m, k] = a[m, k] * (s_a[m, g] *
-s_w[n // group, g])``, one fp32 product per token and group. Each weight then costs one conversion
-and one FMA per token on the CUDA cores (at M <= 4 a tensor-core tile would be at most 1/4 full);
-each lane sums its columns over K in fp32 and one tree per output finishes (deterministic). Small
-programs (``BLOCK_N`` of 4-16 rows: 288-1280 programs for the DSv4.1 shapes) keep enough loads in
-flight to stream the weights, which a decode GEMM's K loop of dependent steps does not
-(docs/gemm.md). Reference: ``reference.fp8_gemm``.
+``BLOCK_N`` divides ``group``, so the rows of a program share one row of weight blocks. Each lane
+holds ``CHUNK`` (16) consecutive columns of a row: it sums their 16 products ``w * a`` (exact in
+fp32: two e4m3 values) and adds that sum times the column group's ``s_a[m, g] * s_w[n // group,
+g]`` to its accumulator, so a weight costs one conversion and one FMA per token on the CUDA cores
+(at M <= 4 a tensor-core tile would be at most 1/4 full), a chunk of 16 one scaled FMA per row and
+token, and an activation its conversion only. One tree per output sums the lanes' accumulators
+(deterministic). Small programs (``BLOCK_N`` of 2-32 rows: 320-2560 programs for the DSv4.1 shapes)
+keep enough loads in flight to stream the weights, which a decode GEMM's K loop of dependent steps
+does not (docs/gemm.md). Reference: ``reference.fp8_gemm``.
 """
 
 from __future__ import annotations
@@ -47,27 +48,31 @@ class GemvConfig(NamedTuple):
     stages: int = 3
 
 
-# (token tile, N, K, group) -> config, from the H200 sweeps (benchmark/gemm.py --sweep --ms 1,2,4 --modes
-# gemv,block_diag, which times the candidates beside the tensor-core GEMM's; docs/benchmarks.md, GEMM
-# section); a problem not listed runs the GEMM: wq_b at TP1, and at four tokens all but the TP4
-# down shard (each token adds an FMA per weight: the GEMV's time grows ~2.3x from one token to
-# four, the tensor-core GEMM's not at all). us, GEMV against the GEMM's best:
+# (token tile, N, K, group) -> config, from the H200 sweep of the chunked kernel
+# (benchmark/results/gemm_sweep_gemv_chunked_2cb3a7b.json: benchmark/gemm.py --sweep --ms 1,2,4 --modes
+# gemv,block_diag, which times the candidates beside the tensor-core GEMM's; docs/gemm.md), the fastest
+# config with pipelined loads where one is within ~0.4 us of the fastest; a problem not listed runs the
+# GEMM: at two tokens wq_b and the shared gate_up (whose GEMM writes SiLU*mul in its epilogue, which
+# the GEMV does not: docs/gemm.md), at four tokens all but the TP4 down shard. us, GEMV against the
+# GEMM's best:
 GEMV_TABLE: dict[tuple[int, int, int, int], GemvConfig] = {
-    (1, 1792, 5120, 32): GemvConfig(4, 1024, 2, 3),  # wqkv_a: 4.6-5.0 against 6.5
-    (1, 5120, 8192, 32): GemvConfig(4, 512, 2, 3),  # wo_b: 12.5-13.3 against 14.5
-    (1, 4608, 5120, 32): GemvConfig(8, 512, 2, 3),  # shared gate_up: 8.2-9.1 against 9.8
-    (1, 5120, 2304, 32): GemvConfig(16, 512, 4, 3),  # shared down: 5.4-5.9 against 7.0
-    (1, 5120, 2048, 32): GemvConfig(4, 2048, 4, 3),  # wo_b, TP4 shard: 4.8-5.0 against 6.7
-    (1, 8192, 1280, 32): GemvConfig(8, 256, 2, 3),  # wq_b, TP4 shard: 4.8 against 6.7
-    (1, 1152, 5120, 32): GemvConfig(4, 1024, 4, 3),  # shared gate_up, TP4 shard: 3.7 against 5.2
-    (1, 5120, 576, 32): GemvConfig(8, 256, 2, 1),  # shared down, TP4 shard: 2.5-2.8 against 6.4
-    (2, 1792, 5120, 32): GemvConfig(4, 1024, 2, 3),  # wqkv_a: 5.5 against 6.3
-    (2, 5120, 2304, 32): GemvConfig(8, 256, 2, 3),  # shared down: 6.9 against 7.0
-    (2, 5120, 2048, 32): GemvConfig(8, 256, 2, 3),  # wo_b, TP4 shard: 6.4 against 6.7
-    (2, 8192, 1280, 32): GemvConfig(16, 256, 2, 3),  # wq_b, TP4 shard: 5.6 against 6.8
-    (2, 1152, 5120, 32): GemvConfig(4, 1024, 2, 3),  # shared gate_up, TP4 shard: 4.7 against 5.2
-    (2, 5120, 576, 32): GemvConfig(8, 256, 2, 1),  # shared down, TP4 shard: 3.4 against 6.2
-    (4, 5120, 576, 32): GemvConfig(8, 256, 2, 3),  # shared down, TP4 shard: 5.3 against 6.3
+    (1, 1792, 5120, 32): GemvConfig(2, 1024, 2, 3),  # wqkv_a: 4.9 against 6.5
+    (1, 32768, 1280, 32): GemvConfig(32, 256, 2, 3),  # wq_b: 12.8 against 13.4
+    (1, 5120, 8192, 32): GemvConfig(8, 1024, 4, 3),  # wo_b: 12.7 against 14.7
+    (1, 4608, 5120, 32): GemvConfig(8, 1024, 4, 3),  # shared gate_up: 8.4 against 9.9
+    (1, 5120, 2304, 32): GemvConfig(4, 512, 2, 3),  # shared down: 5.9 against 6.9
+    (1, 5120, 2048, 32): GemvConfig(2, 2048, 4, 3),  # wo_b, TP4 shard: 4.8 against 6.7
+    (1, 8192, 1280, 32): GemvConfig(8, 256, 2, 3),  # wq_b, TP4 shard: 4.9 against 6.8
+    (1, 1152, 5120, 32): GemvConfig(4, 1024, 4, 3),  # shared gate_up, TP4 shard: 3.5 against 5.1
+    (1, 5120, 576, 32): GemvConfig(16, 1024, 8, 3),  # shared down, TP4 shard: 2.4 against 6.4
+    (2, 1792, 5120, 32): GemvConfig(4, 1024, 2, 3),  # wqkv_a: 5.6 against 6.6
+    (2, 5120, 8192, 32): GemvConfig(8, 1024, 4, 3),  # wo_b: 14.2 against 15.0
+    (2, 5120, 2304, 32): GemvConfig(8, 512, 2, 3),  # shared down: 6.6 against 7.0
+    (2, 5120, 2048, 32): GemvConfig(4, 512, 2, 3),  # wo_b, TP4 shard: 5.5 against 6.6
+    (2, 8192, 1280, 32): GemvConfig(16, 256, 2, 3),  # wq_b, TP4 shard: 5.8 against 7.0
+    (2, 1152, 5120, 32): GemvConfig(2, 1024, 2, 3),  # shared gate_up, TP4 shard: 4.5 against 5.1
+    (2, 5120, 576, 32): GemvConfig(8, 256, 2, 1),  # shared down, TP4 shard: 3.0 against 6.2
+    (4, 5120, 576, 32): GemvConfig(8, 256, 2, 3),  # shared down, TP4 shard: 4.3 against 6.3
 }
 
 
