@@ -109,9 +109,10 @@ GEMV_MODE = "gemv"  # the CUDA-core kernel (fp8chain_kernel.gemv), candidates at
 
 
 def gemv_candidates(group: int) -> list[GemvConfig]:
-    """GEMV launches worth timing at any token count (1 to ``MAX_GEMV_TOKENS``): 2-32 weight rows per program (dividing the group), 128-2048 columns per step, 2 KB to 16 KB
-    of weights per step, 2-8 warps with at most 128 converted weights per thread and step (the
-    accumulators are 16x fewer per token), loads pipelined or not."""
+    """GEMV launches worth timing at any token count (1 to ``MAX_GEMV_TOKENS``): 2-32 weight rows
+    per program (dividing the group), 128-2048 columns per step, 2 KB to 16 KB of weights per step,
+    2-8 warps with at most 128 converted weights per thread and step (the accumulators are 16x fewer
+    per token), loads pipelined or not."""
     return [GemvConfig(bn, bk, warps, stages) for bn in (2, 4, 8, 16, 32) for bk in (128, 256, 512, 1024, 2048)
             for warps in (2, 4, 8) for stages in (1, 3)
             if group % bn == 0 and bk % group == 0 and 2048 <= bn * bk <= 16384 and bn * bk <= 128 * 32 * warps]
