@@ -51,8 +51,8 @@ from .norm import launch_args, producer_result, resolve_outputs
 from .quant import check_activation, quantize
 
 __all__ = [
-    "GemmConfig", "fp8_gemm", "fp8_gemm_silu_mul", "gemm_config", "silu_mul_epilogue_pays", "w8a16_gemm", "input_format_for_block", "check_weight",
-    "select_config", "CONFIG_TABLE",
+    "GemmConfig", "fp8_gemm", "fp8_gemm_silu_mul", "gemm_config", "silu_mul_epilogue_pays", "w8a16_gemm",
+    "input_format_for_block", "check_weight", "select_config", "CONFIG_TABLE",
 ]
 
 
