@@ -634,8 +634,6 @@ def fp8_gemm(a: QuantizedActivation | torch.Tensor, weight: torch.Tensor, weight
     pair = _pair_operand(a, weight_block, fmt)
     m, n, k = _check_operands(pair, weight, weight_scale, weight_block)
     out = _prepare_out(out, m, n, weight.device)
-    if m == 0 or n == 0:
-        return out
     cfg = config or gemm_config(m, n, k, weight_block, weight.device)
     if isinstance(cfg, GemvConfig):  # launch_gemv refuses M outside 1..MAX_GEMV_TOKENS
         return launch_gemv(pair.data, pair.scale, weight, weight_scale, out, weight_block, cfg)
@@ -704,8 +702,9 @@ def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale
     if m == 0 or inter == 0:
         return producer_result(y, out_pair)
     cfg = config or gemm_config(m, n, k, weight_block, weight.device)
-    if isinstance(cfg, GemvConfig):
-        gate_up = fp8_gemm(pair, weight, weight_scale, weight_block=weight_block, config=cfg)
+    if isinstance(cfg, GemvConfig):  # the operands are checked: fp8_gemm's GEMV launch itself
+        gate_up = launch_gemv(pair.data, pair.scale, weight, weight_scale, _prepare_out(None, m, n, weight.device),
+                              weight_block, cfg)
         return silu_mul(gate_up, limit=limit, out_format=fmt, out=out_pair, out_bf16=y, return_bf16=y is not None)
     _check_config(cfg, k, weight_block, True)
     if fmt is not None and cfg.block_n < 2 * fmt.group_size:  # whole quantization groups per tile
