@@ -8,8 +8,12 @@ writes the next layer's wqkv_a input). Routed experts are not in the unit.
 
 Arms, timed in one process with CUDA-graph replay (median):
 - ``chained``: every producer writes the FP8 pair its consumer reads (no quantize launches);
-  the mHC stats run on a side stream beside each sublayer (``run_sublayer``), as in the model;
+  the mHC stats run on a side stream beside each sublayer (``run_sublayer``), as in the model:
+  the attention sublayer's fork right before its attention core at few tokens
+  (``MQALayer.stats_beside_core_tokens``), the shared expert's at its start;
 - ``unchained``: producers write bf16, every FP8 linear quantizes its own input (Hopper upstream);
+- ``chained_stats_at_start`` / ``unchained_stats_at_start``: both steps with the attention
+  sublayer's stats forked before wqkv_a at every M (what forking beside the core buys each arm);
 - ``chained_serial_stats`` / ``unchained_serial_stats``: both steps with the stats in line on one
   stream (what the side stream buys each arm, and the chain's saving without the overlap);
 - ``chained_no_stats`` / ``unchained_no_stats`` (diagnostic): both steps with the mixes computed
@@ -50,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
 
 from fp8chain.bench import harness  # noqa: E402
-from fp8chain.layers.mhc import run_sublayer  # noqa: E402
+from fp8chain.layers.mhc import at_start, run_sublayer  # noqa: E402
 from fp8chain.layers.quantization.fp8 import Fp8Config  # noqa: E402
 from fp8chain.models.deepseek_v41 import (  # noqa: E402
     DeepseekV41Config, DeepseekV41DecoderLayer, _chain_format,
@@ -140,10 +144,11 @@ class LayerUnit:
     def step(self):
         layer, chain, overlap = self.layer, self.chain, self.layer.overlap_stats
         residual, x, pair = run_sublayer(
-            layer.hc_attn, lambda: layer.attn(self.x, self.x_pair, self.positions, self.slots, self.kv_cache),
+            layer.hc_attn,
+            lambda fork: layer.attn(self.x, self.x_pair, self.positions, self.slots, self.kv_cache, fork),
             self.residual, layer.ffn_norm, _chain_format(layer.ffn.input_linear, chain), overlap)
-        return run_sublayer(layer.hc_ffn, lambda: layer.ffn.shared_experts(x, pair), residual, layer.attn_norm,
-                            _chain_format(layer.attn.wqkv_a, chain), overlap)
+        return run_sublayer(layer.hc_ffn, at_start(lambda: layer.ffn.shared_experts(x, pair)), residual,
+                            layer.attn_norm, _chain_format(layer.attn.wqkv_a, chain), overlap)
 
 
 @contextlib.contextmanager
@@ -164,6 +169,16 @@ def precomputed_stats(layer: DeepseekV41DecoderLayer, residual: torch.Tensor):
     finally:
         for hc in hcs:
             del hc.stats
+
+
+@contextlib.contextmanager
+def stats_at_sublayer_start(layer: DeepseekV41DecoderLayer):
+    """The attention sublayer forks its mHC stats before wqkv_a at every token count."""
+    saved, layer.attn.stats_beside_core_tokens = layer.attn.stats_beside_core_tokens, 0
+    try:
+        yield
+    finally:
+        layer.attn.stats_beside_core_tokens = saved
 
 
 def weight_bytes(layer: DeepseekV41DecoderLayer) -> int:
@@ -326,6 +341,8 @@ def run(args) -> tuple[dict, list[dict]]:
         with torch.no_grad():
             _time_arms(unit, record, "", args.iters, silu_launch=True)
             _time_best_stats_splits(unit, record, args.iters)
+            with stats_at_sublayer_start(layer):
+                _time_arms(unit, record, "_stats_at_start", args.iters)
             layer.overlap_stats = False  # both steps again with the mHC stats in line
             _time_arms(unit, record, "_serial_stats", args.iters)
             layer.overlap_stats = True
@@ -346,6 +363,7 @@ def run(args) -> tuple[dict, list[dict]]:
                           file=sys.stderr)
         record["floor_us"] = weight_bytes(layer) / bandwidth * 1e6
         for variant, ratio in (("", "chained_over_unchained"), ("_best_stats", "best_stats_chained_over_unchained"),
+                               ("_stats_at_start", "stats_at_start_chained_over_unchained"),
                                ("_serial_stats", "serial_chained_over_unchained"),
                                ("_no_stats", "no_stats_chained_over_unchained")):
             record[ratio] = record[f"chained{variant}_us"] / record[f"unchained{variant}_us"]
@@ -371,10 +389,12 @@ def run(args) -> tuple[dict, list[dict]]:
 
 
 COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "chained_best_stats_us", "unchained_best_stats_us",
-           "chained_best_stats_splits", "unchained_best_stats_splits", "chained_silu_launch_us", "chained_serial_stats_us",
+           "chained_best_stats_splits", "unchained_best_stats_splits", "chained_silu_launch_us",
+           "chained_stats_at_start_us", "unchained_stats_at_start_us", "chained_serial_stats_us",
            "unchained_serial_stats_us", "chained_no_stats_us", "unchained_no_stats_us", "chained_no_pdl_us",
            "unchained_no_pdl_us", "compiled_peer_us",
-           "floor_us", "chained_over_unchained", "best_stats_chained_over_unchained", "serial_chained_over_unchained",
+           "floor_us", "chained_over_unchained", "best_stats_chained_over_unchained",
+           "stats_at_start_chained_over_unchained", "serial_chained_over_unchained",
            "no_stats_chained_over_unchained", "chained_over_peer", "chained_over_floor", "chained_launches",
            "unchained_launches", "chained_quantize_launches", "unchained_quantize_launches"]
 

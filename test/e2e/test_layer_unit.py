@@ -105,3 +105,63 @@ def test_kernel_breakdown_lists_the_costliest_kernels_first():
     line = bench.kernel_breakdown([{"shapes": "tp1", "phase": "decode", "M": 4, "chained_kernels": kernels}], top=2)
     assert line.startswith("- tp1 decode M=4: kernels 38.0 us: gemm_kernel 30.0 (2); _quantize_kernel 7.5 (5)")
     assert "tiny" not in line
+
+
+def _fork_order(layer, unit) -> list[str]:
+    """The order in which the attention sublayer's launches start in one step: wqkv_a, the mHC
+    stats of each sublayer (``stats``), the attention core (``attend``)."""
+    events = []
+    for name, module, attr in (("wqkv_a", layer.attn.wqkv_a, "forward"), ("attend", layer.attn, "attend"),
+                               ("stats", layer.hc_attn, "stats"), ("stats", layer.hc_ffn, "stats")):
+        def recorded(*args, _name=name, _call=getattr(module, attr), **kwargs):
+            events.append(_name)
+            return _call(*args, **kwargs)
+        setattr(module, attr, recorded)
+    try:
+        with torch.no_grad():
+            unit.set_chain(True)
+            unit.step()
+    finally:
+        for module, attr in ((layer.attn.wqkv_a, "forward"), (layer.attn, "attend"), (layer.hc_attn, "stats"),
+                             (layer.hc_ffn, "stats")):
+            delattr(module, attr)
+    return events
+
+
+def test_attention_stats_fork_beside_the_core_at_few_tokens():
+    """Up to ``stats_beside_core_tokens`` tokens the attention sublayer forks its mHC stats right
+    before the attention core, beyond it (and in the ``*_stats_at_start`` arms) before wqkv_a;
+    the shared expert forks first. The step's bits do not depend on where the stats fork."""
+    bench = _layer_benchmark()
+    config = bench.layer_config("tp1", tiny=True)
+    layer = bench.build_layer(config, "cpu")
+    limit = layer.attn.stats_beside_core_tokens
+    assert limit >= 1
+    few = bench.LayerUnit(layer, config, limit, 16, "cpu")
+    assert _fork_order(layer, few) == ["wqkv_a", "stats", "attend", "stats"]
+    many = bench.LayerUnit(layer, config, limit + 1, 16, "cpu")
+    assert _fork_order(layer, many) == ["stats", "wqkv_a", "attend", "stats"]
+    kv_before = few.kv_cache.clone()
+    with torch.no_grad():
+        beside_core = few.step()
+        few.kv_cache.copy_(kv_before)
+        with bench.stats_at_sublayer_start(layer):
+            assert _fork_order(layer, few) == ["stats", "wqkv_a", "attend", "stats"]
+            few.kv_cache.copy_(kv_before)
+            at_start = few.step()
+    assert layer.attn.stats_beside_core_tokens == limit
+    assert all(torch.equal(a, b) for a, b in zip(beside_core[:2], at_start[:2]))
+
+
+def test_run_sublayer_requires_exactly_one_stats_fork():
+    from fp8chain.layers.mhc import HyperConnection, run_sublayer
+    from fp8chain.layers.norm import RMSNorm
+
+    hc, norm = HyperConnection(64, hc_mult=4, sinkhorn_iters=3), RMSNorm(64)
+    residual, y = torch.randn(2, 4, 64).bfloat16(), torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="never forked"):
+        run_sublayer(hc, lambda fork: y, residual, norm)
+    with pytest.raises(RuntimeError, match="twice"):
+        run_sublayer(hc, lambda fork: (fork(), fork(), y)[-1], residual, norm)
+    new_residual, x, pair = run_sublayer(hc, lambda fork: (fork(), y)[-1], residual, norm)
+    assert new_residual.shape == residual.shape and x.shape == y.shape and pair is None

@@ -20,7 +20,8 @@ from fp8chain_kernel.fp8_tile import interpreting
 
 from .norm import RMSNorm
 
-__all__ = ["HyperConnection", "MHCStats", "mhc_boundary", "run_sublayer", "stats_stream", "expand_streams"]
+__all__ = ["HyperConnection", "MHCStats", "at_start", "mhc_boundary", "run_sublayer", "stats_stream",
+           "expand_streams"]
 
 
 class MHCStats(tuple):
@@ -110,17 +111,35 @@ def stats_stream(device: torch.device) -> torch.cuda.Stream | None:
 def run_sublayer(hc: HyperConnection, sublayer, residual: torch.Tensor, next_norm: RMSNorm,
                  out_format=None, overlap_stats: bool = True):
     """One sublayer between mHC boundaries: its stats (from the ``residual`` entering it), the
-    sublayer ``y = sublayer()``, then the boundary after it (see ``mhc_boundary``).
+    sublayer ``y = sublayer(fork_stats)``, then the boundary after it (see ``mhc_boundary``).
 
-    With ``overlap_stats`` the stats run on ``stats_stream`` while the sublayer runs (they are
-    off its FP8 path); the boundary waits for them. The results are the same bits either way.
+    The sublayer calls ``fork_stats()`` once, where its stats should start (``at_start`` for one
+    with no better place). With ``overlap_stats`` they run on ``stats_stream`` from there, beside
+    the rest of the sublayer (they are off its FP8 path), and the boundary waits for them;
+    without, they run in line at that point. The results are the same bits either way.
     """
     side = stats_stream(residual.device) if overlap_stats else None
-    stats = hc.stats(residual, side_stream=side)
-    y = sublayer()
+    forked: list[MHCStats] = []
+
+    def fork_stats() -> None:
+        if forked:
+            raise RuntimeError("the sublayer forked its mHC stats twice")
+        forked.append(hc.stats(residual, side_stream=side))
+
+    y = sublayer(fork_stats)
+    if not forked:
+        raise RuntimeError("the sublayer never forked its mHC stats (call fork_stats once)")
     if side is not None:
         torch.cuda.current_stream(residual.device).wait_stream(side)
-    return mhc_boundary(y, residual, stats, next_norm, out_format)
+    return mhc_boundary(y, residual, forked[0], next_norm, out_format)
+
+
+def at_start(sublayer):
+    """``sublayer()`` as a ``run_sublayer`` sublayer that forks its stats before it starts."""
+    def run(fork_stats):
+        fork_stats()
+        return sublayer()
+    return run
 
 
 def mhc_boundary(y: torch.Tensor, residual: torch.Tensor, stats: MHCStats, next_norm: RMSNorm,

@@ -42,7 +42,7 @@ from fp8chain_kernel.reference import apply_rope, attention_with_sinks, rope_cos
 from fp8chain_kernel.formats import QuantizedActivation
 
 from ..layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from ..layers.mhc import HyperConnection, expand_streams, run_sublayer
+from ..layers.mhc import HyperConnection, at_start, expand_streams, run_sublayer
 from ..layers.moe import RoutedExpertsReference, SharedExpert, TopKRouter
 from ..layers.norm import RMSNorm, split_producer_result
 from ..layers.quantization.fp8 import Fp8Config
@@ -248,6 +248,13 @@ def _chain_format(linear, chain: bool):
 # --------------------------------------------------------------------------------------------
 
 
+#: Decode steps of up to this many tokens fork the attention sublayer's mHC stats beside its
+#: attention core: there the split kernel runs a few programs per token and leaves most SMs to
+#: the stats, where beside wqkv_a they take SMs from a bandwidth-bound GEMM. At 64 tokens the
+#: core fills the GPU and the stats are better started first (benchmark/results/layer_stats_fork_ab.json).
+STATS_BESIDE_CORE_TOKENS = 16
+
+
 class MQALayer(nn.Module):
     """DSv4.1 attention with the chain: x -> wqkv_a -> q_norm -> wq_b -> MQA core over the KV
     cache -> inverse RoPE -> wo_a einsum -> wo_b.
@@ -278,6 +285,7 @@ class MQALayer(nn.Module):
         self.softmax_scale = c.head_dim ** -0.5
         self.chain = True
         self.keep_indexer_inputs = False
+        self.stats_beside_core_tokens = STATS_BESIDE_CORE_TOKENS
         self.wqkv_a = ReplicatedLinear(c.hidden_size, c.q_lora_rank + c.kv_dim, bias=False,
                                        quant_config=quant_config, prefix=f"{prefix}.wqkv_a")
         self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
@@ -325,19 +333,25 @@ class MQALayer(nn.Module):
         return self._rope_tables[key]
 
     def forward(self, x: torch.Tensor, x_pair: QuantizedActivation | None, positions: torch.Tensor,
-                slots: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+                slots: torch.Tensor, kv_cache: torch.Tensor, fork_stats=None) -> torch.Tensor:
         """``x [T, H]`` bf16 (+ its pair when chained) -> ``y [T, H]`` bf16.
 
         ``kv_cache [S, L, head_dim]`` bf16; token ``t`` writes its roped latent at
         ``kv_cache[slots[t], positions[t]]`` and attends to positions ``<= positions[t]`` of
-        its slot.
+        its slot. ``fork_stats`` (``run_sublayer``'s) is called once: right before the
+        attention core at up to ``stats_beside_core_tokens`` tokens, else first.
         """
+        beside_core = x.shape[0] <= self.stats_beside_core_tokens
+        if fork_stats is not None and not beside_core:
+            fork_stats()
         qkv = self.wqkv_a(x_pair if (self.chain and x_pair is not None) else x)
         q_lora, kv = qkv[:, :self.q_lora_rank], qkv[:, self.q_lora_rank:]
         q_lora, q_pair = self.q_norm(q_lora, _chain_format(self.wq_b, self.chain))
         if self.keep_indexer_inputs:  # what DSv4.1's indexer reads (not modelled here)
             self.last_x, self.last_q_lora = x, q_lora
         q = self.wq_b(q_pair if q_pair is not None else q_lora)
+        if fork_stats is not None and beside_core:
+            fork_stats()
         o = self.attend(q, kv, positions, slots, kv_cache)
 
         fmt = _chain_format(self.wo_b, self.chain)
@@ -410,10 +424,10 @@ class DeepseekV41DecoderLayer(nn.Module):
         returns the next sublayer's ``(x, x_pair, residual)``: the boundary after the MoE
         normalizes with ``next_norm`` and writes the format ``next_linear`` reads."""
         residual, x, x_pair = run_sublayer(
-            self.hc_attn, lambda: self.attn(x, x_pair, positions, slots, kv_cache), residual,
+            self.hc_attn, lambda fork: self.attn(x, x_pair, positions, slots, kv_cache, fork), residual,
             self.ffn_norm, _chain_format(self.ffn.input_linear, self.chain), self.overlap_stats)
         residual, x, x_pair = run_sublayer(
-            self.hc_ffn, lambda: self.ffn(x, x_pair), residual, next_norm,
+            self.hc_ffn, at_start(lambda: self.ffn(x, x_pair)), residual, next_norm,
             _chain_format(next_linear, self.chain), self.overlap_stats)
         return x, x_pair, residual
 
