@@ -111,8 +111,9 @@ def _fork_order(layer, unit) -> list[str]:
     """The order in which the attention sublayer's launches start in one step: wqkv_a, the mHC
     stats of each sublayer (``stats``), the attention core (``attend``)."""
     events = []
-    for name, module, attr in (("wqkv_a", layer.attn.wqkv_a, "forward"), ("attend", layer.attn, "attend"),
-                               ("stats", layer.hc_attn, "stats"), ("stats", layer.hc_ffn, "stats")):
+    watched = (("wqkv_a", layer.attn.wqkv_a, "forward"), ("attend", layer.attn, "attend"),
+               ("stats", layer.hc_attn, "stats"), ("stats", layer.hc_ffn, "stats"))
+    for name, module, attr in watched:
         def recorded(*args, _name=name, _call=getattr(module, attr), **kwargs):
             events.append(_name)
             return _call(*args, **kwargs)
@@ -122,8 +123,7 @@ def _fork_order(layer, unit) -> list[str]:
             unit.set_chain(True)
             unit.step()
     finally:
-        for module, attr in ((layer.attn.wqkv_a, "forward"), (layer.attn, "attend"), (layer.hc_attn, "stats"),
-                             (layer.hc_ffn, "stats")):
+        for _, module, attr in watched:
             delattr(module, attr)
     return events
 
