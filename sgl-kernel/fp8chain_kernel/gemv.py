@@ -108,16 +108,25 @@ CHUNK = tl.constexpr(16)
 
 
 @triton.jit
-def _token_fma(acc, w, a_row, a_scale_row, w_scale, offs_k, k_ok, offs_g, g_ok, stride_asg, row_ok,
-               GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT_CAST: tl.constexpr):
-    """``acc [BLOCK_N, BLOCK_K / CHUNK]`` plus one token's step: each ``CHUNK`` of ``w * a`` summed
-    (exact products of two e4m3 values), times its column group's ``s_a * s_w``."""
-    a = tl.load(a_row + offs_k, mask=k_ok & row_ok, other=0.0)
-    scale = tl.load(a_scale_row + offs_g * stride_asg, mask=g_ok & row_ok, other=0.0) * w_scale
+def _token_fma(acc, w, w_scale, a_ptr, a_scale_ptr, t: tl.constexpr, M, stride_am, stride_asm, stride_asg,
+               offs_k, k_ok, offs_g, g_ok, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               EXACT_CAST: tl.constexpr):
+    """``acc [BLOCK_N, BLOCK_K / CHUNK]`` plus token ``t``'s step (nothing past M): each ``CHUNK``
+    of ``w * a`` summed (exact products of two e4m3 values), times its column group's ``s_a * s_w``."""
+    row_ok = (t == 0) or (t < M)  # token 0 always exists: no predicate
+    a = tl.load(a_ptr + t * stride_am + offs_k, mask=k_ok & row_ok, other=0.0)
+    scale = tl.load(a_scale_ptr + t * stride_asm + offs_g * stride_asg, mask=g_ok & row_ok, other=0.0) * w_scale
     a = e4m3_to_f32_exact(a) if EXACT_CAST else a.to(tl.float32)
     chunks = tl.sum(tl.reshape(w * a[None, :], (BLOCK_N, BLOCK_K // CHUNK, CHUNK)), axis=2)
     chunk_scale = tl.reshape(tl.broadcast_to(scale[:, None], (BLOCK_K // GROUP, GROUP // CHUNK)), (BLOCK_K // CHUNK,))
     return acc + chunks * chunk_scale[None, :]
+
+
+@triton.jit
+def _store_token(y_ptr, acc, t: tl.constexpr, M, stride_ym, offs_n, n_ok, EXACT_CAST: tl.constexpr):
+    """Token ``t``'s outputs (the sum over the accumulator's lanes, rounded to bf16) if ``t < M``."""
+    row_ok = (t == 0) or (t < M)
+    tl.store(y_ptr + t * stride_ym + offs_n, round_bf16(tl.sum(acc, axis=1), EXACT_CAST), mask=n_ok & row_ok)
 
 
 @triton.jit
@@ -145,22 +154,22 @@ def _gemv_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, M, N, stride_am,
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         w = e4m3_to_f32_exact(w) if EXACT_CAST else w.to(tl.float32)
         w_scale = tl.load(w_scale_row + offs_g, mask=g_ok, other=0.0)
-        acc0 = _token_fma(acc0, w, a_ptr, a_scale_ptr, w_scale, offs_k, k_ok, offs_g, g_ok, stride_asg, True,
-                          GROUP, BLOCK_N, BLOCK_K, EXACT_CAST)
+        acc0 = _token_fma(acc0, w, w_scale, a_ptr, a_scale_ptr, 0, M, stride_am, stride_asm, stride_asg,
+                          offs_k, k_ok, offs_g, g_ok, GROUP, BLOCK_N, BLOCK_K, EXACT_CAST)
         if TOKENS > 1:
-            acc1 = _token_fma(acc1, w, a_ptr + stride_am, a_scale_ptr + stride_asm, w_scale, offs_k, k_ok, offs_g,
-                              g_ok, stride_asg, M > 1, GROUP, BLOCK_N, BLOCK_K, EXACT_CAST)
+            acc1 = _token_fma(acc1, w, w_scale, a_ptr, a_scale_ptr, 1, M, stride_am, stride_asm, stride_asg,
+                              offs_k, k_ok, offs_g, g_ok, GROUP, BLOCK_N, BLOCK_K, EXACT_CAST)
         if TOKENS > 2:
-            acc2 = _token_fma(acc2, w, a_ptr + 2 * stride_am, a_scale_ptr + 2 * stride_asm, w_scale, offs_k, k_ok,
-                              offs_g, g_ok, stride_asg, M > 2, GROUP, BLOCK_N, BLOCK_K, EXACT_CAST)
-            acc3 = _token_fma(acc3, w, a_ptr + 3 * stride_am, a_scale_ptr + 3 * stride_asm, w_scale, offs_k, k_ok,
-                              offs_g, g_ok, stride_asg, M > 3, GROUP, BLOCK_N, BLOCK_K, EXACT_CAST)
-    tl.store(y_ptr + offs_n, round_bf16(tl.sum(acc0, axis=1), EXACT_CAST), mask=n_ok)
+            acc2 = _token_fma(acc2, w, w_scale, a_ptr, a_scale_ptr, 2, M, stride_am, stride_asm, stride_asg,
+                              offs_k, k_ok, offs_g, g_ok, GROUP, BLOCK_N, BLOCK_K, EXACT_CAST)
+            acc3 = _token_fma(acc3, w, w_scale, a_ptr, a_scale_ptr, 3, M, stride_am, stride_asm, stride_asg,
+                              offs_k, k_ok, offs_g, g_ok, GROUP, BLOCK_N, BLOCK_K, EXACT_CAST)
+    _store_token(y_ptr, acc0, 0, M, stride_ym, offs_n, n_ok, EXACT_CAST)
     if TOKENS > 1:
-        tl.store(y_ptr + stride_ym + offs_n, round_bf16(tl.sum(acc1, axis=1), EXACT_CAST), mask=n_ok & (M > 1))
+        _store_token(y_ptr, acc1, 1, M, stride_ym, offs_n, n_ok, EXACT_CAST)
     if TOKENS > 2:
-        tl.store(y_ptr + 2 * stride_ym + offs_n, round_bf16(tl.sum(acc2, axis=1), EXACT_CAST), mask=n_ok & (M > 2))
-        tl.store(y_ptr + 3 * stride_ym + offs_n, round_bf16(tl.sum(acc3, axis=1), EXACT_CAST), mask=n_ok & (M > 3))
+        _store_token(y_ptr, acc2, 2, M, stride_ym, offs_n, n_ok, EXACT_CAST)
+        _store_token(y_ptr, acc3, 3, M, stride_ym, offs_n, n_ok, EXACT_CAST)
 
 
 def launch_gemv(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
