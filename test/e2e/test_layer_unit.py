@@ -165,3 +165,27 @@ def test_run_sublayer_requires_exactly_one_stats_fork():
         run_sublayer(hc, lambda fork: (fork(), fork(), y)[-1], residual, norm)
     new_residual, x, pair = run_sublayer(hc, lambda fork: (fork(), y)[-1], residual, norm)
     assert new_residual.shape == residual.shape and x.shape == y.shape and pair is None
+
+
+def test_chained_wo_a_einsum_writes_the_pair_only(monkeypatch):
+    """Chained, wo_b is the only reader of the wo_a einsum: it returns the FP8 pair alone (no bf16
+    store); unchained, the bf16 output."""
+    from fp8chain.models import deepseek_v41
+    from fp8chain_kernel.formats import QuantizedActivation
+
+    bench = _layer_benchmark()
+    config = bench.layer_config("tp4", tiny=True)
+    layer = bench.build_layer(config, "cpu")
+    unit = bench.LayerUnit(layer, config, 3, 16, "cpu")
+    results = []
+    einsum = deepseek_v41.einsum_kernels.wo_a_einsum
+    monkeypatch.setattr(deepseek_v41.einsum_kernels, "wo_a_einsum",
+                        lambda *args, **kwargs: results.append(einsum(*args, **kwargs)) or results[-1])
+    with torch.no_grad():
+        for on in (True, False):
+            unit.set_chain(on)
+            unit.step()
+    chained, unchained = results
+    assert isinstance(chained, QuantizedActivation)
+    assert isinstance(unchained, torch.Tensor) and unchained.dtype == torch.bfloat16
+    assert chained.data.shape == unchained.shape

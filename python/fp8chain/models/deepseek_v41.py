@@ -44,7 +44,7 @@ from fp8chain_kernel.formats import QuantizedActivation
 from ..layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from ..layers.mhc import HyperConnection, at_start, expand_streams, run_sublayer
 from ..layers.moe import RoutedExpertsReference, SharedExpert, TopKRouter
-from ..layers.norm import RMSNorm, split_producer_result
+from ..layers.norm import RMSNorm
 from ..layers.quantization.fp8 import Fp8Config
 
 __all__ = [
@@ -355,9 +355,8 @@ class MQALayer(nn.Module):
         o = self.attend(q, kv, positions, slots, kv_cache)
 
         fmt = _chain_format(self.wo_b, self.chain)
-        o_flat, o_pair = split_producer_result(
-            einsum_kernels.wo_a_einsum(o, self.wo_a, out_format=fmt), fmt)
-        return self.wo_b(o_pair if o_pair is not None else o_flat)
+        # chained, wo_b is the only reader of the einsum's output: the pair alone, no bf16 store
+        return self.wo_b(einsum_kernels.wo_a_einsum(o, self.wo_a, out_format=fmt, return_bf16=fmt is None))
 
 
 # --------------------------------------------------------------------------------------------
