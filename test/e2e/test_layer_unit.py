@@ -167,20 +167,26 @@ def test_run_sublayer_requires_exactly_one_stats_fork():
     assert new_residual.shape == residual.shape and x.shape == y.shape and pair is None
 
 
-def test_chained_wo_a_einsum_writes_the_pair_only(monkeypatch):
-    """Chained, wo_b is the only reader of the wo_a einsum: it returns the FP8 pair alone (no bf16
-    store); unchained, the bf16 output."""
-    from fp8chain.models import deepseek_v41
+@pytest.mark.parametrize("module_name,kernels_attr,kernel,switch", [
+    ("fp8chain.models.deepseek_v41", "einsum_kernels", "wo_a_einsum", None),
+    ("fp8chain.layers.moe", "act_kernels", "silu_mul", "fuse_silu_mul")])
+def test_chained_producer_writes_the_pair_only(monkeypatch, module_name, kernels_attr, kernel, switch):
+    """Chained, the wo_a einsum and SiLU*mul (as its own launch) feed only their FP8 consumer
+    (wo_b, down): they return the pair alone (no bf16 store); unchained, the bf16 output."""
+    import importlib
+
     from fp8chain_kernel.formats import QuantizedActivation
 
     bench = _layer_benchmark()
     config = bench.layer_config("tp4", tiny=True)
     layer = bench.build_layer(config, "cpu")
+    if switch:
+        monkeypatch.setattr(layer.ffn.shared_experts, switch, False)
     unit = bench.LayerUnit(layer, config, 3, 16, "cpu")
-    results = []
-    einsum = deepseek_v41.einsum_kernels.wo_a_einsum
-    monkeypatch.setattr(deepseek_v41.einsum_kernels, "wo_a_einsum",
-                        lambda *args, **kwargs: results.append(einsum(*args, **kwargs)) or results[-1])
+    kernels = getattr(importlib.import_module(module_name), kernels_attr)
+    producer, results = getattr(kernels, kernel), []
+    monkeypatch.setattr(kernels, kernel,
+                        lambda *args, **kwargs: results.append(producer(*args, **kwargs)) or results[-1])
     with torch.no_grad():
         for on in (True, False):
             unit.set_chain(on)

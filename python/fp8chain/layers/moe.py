@@ -17,7 +17,6 @@ from fp8chain_kernel import act as act_kernels
 from fp8chain_kernel.formats import QuantizedActivation
 
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .norm import split_producer_result
 from .quantization.fp8 import consumer_gemm_silu_mul
 
 __all__ = [
@@ -172,9 +171,9 @@ class SharedExpert(nn.Module):
             if h_pair is not None:
                 return self.down(h_pair)
         gate_up = self.gate_up(x_pair if (self.chain and x_pair is not None) else x)
-        result = act_kernels.silu_mul(gate_up, limit=self.swiglu_limit, out_format=fmt)
-        h, h_pair = split_producer_result(result, fmt)
-        return self.down(h_pair if h_pair is not None else h)
+        # chained, down is the only reader of SiLU*mul: the pair alone, no bf16 store
+        return self.down(act_kernels.silu_mul(gate_up, limit=self.swiglu_limit, out_format=fmt,
+                                              return_bf16=fmt is None))
 
 
 class RoutedExpertsReference(nn.Module):
