@@ -251,7 +251,7 @@ def _chain_format(linear, chain: bool):
 #: Decode steps of up to this many tokens fork the attention sublayer's mHC stats beside its
 #: attention core: there the split kernel runs a few programs per token and leaves most SMs to
 #: the stats, where beside wqkv_a they take SMs from a bandwidth-bound GEMV or GEMM. From 8 tokens
-#: on neither place is faster on the H200 (docs/model.md, "The mHC stats").
+#: on neither place is faster on the H200 (docs/model.md, "Structure and the chain").
 STATS_BESIDE_CORE_TOKENS = 4
 
 
