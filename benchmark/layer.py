@@ -181,6 +181,16 @@ def stats_at_sublayer_start(layer: DeepseekV41DecoderLayer):
         layer.attn.stats_beside_core_tokens = saved
 
 
+@contextlib.contextmanager
+def stats_in_line(layer: DeepseekV41DecoderLayer):
+    """Both sublayers compute their mHC stats on the main stream, in line with the sublayer."""
+    layer.overlap_stats = False
+    try:
+        yield
+    finally:
+        layer.overlap_stats = True
+
+
 def weight_bytes(layer: DeepseekV41DecoderLayer) -> int:
     linears = [layer.attn.wqkv_a, layer.attn.wq_b, layer.attn.wo_b,
                layer.ffn.shared_experts.gate_up, layer.ffn.shared_experts.down]
@@ -343,9 +353,8 @@ def run(args) -> tuple[dict, list[dict]]:
             _time_best_stats_splits(unit, record, args.iters)
             with stats_at_sublayer_start(layer):
                 _time_arms(unit, record, "_stats_at_start", args.iters)
-            layer.overlap_stats = False  # both steps again with the mHC stats in line
-            _time_arms(unit, record, "_serial_stats", args.iters)
-            layer.overlap_stats = True
+            with stats_in_line(layer):
+                _time_arms(unit, record, "_serial_stats", args.iters)
             with precomputed_stats(layer, unit.residual):
                 _time_arms(unit, record, "_no_stats", args.iters)
             if launch.enabled():

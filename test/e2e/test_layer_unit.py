@@ -153,6 +153,17 @@ def test_attention_stats_fork_beside_the_core_at_few_tokens():
     assert all(torch.equal(a, b) for a, b in zip(beside_core[:2], at_start[:2]))
 
 
+def test_stats_in_line_arm_restores_the_side_stream_on_error():
+    bench = _layer_benchmark()
+    layer = bench.build_layer(bench.layer_config("tp1", tiny=True), "cpu")
+    assert layer.overlap_stats
+    with pytest.raises(KeyError):
+        with bench.stats_in_line(layer):
+            assert not layer.overlap_stats
+            raise KeyError("a failing arm")
+    assert layer.overlap_stats
+
+
 def test_run_sublayer_requires_exactly_one_stats_fork():
     from fp8chain.layers.mhc import HyperConnection, run_sublayer
     from fp8chain.layers.norm import RMSNorm

@@ -32,14 +32,6 @@ def test_flash_unit_stats_fork_changes_no_bit_gpu():
     config = bench.layer_config("tp1")
     layer = bench.build_layer(config, "cuda")
 
-    @contextlib.contextmanager
-    def in_line():
-        layer.overlap_stats = False
-        try:
-            yield
-        finally:
-            layer.overlap_stats = True
-
     for rows in (1, 4):
         unit = bench.LayerUnit(layer, config, rows, 256, "cuda")
         assert rows <= layer.attn.stats_beside_core_tokens
@@ -47,7 +39,7 @@ def test_flash_unit_stats_fork_changes_no_bit_gpu():
         with torch.no_grad():
             unit.set_chain(True)
             variants = (("beside_core", contextlib.nullcontext),
-                        ("at_start", lambda: bench.stats_at_sublayer_start(layer)), ("in_line", in_line))
+                        ("at_start", lambda: bench.stats_at_sublayer_start(layer)), ("in_line", lambda: bench.stats_in_line(layer)))
             for name, variant in variants:
                 with variant():
                     out = {}
