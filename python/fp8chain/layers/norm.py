@@ -14,15 +14,7 @@ from torch import nn
 from fp8chain_kernel import norm as norm_kernels
 from fp8chain_kernel.formats import QuantizedActivation
 
-__all__ = ["RMSNorm", "split_producer_result"]
-
-
-def split_producer_result(result, out_format) -> tuple[torch.Tensor, QuantizedActivation | None]:
-    """A producer's return value (``y`` or ``(y, pair)``) as ``(y, pair or None)``."""
-    if out_format is None:
-        return result, None
-    y, pair = result
-    return y, pair
+__all__ = ["RMSNorm"]
 
 
 class RMSNorm(nn.Module):
@@ -36,14 +28,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, out_format=None, *, out: QuantizedActivation | None = None,
                 out_bf16: torch.Tensor | None = None) -> tuple[torch.Tensor, QuantizedActivation | None]:
-        """``(bf16 y, pair)``; the pair is ``None`` unless ``out_format`` is given."""
-        kwargs = {}
-        if out is not None:
-            kwargs["out"] = out
-        if out_bf16 is not None:
-            kwargs["out_bf16"] = out_bf16
-        result = norm_kernels.rms_norm(x, self.weight, self.eps, out_format=out_format, **kwargs)
-        return split_producer_result(result, out_format)
+        """``(bf16 y, pair)``; the pair is ``None`` unless ``out_format`` or ``out`` (whose format
+        it then implies) is given. ``out`` / ``out_bf16``: caller-given buffers (``norm.rms_norm``)."""
+        result = norm_kernels.rms_norm(x, self.weight, self.eps, out_format=out_format, out=out, out_bf16=out_bf16)
+        if out_format is None and out is None:
+            return result, None
+        return result
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
