@@ -31,9 +31,7 @@ class RMSNorm(nn.Module):
         """``(bf16 y, pair)``; the pair is ``None`` unless ``out_format`` or ``out`` (whose format
         it then implies) is given. ``out`` / ``out_bf16``: caller-given buffers (``norm.rms_norm``)."""
         result = norm_kernels.rms_norm(x, self.weight, self.eps, out_format=out_format, out=out, out_bf16=out_bf16)
-        if out_format is None and out is None:
-            return result, None
-        return result
+        return (result, None) if isinstance(result, torch.Tensor) else result
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
