@@ -39,7 +39,8 @@ def test_flash_unit_stats_fork_changes_no_bit_gpu():
         with torch.no_grad():
             unit.set_chain(True)
             variants = (("beside_core", contextlib.nullcontext),
-                        ("at_start", lambda: bench.stats_at_sublayer_start(layer)), ("in_line", lambda: bench.stats_in_line(layer)))
+                        ("at_start", lambda: bench.stats_at_sublayer_start(layer)),
+                        ("in_line", lambda: bench.stats_in_line(layer)))
             for name, variant in variants:
                 with variant():
                     out = {}
