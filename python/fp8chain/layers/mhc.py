@@ -126,11 +126,15 @@ def run_sublayer(hc: HyperConnection, sublayer, residual: torch.Tensor, next_nor
             raise RuntimeError("the sublayer forked its mHC stats twice")
         forked.append(hc.stats(residual, side_stream=side))
 
-    y = sublayer(fork_stats)
+    try:
+        y = sublayer(fork_stats)
+    finally:
+        # Joined even when the sublayer raises: a capture would otherwise also fail on the
+        # unjoined side stream, and later work on the current stream could race the stats.
+        if side is not None and forked:
+            torch.cuda.current_stream(residual.device).wait_stream(side)
     if not forked:
         raise RuntimeError("the sublayer never forked its mHC stats (call fork_stats once)")
-    if side is not None:
-        torch.cuda.current_stream(residual.device).wait_stream(side)
     return mhc_boundary(y, residual, forked[0], next_norm, out_format)
 
 
