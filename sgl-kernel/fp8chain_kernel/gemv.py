@@ -184,6 +184,8 @@ def launch_gemv(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, we
     ``weight`` and its block scales, 1 <= M <= ``MAX_GEMV_TOKENS``; the operands as
     ``gemm.fp8_gemm`` has validated them."""
     check_gemv_config(cfg, group)
+    if weight_scale.stride(1) != 1:  # the kernel reads each scale row as contiguous
+        weight_scale = weight_scale.contiguous()
     m = a.shape[0]
     tokens = gemv_token_tile(m)
     n, k = weight.shape

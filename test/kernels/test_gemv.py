@@ -74,6 +74,23 @@ def test_gemv_matches_reference_and_gemm_cpu(m, fmt, block, n, k, config, device
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_reads_column_major_weight_scales_cpu(m, device):
+    """Block scales stored column-major (the same values, strides (1, N / group)) give the very
+    bits of the row-major ones, through the GEMV and through its SiLU*mul epilogue's path."""
+    n, k, config = 64, 512, gemv.GemvConfig(4, 256, 2, 3)
+    w, s = ref.random_fp8_weight(n, k, 32, device)
+    column_major = s.t().contiguous().t()
+    assert column_major.stride(1) != 1
+    pair = quant.quantize(tokens(m, k, device), G32)
+    rows = run_gemv(pair, w, s, 32, config, device)
+    assert rel_error(rows, ref.fp8_gemm(pair, w, s, 32)) < TOL
+    assert torch.equal(run_gemv(pair, w, column_major, 32, config, device).view(torch.int16), rows.view(torch.int16))
+    assert torch.equal(gemm.fp8_gemm_silu_mul(pair, w, column_major, weight_block=32, config=config).view(torch.int16),
+                       gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, config=config).view(torch.int16))
+
+
+@pytest.mark.cpu
 def test_gemv_nan_zero_and_weight_nan_cpu(device):
     n, k, config = 64, 512, gemv.GemvConfig(4, 256, 2, 3)
     w, s = ref.random_fp8_weight(n, k, 32, device)
