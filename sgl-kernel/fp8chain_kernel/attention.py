@@ -24,7 +24,11 @@ RoPE acts on interleaved pairs ``(x[2i], x[2i+1])``; ``cos_table``/``sin_table``
 ``[L, rd/2]`` rows per position (``reference.rope_tables``). Both functions equal their
 ``fp8chain_kernel.reference`` namesakes up to that rounding (``rope_qkv`` within one bf16 ulp).
 Decode and prefill alike: each token reads only its own slot's keys up to its own position,
-straight from the cache.
+straight from the cache. The tables need a row per cache position (``L`` rows at least).
+
+Index contract: ``0 <= slots[t] < S`` and ``0 <= positions[t] < L``. The kernels do not check the
+values (that would take a device-to-host copy per call, which CUDA-graph capture forbids); an
+index out of range reads or writes outside the token's cache row. The references raise for one.
 """
 
 from __future__ import annotations
@@ -306,13 +310,15 @@ def key_splits(tokens: int, heads: int, length: int, tile: tuple[int, int] | Non
                device: torch.device | None = None) -> int:
     """How many split-kernel programs share one token's keys for a cache of ``length`` positions
     (1: the split kernel writes the output itself, no merge launch) on ``device`` (None: an H200)."""
+    if not all(is_int(v) and v >= 1 for v in (tokens, heads, length)):
+        raise ValueError(f"tokens, heads and length must be positive ints, got {(tokens, heads, length)}")
     sms = H200_SMS if device is None else sm_count(device, interpreter=H200_SMS)
     block_h, block_l = _split_tile(tile, tokens, heads, length)
     return _splits(tokens, heads, block_h, triton.cdiv(length, block_l), sms)
 
 
-def _check_tables(cos_table: torch.Tensor, sin_table: torch.Tensor, dim: int, device) -> int:
-    """fp32 contiguous ``[L, rd/2]`` tables with ``rd <= dim``; returns ``rd/2``."""
+def _check_tables(cos_table: torch.Tensor, sin_table: torch.Tensor, dim: int, length: int, device) -> int:
+    """fp32 contiguous ``[>= length, rd/2]`` tables with ``rd <= dim``; returns ``rd/2``."""
     for name, table in (("cos_table", cos_table), ("sin_table", sin_table)):
         if table.dtype != torch.float32 or table.dim() != 2 or not table.is_contiguous():
             raise TypeError(f"{name} must be a contiguous float32 [L, rd/2] tensor, got {table.dtype} "
@@ -321,7 +327,16 @@ def _check_tables(cos_table: torch.Tensor, sin_table: torch.Tensor, dim: int, de
             raise ValueError(f"{name} is on {table.device}, the activations on {device}")
     if cos_table.shape != sin_table.shape or 2 * cos_table.shape[1] > dim:
         raise ValueError(f"cos/sin tables {tuple(cos_table.shape)}/{tuple(sin_table.shape)} do not fit head dim {dim}")
+    if cos_table.shape[0] < length:
+        raise ValueError(f"cos/sin tables have {cos_table.shape[0]} rows, the cache {length} positions: "
+                         f"a row per position is needed")
     return cos_table.shape[1]
+
+
+def _check_device(device, **tensors) -> None:
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, q on {device}")
 
 
 def _check_index(idx: torch.Tensor, name: str, tokens: int) -> None:
@@ -350,7 +365,8 @@ def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_tab
     _check_cache(kv_cache, dim)
     _check_index(slots, "slots", tokens)
     _check_index(positions, "positions", tokens)
-    half = _check_tables(cos_table, sin_table, dim, q.device)
+    _check_device(q.device, kv=kv, kv_cache=kv_cache, slots=slots, positions=positions)
+    half = _check_tables(cos_table, sin_table, dim, kv_cache.shape[1], q.device)
     if kv_weight is not None and (kv_weight.dtype != torch.bfloat16 or tuple(kv_weight.shape) != (dim,)
                                   or not kv_weight.is_contiguous() or kv_weight.device != q.device):
         raise TypeError(f"kv_weight must be a contiguous bfloat16 [{dim}] tensor on {q.device}, got "
@@ -392,15 +408,16 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     _check_index(positions, "positions", tokens)
     if sink.dtype != torch.float32 or tuple(sink.shape) != (heads,):
         raise TypeError(f"sink must be float32 [{heads}], got {sink.dtype} {tuple(sink.shape)}")
-    if len({t.device for t in (q, kv_cache, slots, positions, sink)}) != 1:
-        raise ValueError("q, kv_cache, slots, positions and sink must be on one device")
-    half = _check_tables(cos_table, sin_table, dim, q.device)
+    _check_device(q.device, kv_cache=kv_cache, slots=slots, positions=positions, sink=sink)
+    half = _check_tables(cos_table, sin_table, dim, kv_cache.shape[1], q.device)
     if dim % 2:
         raise ValueError(f"head dim must be even (column pairs), got {dim}")
     if out is None:
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     elif out.dtype != torch.bfloat16 or out.shape != q.shape or out.stride(2) != 1:
         raise ValueError(f"out must be bfloat16 {tuple(q.shape)} with unit last stride")
+    else:
+        _check_device(q.device, out=out)
     if tokens == 0 or heads == 0:
         return out
     length = kv_cache.shape[1]

@@ -11,7 +11,8 @@
   the tile's columns of the flattened ``[T, G*R]`` matrix) and stores data + scales, so the pair
   equals ``reference.quantize(y, out_format)`` bit for bit. Needs ``R % group_size == 0`` (a
   quantization group never straddles two einsum groups).
-* ``out`` / ``out_bf16`` / ``return_bf16``: as ``norm.rms_norm``.
+* ``out`` / ``out_bf16`` / ``return_bf16``: as ``norm.rms_norm``; neither output may share memory with
+  ``o`` or ``wo_a``.
 * ``config``: a launch config (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``,
   ``num_stages``, optionally ``SPLIT``) instead of the table's (sweeps); with ``out_format``,
   ``BLOCK_N`` must be a multiple of the group size that divides ``R``.
@@ -32,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import ActFormat, QuantizedActivation
+from .formats import ActFormat, QuantizedActivation, check_no_overlap, is_int
 from .fp8_tile import dot_bf16, round_bf16, store_pair_tile
 from .launch import (H200_SMS, await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count,
                      split_workspace)
@@ -187,8 +188,10 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")  # an
 def _check_config(config: dict, r: int, min_n: int) -> dict:
     if not isinstance(config, dict) or not set(CONFIG_KEYS) <= set(config) <= set(CONFIG_KEYS) | {"SPLIT"}:
         raise ValueError(f"config must be a dict with keys {CONFIG_KEYS} and optionally SPLIT, got {config!r}")
-    if any(not isinstance(v, int) or v < 1 for v in config.values()):
+    if any(not is_int(v) or v < 1 for v in config.values()):
         raise ValueError(f"config values must be positive ints, got {config!r}")
+    if config["num_warps"] & (config["num_warps"] - 1):
+        raise ValueError(f"num_warps must be a power of two, got {config!r}")
     if any(config[k] < 16 or config[k] & (config[k] - 1) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")):
         raise ValueError(f"BLOCK_M/N/K must be powers of two >= 16, got {config!r}")
     if config["BLOCK_N"] % min_n or (min_n > 16 and r % config["BLOCK_N"]):
@@ -216,6 +219,8 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, out_format: ActFormat | 
         raise ValueError(f"wo_a must have unit stride along D, got strides {wo_a.stride()}")
     cols = groups * r
     fmt, pair, y = resolve_outputs(rows, cols, o.device, out_format, out, out_bf16, return_bf16)
+    outputs = [("out_bf16", out_bf16)] + ([("out.data", pair.data), ("out.scale", pair.scale)] if pair else [])
+    check_no_overlap(outputs, [("o", o), ("wo_a", wo_a)])
     if fmt is not None and r % fmt.group_size:
         raise ValueError(f"{fmt.value} needs R % {fmt.group_size} == 0 (a scale group may not straddle "
                          f"two einsum groups), got R={r}")

@@ -90,10 +90,14 @@ class QuantizedActivation(_DataScale):
     upstream's plain tuples keeps working: ``fp8, scale = pair``.
     """
 
-    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, fmt: ActFormat):
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, fmt: ActFormat | str):
         pair = super().__new__(cls, data, scale)
-        pair.fmt = fmt
+        pair.fmt = ActFormat(fmt)
         return pair
+
+    @classmethod
+    def _make(cls, iterable):
+        raise TypeError("a QuantizedActivation needs its format: QuantizedActivation(data, scale, fmt)")
 
     def __getnewargs__(self):
         return (self.data, self.scale, self.fmt)
@@ -113,6 +117,42 @@ class QuantizedActivation(_DataScale):
     def rows(self, count: int) -> "QuantizedActivation":
         """The first ``count`` rows (views; the scale keeps its column stride)."""
         return QuantizedActivation(self.data[:count], self.scale[:count], self.fmt)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range ``[first, last + 1)`` a tensor's elements lie in."""
+    if t.numel() == 0:
+        return (t.data_ptr(), t.data_ptr())
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges of ``a`` and ``b`` intersect (interleaved views of one buffer count
+    as overlapping: a kernel's output must not share a range with what it reads)."""
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def check_no_overlap(outputs, inputs) -> None:
+    """No ``(name, tensor)`` of ``outputs`` overlaps one of ``inputs`` (None entries skipped):
+    a launch's programs write their outputs while others still read the inputs."""
+    for out_name, out in outputs:
+        for in_name, t in inputs:
+            if out is not None and t is not None and overlaps(out, t):
+                raise ValueError(f"{out_name} overlaps {in_name}: a launch's programs write one while "
+                                 f"others still read or write the other, so they must not share memory")
+
+
+def check_distinct_elements(t: torch.Tensor, name: str) -> None:
+    """An output's elements are distinct memory (no expanded or self-overlapping view): sorted by
+    stride, each dimension steps past the span of the ones before it."""
+    span = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride < span:
+            raise ValueError(f"{name} has elements sharing memory (shape {tuple(t.shape)}, strides "
+                             f"{t.stride()}): an output needs one location per element")
+        span += (size - 1) * stride
 
 
 def empty_scale(rows: int, cols: int, fmt: ActFormat, device, zero: bool = False) -> torch.Tensor:
@@ -139,6 +179,8 @@ def check_pair(pair, fmt: ActFormat | str | None = None) -> QuantizedActivation:
     if not isinstance(pair, QuantizedActivation):
         raise TypeError(f"expected a QuantizedActivation, got {type(pair).__name__}")
     data, scale, own = pair.data, pair.scale, pair.fmt
+    if not isinstance(data, torch.Tensor) or not isinstance(scale, torch.Tensor):
+        raise TypeError(f"pair data and scale must be tensors, got {type(data).__name__} / {type(scale).__name__}")
     if not isinstance(own, ActFormat):
         raise TypeError(f"pair.fmt must be an ActFormat, got {own!r}")
     if fmt is not None and ActFormat(fmt) is not own:

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair
+from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair, is_int
 from .act import check_limit, silu_mul, swiglu
 from .gemv import GEMV_TABLE, GemvConfig, gemv_token_tile, launch_gemv, select_gemv
 from .fp8_tile import e4m3_to_f32_exact, fp8_offsets, interpreting, round_bf16, store_pair_tile
@@ -497,11 +497,11 @@ def select_config(m: int, n: int, k: int, group: int, device: torch.device, a_fp
 def input_format_for_block(weight_block: int) -> ActFormat:
     """The SM90 activation format the Triton GEMM reads for ``weight_block`` x ``weight_block``
     weight blocks."""
-    if weight_block == 32:
+    if is_int(weight_block) and weight_block == 32:
         return ActFormat.SM90_G32_FP32_MN
-    if weight_block == 128:
+    if is_int(weight_block) and weight_block == 128:
         return ActFormat.SM90_G128_FP32_MN
-    raise ValueError(f"weight_block must be 32 or 128, got {weight_block}")
+    raise ValueError(f"weight_block must be the int 32 or 128, got {weight_block!r}")
 
 
 def check_weight(weight: torch.Tensor, weight_scale: torch.Tensor, weight_block: int) -> tuple[int, int]:
@@ -591,12 +591,12 @@ def _pair_operand(a, weight_block: int, fmt) -> QuantizedActivation:
     ``a`` quantized into ``fmt`` (which must be that format)."""
     want = input_format_for_block(weight_block)
     if isinstance(a, QuantizedActivation):
+        check_pair(a)
         if fmt is not None and ActFormat(fmt) is not a.fmt:
             raise TypeError(f"fmt={ActFormat(fmt).value} given with a pair in {a.fmt.value}")
         if a.fmt is not want:
             raise TypeError(f"fp8_gemm with {weight_block}x{weight_block} weight blocks reads "
                             f"{want.value}, got a pair in {a.fmt.value}")
-        check_pair(a)
         return a
     if fmt is None:
         raise TypeError("fp8_gemm on a plain tensor needs fmt= (the format to quantize into)")

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import ActFormat, QuantizedActivation, cdiv, is_int
+from .formats import ActFormat, QuantizedActivation, cdiv, check_distinct_elements, check_no_overlap, is_int
 from .fp8_tile import format_constexprs, fp8_offsets, interpreting, round_bf16, store_pair_tile
 from .launch import (ARRIVAL_SLOTS, H200_SMS, arrival_counters, arrive_last, await_arrivals, await_producer,
                      compiled_for_gpu, pdl_options, rearm, sm_count, zeroed_workspace)
@@ -537,18 +537,6 @@ def _stats_config(rows: int, cols: int, device: torch.device,
     return bt, bk, per_split, cdiv(chunks, per_split)
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    if t.numel() == 0:
-        return (t.data_ptr(), t.data_ptr())
-    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
-    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    (a0, a1), (b0, b1) = _span(a), _span(b)
-    return a0 < b1 and b0 < a1
-
-
 def _check_tensor(t, name: str, dtypes, shape, device=None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -570,6 +558,9 @@ def _check_residual(residual) -> tuple[int, int]:
         raise ValueError(f"residual must be [T, {HC}, H], got shape {tuple(residual.shape)}")
     if residual.numel() and residual.stride(2) != 1:
         raise ValueError(f"residual must have unit stride along H, got strides {residual.stride()}")
+    if (HC - 1) * residual.stride(1) + residual.shape[2] > 2**31 - 1:  # offsets within a row are int32
+        raise ValueError(f"residual's streams lie too far apart (stride {residual.stride(1)}): a row's "
+                         f"{HC} x H values must span fewer than 2**31 elements")
     return residual.shape[0], residual.shape[2]
 
 
@@ -598,6 +589,7 @@ def _prepare_residual_out(out, rows: int, cols: int, device, name: str) -> torch
         return torch.empty((rows, HC, cols), dtype=torch.bfloat16, device=device)
     _check_tensor(out, name, (torch.bfloat16,), (rows, HC, cols), device)
     _check_rowmajor(out, name)
+    check_distinct_elements(out, name)
     return out
 
 
@@ -606,6 +598,7 @@ def _prepare_x_out(out_bf16, rows: int, cols: int, device) -> torch.Tensor:
         return torch.empty((rows, cols), dtype=torch.bfloat16, device=device)
     _check_tensor(out_bf16, "out_bf16", (torch.bfloat16,), (rows, cols), device)
     _check_rowmajor(out_bf16, "out_bf16")
+    check_distinct_elements(out_bf16, "out_bf16")
     return out_bf16
 
 
@@ -615,14 +608,6 @@ def _resolve_format(out_format, out) -> ActFormat | None:
             raise TypeError(f"out must be a QuantizedActivation, got {type(out).__name__}")
         return out.fmt
     return ActFormat(out_format) if out_format is not None else None
-
-
-def _no_overlap(outputs, inputs) -> None:
-    for oname, o in outputs:
-        for iname, i in inputs:
-            if o is not None and i is not None and _overlaps(o, i):
-                raise ValueError(f"{oname} overlaps {iname}: programs write their column slices while "
-                                 f"others still read theirs, so it cannot run in place")
 
 
 def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
@@ -699,10 +684,16 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
         post = torch.empty((rows, HC), dtype=torch.float32, device=device)
         comb = torch.empty((rows, HC, HC), dtype=torch.float32, device=device)
     else:
+        if not isinstance(out, (tuple, list)) or len(out) != 3 or not all(isinstance(t, torch.Tensor) for t in out):
+            raise TypeError(f"out must be a tuple of tensors (pre, post, comb), got {out!r:.200}")
         pre, post, comb = out
         _check_mixes(rows, device, pre, post, comb)
         if not (pre.is_contiguous() and post.is_contiguous() and comb.is_contiguous()):
             raise ValueError("out=(pre, post, comb) must be contiguous")
+        check_no_overlap([("out pre", pre), ("out post", post), ("out comb", comb)],
+                    [("residual", residual), ("fn", fn), ("scale", scale), ("base", base)])
+        check_no_overlap([("out pre", pre), ("out post", post)], [("out comb", comb)])
+        check_no_overlap([("out pre", pre)], [("out post", post)])
     if rows == 0:
         return pre, post, comb
     if cols == 0:
@@ -740,8 +731,8 @@ def mhc_post(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: 
     same = (out is not None and isinstance(out, torch.Tensor) and out.data_ptr() == residual.data_ptr()
             and out.stride() == residual.stride() and out.shape == residual.shape)
     out = _prepare_residual_out(out, rows, cols, device, "out")
-    inputs = [("y", y)] if same else [("y", y), ("residual", residual)]
-    _no_overlap([("out", out)], inputs)
+    inputs = [("y", y), ("post", post), ("comb", comb)] + ([] if same else [("residual", residual)])
+    check_no_overlap([("out", out)], inputs)
     if rows == 0 or cols == 0:
         return out
     _launch(y, residual, None, post, comb, None, 0.0, out, None, None, None,
@@ -768,7 +759,7 @@ def mhc_combine_norm(residual: torch.Tensor, pre: torch.Tensor, norm_weight: tor
     pair = prepare_out(out, rows, cols, fmt, device) if fmt is not None else None
     store_x = return_bf16 or out_bf16 is not None
     x = _prepare_x_out(out_bf16, rows, cols, device) if store_x else None
-    _no_overlap([("out_bf16", x)] + ([("out.data", pair.data), ("out.scale", pair.scale)] if pair else []),
+    check_no_overlap([("out_bf16", x)] + ([("out.data", pair.data), ("out.scale", pair.scale)] if pair else []),
                 [("residual", residual), ("pre", pre), ("norm_weight", norm_weight)])
     if rows and cols:
         _launch(None, residual, pre, None, None, norm_weight, norm_eps, None, x, pair, fmt,
@@ -806,9 +797,9 @@ def mhc_mega_boundary(y: torch.Tensor, residual: torch.Tensor, pre: torch.Tensor
     outputs = [("out_residual", new_residual), ("out_bf16", x)]
     if pair is not None:
         outputs += [("out.data", pair.data), ("out.scale", pair.scale)]
-    _no_overlap(outputs, [("y", y), ("residual", residual), ("pre", pre), ("post", post),
+    check_no_overlap(outputs, [("y", y), ("residual", residual), ("pre", pre), ("post", post),
                           ("comb", comb), ("norm_weight", norm_weight)])
-    _no_overlap([("out_residual", new_residual)], [("out_bf16", x)])
+    check_no_overlap([("out_residual", new_residual)], [("out_bf16", x)])
     if rows and cols:
         _launch(y, residual, pre, post, comb, norm_weight, norm_eps, new_residual, x, pair, fmt,
                 do_post=True, do_norm=True, store_x=store_x)

@@ -4,7 +4,8 @@
 return_bf16=True, config=None)``
 
 * ``x``: bf16 ``[T, H]``, unit column stride (any row stride); ``weight``: bf16 ``[H]``, contiguous.
-* ``residual`` (optional): bf16 ``[T, H]``, unit column stride. Then ``h = bf16(x + residual)``
+* ``residual`` (optional): bf16 ``[T, H]``, unit column stride, one location per element (it is
+  written). Then ``h = bf16(x + residual)``
   is written back into ``residual`` in place (fused add-norm convention) and normalised;
   otherwise ``h = x``.
 * ``y = bf16(h * rsqrt(mean(h^2) + eps) * weight)``, computed in fp32 and rounded once.
@@ -14,9 +15,11 @@ return_bf16=True, config=None)``
   with ``return_bf16=False`` (then no bf16 store happens at all).
 * ``out``: a caller-given pair (``[T, H]`` in ``out_format``; its scale column stride is honoured,
   so a row-slice of a buffer captured for more rows works); ``out`` alone implies its format.
-  ``out_bf16``: a caller-given bf16 ``[T, H]`` buffer with unit column stride.
+  ``out_bf16``: a caller-given bf16 ``[T, H]`` buffer with unit column stride, one location per
+  element (no expanded rows), apart from ``residual``.
 * ``config`` (benchmarks' sweeps): ``{"BLOCK_M", "BLOCK_H", "num_warps"}`` in place of the launch
-  rule (``_launch_config``), powers of two, ``BLOCK_H >= max(H, 128)``.
+  rule (``_launch_config``), powers of two, ``BLOCK_H >= max(H, 128)``, at most ``2**20`` values
+  per program (``H`` is bounded by that too: a program holds whole rows).
 
 The same return convention (and the helpers ``resolve_outputs`` / ``producer_result`` below)
 is shared by ``act.silu_mul`` and ``einsum.wo_a_einsum``.
@@ -31,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import ActFormat, QuantizedActivation, is_int
+from .formats import ActFormat, QuantizedActivation, check_distinct_elements, check_no_overlap, is_int
 from .fp8_tile import format_constexprs, fp8_offsets, interpreting, rms_rstd, round_bf16, store_pair_tile
 from .launch import await_producer, pdl_options
 from .quant import prepare_out
@@ -54,12 +57,14 @@ def check_tensor(t, name: str, dtype: torch.dtype, dim: int) -> None:
 
 
 def check_rows(t: torch.Tensor, name: str, shape: tuple[int, int], device) -> None:
-    """A bf16 2-D ``shape`` matrix with unit column stride on ``device``."""
+    """A bf16 2-D ``shape`` matrix the launch writes: unit column stride, one location per
+    element, on ``device``."""
     check_tensor(t, name, torch.bfloat16, 2)
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if t.numel() and t.stride(1) != 1:
         raise ValueError(f"{name} must have unit column stride, got strides {t.stride()}")
+    check_distinct_elements(t, name)
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device}")
 
@@ -98,6 +103,9 @@ def resolve_outputs(rows: int, cols: int, device, out_format, out, out_bf16, ret
     return fmt, pair, y
 
 
+MAX_TILE_ELEMS = 1 << 20  # the most elements Triton allows in one tensor (one program's tile)
+
+
 def check_launch_config(config, width_key: str, min_width: int) -> tuple[int, int, int]:
     """A caller's launch config for a row-tiled producer (benchmarks' sweeps): a dict with
     ``BLOCK_M`` (rows per program), ``width_key`` (columns per program) and ``num_warps``, all
@@ -108,8 +116,9 @@ def check_launch_config(config, width_key: str, min_width: int) -> tuple[int, in
     values = (config["BLOCK_M"], config[width_key], config["num_warps"])
     if any(not is_int(v) or v < 1 or v & (v - 1) for v in values):
         raise ValueError(f"config values must be powers of two, got {config!r}")
-    if values[1] < min_width or values[2] > 16:
-        raise ValueError(f"config needs {width_key} >= {min_width} and num_warps <= 16, got {config!r}")
+    if values[1] < min_width or values[2] > 16 or values[0] * values[1] > MAX_TILE_ELEMS:
+        raise ValueError(f"config needs {width_key} >= {min_width}, num_warps <= 16 and BLOCK_M * {width_key} "
+                         f"<= {MAX_TILE_ELEMS}, got {config!r}")
     return values
 
 
@@ -206,15 +215,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
         raise ValueError(f"weight must be contiguous, got stride {weight.stride()}")
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+    if cols > MAX_TILE_ELEMS:  # a program holds whole rows
+        raise ValueError(f"rows of H = {cols} are wider than one program's tile ({MAX_TILE_ELEMS} values)")
     if residual is not None:
         check_rows(residual, "residual", (rows, cols), x.device)
-    if not isinstance(eps, (int, float)) or not eps >= 0:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
     if config is None:
         block_m, block_h, num_warps = _launch_config(rows, cols)
     else:  # whole rows per program, as the rule's, at least 128 wide
         block_m, block_h, num_warps = check_launch_config(config, "BLOCK_H", max(cols, 128))
     fmt, pair, y = resolve_outputs(rows, cols, x.device, out_format, out, out_bf16, return_bf16)
+    check_no_overlap([("out_bf16", y)], [("residual", residual)])  # residual holds x + residual
     if rows == 0 or cols == 0:
         return producer_result(y, pair)
     a = launch_args(fmt, pair, y, x)

@@ -70,8 +70,13 @@ def test_check_pair_rejects_bad_pairs():
         check_pair(good._replace(scale=torch.zeros(8, 6).t()[:5]))  # column stride 6 not % 4
     with pytest.raises(ValueError, match="row-major"):
         check_pair(good._replace(data=torch.zeros(256, 5, dtype=FP8_DTYPE).t()))
+    assert good._replace(fmt="sm90_g32_fp32_mn").fmt is ActFormat.SM90_G32_FP32_MN  # a name reads as the format
+    with pytest.raises(ValueError, match="ActFormat"):
+        good._replace(fmt="sm90_g64")
+    relabelled = good._replace()
+    relabelled.fmt = "sm90_g32_fp32_mn"  # the attribute set by hand
     with pytest.raises(TypeError, match="ActFormat"):
-        check_pair(good._replace(fmt="sm90_g32_fp32_mn"))
+        check_pair(relabelled)
 
 
 def test_check_pair_accepts_rows_of_a_larger_buffer():

@@ -9,7 +9,10 @@ Quantization of one group (REFERENCE.md section 2), in fp32 on the given values:
 * continuous formats: scale ``amax / 448``, multiplier ``448 / amax`` (each one IEEE fp32
   division); the kernels compute exactly these two divisions.
 * data ``= e4m3(clamp(x * multiplier, -448, 448))``: round to nearest even, saturating, NaN kept.
-  An infinite input saturates to +-448.
+  An infinite input makes its group's scale huge or infinite: in the power-of-two formats it
+  saturates to +-448 (scale 2^120) and the group's finite values flush to 0; in the continuous
+  format the scale is inf and the multiplier 0, so the infinite input becomes NaN (inf * 0) and
+  the finite ones 0.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fp8chain_kernel import backends as gemm_backends
-from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv
+from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair
 from fp8chain_kernel.quant import quantize
 
 from ..linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
@@ -254,6 +254,7 @@ def prepare_consumer(layer, block: int, prefer: str | None = None, name: str | N
 def check_pair_input(layer, pair: QuantizedActivation, name: str) -> None:
     """A pair may only reach a layer whose request was honoured, in the format it reads, with K
     columns (``TypeError`` / ``ValueError`` otherwise)."""
+    check_pair(pair)
     want = getattr(layer, "input_format", None)
     if want is None:
         raise TypeError(f"{name} reads bf16 input (no pre-quantized input was requested and "

@@ -1,0 +1,204 @@
+"""Bad inputs and output buffers the kernels refuse with a clear ``TypeError`` / ``ValueError``
+instead of computing something silently wrong (or failing inside Triton): outputs that share
+memory with themselves or with an input, indices tables too short for the cache, tensors on
+another device, malformed pairs and launch parameters. All raised on the host, before any launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8chain_kernel import act, attention, einsum, gemm, mhc, norm, quant
+from fp8chain_kernel import reference as ref
+from fp8chain_kernel.formats import ActFormat, QuantizedActivation, check_distinct_elements, check_pair
+
+pytestmark = pytest.mark.cpu
+
+G32 = ActFormat.SM90_G32_FP32_MN
+
+
+def bf16(*shape):
+    return torch.randn(*shape).bfloat16()
+
+
+def expanded_rows(rows, cols):
+    """A ``[rows, cols]`` view whose rows all share one row of memory."""
+    return bf16(1, cols).expand(rows, cols)
+
+
+# ------------------------------------------------------------------------------------ formats
+
+
+def test_distinct_elements_accepts_real_layouts_and_refuses_shared_memory():
+    check_distinct_elements(bf16(3, 8), "t")
+    check_distinct_elements(bf16(3, 16)[:, :8], "t")  # padded rows
+    check_distinct_elements(bf16(8, 3).t(), "t")  # column-major
+    check_distinct_elements(bf16(1, 8).expand(1, 8), "t")  # one row: nothing shared
+    for shared in (expanded_rows(3, 8), bf16(16).as_strided((3, 8), (4, 1)), bf16(3, 4, 8)[:, :1].expand(3, 4, 8)):
+        with pytest.raises(ValueError, match="sharing memory"):
+            check_distinct_elements(shared, "t")
+
+
+def test_pair_holds_an_act_format():
+    data, scale = quant.quantize(bf16(2, 64), G32)
+    assert QuantizedActivation(data, scale, G32.value).fmt is G32  # a format's name is read as the format
+    with pytest.raises(ValueError, match="not a valid ActFormat"):
+        QuantizedActivation(data, scale, "sm90_g64")
+    with pytest.raises(TypeError, match="needs its format"):
+        QuantizedActivation._make((data, scale))
+
+
+def test_pair_with_non_tensor_fields_is_a_type_error():
+    with pytest.raises(TypeError, match="must be tensors"):
+        check_pair(QuantizedActivation(None, None, G32))
+    with pytest.raises(TypeError, match="must be tensors"):
+        quant.quantize(bf16(2, 64), G32, out=QuantizedActivation(None, None, G32))
+
+
+# --------------------------------------------------------------------------- norm / act / einsum
+
+
+def test_rms_norm_refuses_outputs_sharing_memory():
+    x, w = bf16(3, 64), bf16(64)
+    with pytest.raises(ValueError, match="out_bf16 has elements sharing memory"):
+        norm.rms_norm(x, w, 1e-6, out_bf16=expanded_rows(3, 64))
+    with pytest.raises(ValueError, match="residual has elements sharing memory"):
+        norm.rms_norm(x, w, 1e-6, residual=expanded_rows(3, 64))
+    residual = bf16(3, 64)
+    with pytest.raises(ValueError, match="out_bf16 overlaps residual"):
+        norm.rms_norm(x, w, 1e-6, residual=residual, out_bf16=residual)
+
+
+def test_rms_norm_refuses_bool_eps_and_rows_wider_than_a_tile():
+    with pytest.raises(ValueError, match="eps"):
+        norm.rms_norm(bf16(2, 64), bf16(64), True)
+    cols = norm.MAX_TILE_ELEMS + 64
+    with pytest.raises(ValueError, match="wider than one program's tile"):
+        norm.rms_norm(torch.zeros(1, cols, dtype=torch.bfloat16), torch.ones(cols, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        norm.rms_norm(bf16(2, 128), bf16(128), 1e-6, config={"BLOCK_M": 16384, "BLOCK_H": 128, "num_warps": 4})
+
+
+def test_silu_mul_refuses_shared_output_rows_and_oversized_tiles():
+    gate_up = bf16(3, 256)
+    with pytest.raises(ValueError, match="out_bf16 has elements sharing memory"):
+        act.silu_mul(gate_up, out_bf16=expanded_rows(3, 128))
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        act.silu_mul(gate_up, config={"BLOCK_M": 16384, "BLOCK_N": 128, "num_warps": 4})
+
+
+def test_wo_a_einsum_refuses_an_output_over_its_input():
+    storage = bf16(3, 2 * 64 + 2 * 32)
+    o = storage[:, :128].view(3, 2, 64)  # a strided view of o is fine; writing over it is not
+    wo_a = bf16(2, 32, 64)
+    with pytest.raises(ValueError, match="out_bf16 overlaps o"):
+        einsum.wo_a_einsum(o, wo_a, out_bf16=storage[:, 128:])
+    with pytest.raises(ValueError, match="out_bf16 has elements sharing memory"):
+        einsum.wo_a_einsum(o, wo_a, out_bf16=expanded_rows(3, 64))
+
+
+# ------------------------------------------------------------------------------------------ mHC
+
+
+def mhc_inputs(rows=3, cols=64):
+    residual = bf16(rows, 4, cols)
+    fn, scale, base = torch.randn(24, 4 * cols) * 0.02, torch.rand(3), torch.randn(24) * 0.1
+    pre, post, comb = ref.mhc_stats(residual, fn, scale, base)
+    return residual, fn, scale, base, pre, post, comb
+
+
+def test_mhc_post_refuses_an_output_over_the_mixes_or_sharing_memory():
+    residual, _, _, _, _, post, comb = mhc_inputs()
+    y = bf16(3, 64)
+    storage = torch.zeros(3 * 4 * 64, dtype=torch.bfloat16)
+    out = storage.view(3, 4, 64)
+    post_in_out = storage.view(torch.float32)[:12].view(3, 4)
+    post_in_out.copy_(post)
+    with pytest.raises(ValueError, match="out overlaps post"):
+        mhc.mhc_post(y, residual, post_in_out, comb, out=out)
+    with pytest.raises(ValueError, match="out has elements sharing memory"):
+        mhc.mhc_post(y, residual, post, comb, out=bf16(1, 4, 64).expand(3, 4, 64))
+    assert torch.equal(mhc.mhc_post(y, residual.clone(), post, comb, out=None),
+                       mhc.mhc_post(y, residual.clone(), post, comb, out=residual))  # in place stays fine
+
+
+def test_mhc_mega_boundary_refuses_a_residual_output_sharing_memory():
+    residual, _, _, _, pre, post, comb = mhc_inputs()
+    with pytest.raises(ValueError, match="out_residual has elements sharing memory"):
+        mhc.mhc_mega_boundary(bf16(3, 64), residual, pre, post, comb, bf16(64), 1e-6,
+                              out_residual=bf16(3, 1, 64).expand(3, 4, 64))
+
+
+def test_mhc_stats_refuses_malformed_or_overlapping_outputs():
+    residual, fn, scale, base, pre, post, comb = mhc_inputs()
+    with pytest.raises(TypeError, match="out must be a tuple"):
+        mhc.mhc_stats(residual, fn, scale, base, out=(pre, post))
+    with pytest.raises(TypeError, match="out must be a tuple"):
+        mhc.mhc_stats(residual, fn, scale, base, out=(None, post, comb))
+    storage = torch.zeros(3 * 4 + 2)
+    with pytest.raises(ValueError, match="out pre overlaps out post"):
+        mhc.mhc_stats(residual, fn, scale, base, out=(storage[:12].view(3, 4), storage[2:14].view(3, 4), comb))
+    with pytest.raises(ValueError, match="out pre overlaps fn"):
+        mhc.mhc_stats(residual, fn, scale, base, out=(fn.view(-1)[:12].view(3, 4), post, comb))
+
+
+def test_mhc_refuses_streams_too_far_apart_for_32_bit_offsets():
+    stride = (2**31) // 3 + 64
+    residual = torch.empty_strided((1, 4, 128), (128, stride, 1), dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="streams lie too far apart"):
+        mhc.mhc_post(torch.empty(1, 128, dtype=torch.bfloat16, device="meta"), residual,
+                     torch.empty(1, 4, device="meta"), torch.empty(1, 4, 4, device="meta"))
+
+
+# ------------------------------------------------------------------------------------ attention
+
+
+def attention_inputs(tokens=2, heads=2, dim=128, length=32):
+    cos, sin = ref.rope_tables(length, 64, 10000.0, "cpu")
+    cache = bf16(tokens, length, dim)
+    return cos, sin, cache, torch.arange(tokens), torch.full((tokens,), length - 1)
+
+
+def test_attention_refuses_rope_tables_shorter_than_the_cache():
+    cos, sin, cache, slots, positions = attention_inputs()
+    short_cos, short_sin = cos[:16].contiguous(), sin[:16].contiguous()
+    with pytest.raises(ValueError, match="a row per position"):
+        attention.rope_qkv(bf16(2, 2 * 128), bf16(2, 128), short_cos, short_sin, cache, slots, positions, 1e-6)
+    with pytest.raises(ValueError, match="a row per position"):
+        attention.mqa_attention(bf16(2, 2, 128), cache, slots, positions, torch.zeros(2), 0.1, short_cos, short_sin)
+
+
+def test_attention_refuses_tensors_on_another_device():
+    cos, sin, cache, slots, positions = attention_inputs()
+    elsewhere = torch.empty(2, 128, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="kv is on meta"):
+        attention.rope_qkv(bf16(2, 2 * 128), elsewhere, cos, sin, cache, slots, positions, 1e-6)
+    with pytest.raises(ValueError, match="positions is on meta"):
+        attention.rope_qkv(bf16(2, 2 * 128), bf16(2, 128), cos, sin, cache, slots, positions.to("meta"), 1e-6)
+    with pytest.raises(ValueError, match="out is on meta"):
+        attention.mqa_attention(bf16(2, 2, 128), cache, slots, positions, torch.zeros(2), 0.1, cos, sin,
+                                out=torch.empty(2, 2, 128, dtype=torch.bfloat16, device="meta"))
+
+
+def test_key_splits_refuses_empty_problems():
+    for args in ((0, 4, 64), (4, 0, 64), (4, 4, 0)):
+        with pytest.raises(ValueError, match="positive ints"):
+            attention.key_splits(*args)
+
+
+# ----------------------------------------------------------------------------------------- GEMM
+
+
+def test_gemm_refuses_a_float_weight_block():
+    w, s = ref.random_fp8_weight(64, 128, 32, "cpu")
+    with pytest.raises(ValueError, match="weight_block must be the int 32 or 128"):
+        gemm.fp8_gemm(quant.quantize(bf16(2, 128), G32), w, s, weight_block=32.0)
+
+
+def test_wo_a_einsum_refuses_bool_or_odd_warp_counts():
+    o, wo_a = bf16(2, 2, 64), bf16(2, 32, 64)
+    base = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64, "num_stages": 1}
+    for warps in (True, 3):
+        with pytest.raises(ValueError, match="num_warps|positive ints"):
+            einsum.wo_a_einsum(o, wo_a, config={**base, "num_warps": warps})
