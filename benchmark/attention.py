@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
 
+from fp8chain.argtypes import positive_int, non_negative_int  # noqa: E402
 from fp8chain.bench import harness  # noqa: E402
 from fp8chain_kernel import attention, reference  # noqa: E402
 
@@ -45,12 +46,12 @@ PREFILL = 2048
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", nargs="+", type=int, default=ROWS, help="decode batch sizes M")
-    parser.add_argument("--contexts", nargs="+", type=int, default=CONTEXTS, help="KV-cache lengths per decode token")
-    parser.add_argument("--heads", nargs="+", type=int, default=HEADS, help="query heads (64: TP1, 16: a TP4 rank)")
-    parser.add_argument("--prefill", type=int, default=PREFILL, help="causal prefill tokens (0: skip)")
+    parser.add_argument("--rows", nargs="+", type=positive_int, default=ROWS, help="decode batch sizes M")
+    parser.add_argument("--contexts", nargs="+", type=positive_int, default=CONTEXTS, help="KV-cache lengths per decode token")
+    parser.add_argument("--heads", nargs="+", type=positive_int, default=HEADS, help="query heads (64: TP1, 16: a TP4 rank)")
+    parser.add_argument("--prefill", type=non_negative_int, default=PREFILL, help="causal prefill tokens (0: skip)")
     parser.add_argument("--quick", action="store_true", help="64 heads, M in {1, 16, 64}, context 1024, no prefill")
-    parser.add_argument("--iters", type=int, default=50, help="calls per captured graph")
+    parser.add_argument("--iters", type=positive_int, default=50, help="calls per captured graph")
     parser.add_argument("--tiles", nargs="+", type=parse_tile, default=[],
                         help="other split-kernel tiles to time beside the default, as HEADSxKEYS (e.g. 32x64 64x32)")
     parser.add_argument("--splits", nargs="+", type=int, default=[],

@@ -32,6 +32,7 @@ for _p in (_ROOT / "python", _ROOT / "sgl-kernel"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from fp8chain.argtypes import positive_int  # noqa: E402
 from fp8chain.bench import harness  # noqa: E402
 from fp8chain_kernel import gemm, quant, reference  # noqa: E402
 from fp8chain_kernel.formats import ActFormat  # noqa: E402
@@ -58,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", default=",".join(s for s in SHAPES if s not in TP4_SHAPES),
                         help=f"comma-separated shape names, of {', '.join(SHAPES)}")
     parser.add_argument("--ms", default=None, help="comma-separated M values")
-    parser.add_argument("--iters", type=int, default=None, help="calls per captured graph")
+    parser.add_argument("--iters", type=positive_int, default=None, help="calls per captured graph")
     parser.add_argument("--sweep", action="store_true", help="time candidate configs, print the best")
     parser.add_argument("--groups", default="32,128", help="weight block sizes the sweep covers")
     parser.add_argument("--stages", default="4", help="comma-separated pipeline depths of the M <= 64 candidates")

@@ -53,6 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
 
+from fp8chain.argtypes import positive_int, non_negative_int  # noqa: E402
 from fp8chain.bench import harness  # noqa: E402
 from fp8chain.layers.mhc import at_start, run_sublayer  # noqa: E402
 from fp8chain.layers.quantization.fp8 import Fp8Config  # noqa: E402
@@ -67,14 +68,14 @@ PREFILL = 2048
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", nargs="+", type=int, default=ROWS, help="decode batch sizes M")
-    parser.add_argument("--prefill", type=int, default=PREFILL, help="prefill tokens (0: skip)")
-    parser.add_argument("--context", type=int, default=1024, help="KV-cache length per token")
+    parser.add_argument("--rows", nargs="+", type=positive_int, default=ROWS, help="decode batch sizes M")
+    parser.add_argument("--prefill", type=non_negative_int, default=PREFILL, help="prefill tokens (0: skip)")
+    parser.add_argument("--context", type=positive_int, default=1024, help="KV-cache length per token")
     parser.add_argument("--shapes", nargs="+", default=["tp1", "tp4"], choices=["tp1", "tp4"],
                         help="TP1 dims, or one TP4 rank's attention shard (16 heads, 2 o-groups)")
     parser.add_argument("--no-peer", action="store_true", help="skip the torch.compile peer")
     parser.add_argument("--quick", action="store_true", help="M in {1, 16, 64}, no prefill, TP1 only")
-    parser.add_argument("--iters", type=int, default=20, help="steps per captured graph")
+    parser.add_argument("--iters", type=positive_int, default=20, help="steps per captured graph")
 
 
 def layer_config(shapes: str, tiny: bool = False) -> DeepseekV41Config:

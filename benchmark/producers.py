@@ -45,6 +45,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
 
+from fp8chain.argtypes import positive_int  # noqa: E402
 from fp8chain.bench import harness  # noqa: E402
 from fp8chain_kernel import act, einsum, norm, quant, reference  # noqa: E402
 from fp8chain_kernel.formats import ActFormat, empty_pair  # noqa: E402
@@ -58,14 +59,14 @@ SWIGLU_LIMIT = 10.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", nargs="+", type=int, default=ROWS, help="token counts T")
+    parser.add_argument("--rows", nargs="+", type=positive_int, default=ROWS, help="token counts T")
     parser.add_argument("--quick", action="store_true", help=f"T in {QUICK_ROWS}")
     parser.add_argument("--producers", nargs="+", default=PRODUCERS, choices=PRODUCERS, help="producers to time")
     parser.add_argument("--formats", nargs="+", default=[ActFormat.SM90_G32_FP32_MN.value],
                         choices=[f.value for f in ActFormat],
                         help="FP8 formats (default: the DSv4.1 Hopper format)")
     parser.add_argument("--no-peer", action="store_true", help="skip the torch.compile peer")
-    parser.add_argument("--iters", type=int, default=50, help="calls per captured graph")
+    parser.add_argument("--iters", type=positive_int, default=50, help="calls per captured graph")
     parser.add_argument("--results-dir", default=None, help="where JSON/PNG go (default benchmark/results)")
     sweeps = parser.add_mutually_exclusive_group()
     sweeps.add_argument("--sweep-wo-a", action="store_true",

@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
 
+from fp8chain.argtypes import positive_int  # noqa: E402
 from fp8chain.bench import harness  # noqa: E402
 from fp8chain_kernel import quant, reference  # noqa: E402
 from fp8chain_kernel.formats import ActFormat, empty_pair  # noqa: E402
@@ -30,10 +31,10 @@ COLS = [1280, 2048, 5120, 8192]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--formats", nargs="+", default=[f.value for f in ActFormat],
                         choices=[f.value for f in ActFormat], help="activation formats to time")
-    parser.add_argument("--rows", nargs="+", type=int, default=ROWS, help="M values")
-    parser.add_argument("--cols", nargs="+", type=int, default=COLS, help="K values")
+    parser.add_argument("--rows", nargs="+", type=positive_int, default=ROWS, help="M values")
+    parser.add_argument("--cols", nargs="+", type=positive_int, default=COLS, help="K values")
     parser.add_argument("--quick", action="store_true", help="M in {1, 16, 256, 8192}, K in {1280, 5120}")
-    parser.add_argument("--iters", type=int, default=100, help="calls per captured graph")
+    parser.add_argument("--iters", type=positive_int, default=100, help="calls per captured graph")
 
 
 def quantize_bytes(rows: int, cols: int, fmt: ActFormat) -> int:

@@ -177,3 +177,74 @@ def test_reload_keeps_storage_and_rejects_bad_names(written, tiny):
     partial = [(n, t) for n, t in other.items() if n != "layers.1.attn.wkv.weight"]
     with pytest.raises(ValueError):
         model.load_weights(partial)
+
+
+def _copy_checkpoint(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _shards(path):
+    return json.loads((path / INDEX_FILE).read_text())["weight_map"]
+
+
+def test_loader_refuses_a_tensor_in_the_wrong_shard_or_in_two(written, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = _copy_checkpoint(written, tmp_path / "moved")
+    weight_map = _shards(path)
+    files = sorted(set(weight_map.values()))
+    name = next(n for n, f in weight_map.items() if f == files[0])
+    first, second = load_file(path / files[0]), load_file(path / files[1])
+    save_file({**second, name: torch.zeros_like(first[name])}, path / files[1])  # in two shards
+    with pytest.raises(ValueError, match=f"{name}.*index maps to|{name} is in both"):
+        dict(load_checkpoint(path)[1])
+    del first[name]
+    save_file(first, path / files[0])  # now only in the shard the index does not name
+    with pytest.raises(ValueError, match=f"holds {name}, which the index maps to"):
+        dict(load_checkpoint(path)[1])
+
+
+def test_loader_names_a_corrupt_index_or_shard(written, tmp_path):
+    path = _copy_checkpoint(written, tmp_path / "corrupt")
+    index = (path / INDEX_FILE).read_text()
+    (path / INDEX_FILE).write_text(index[: len(index) // 2])
+    with pytest.raises(ValueError, match=INDEX_FILE):
+        load_checkpoint(path)
+    (path / INDEX_FILE).write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match="weight_map"):
+        load_checkpoint(path)
+    (path / INDEX_FILE).write_text(index)
+    shard = sorted(set(_shards(path).values()))[0]
+    (path / shard).write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=shard):
+        dict(load_checkpoint(path)[1])
+
+
+@pytest.mark.parametrize("name,bad,error,match", [
+    ("layers.0.attn.wq_a.weight", lambda t: t[:, :-32], ValueError, "shape"),  # a fused part
+    ("layers.0.attn.wkv.weight", lambda t: t.float(), TypeError, "fp8 tensor"),
+    ("layers.0.attn.wo_a.weight", lambda t: t.float(), TypeError, "fp8 tensor"),
+    ("layers.0.attn.wq_a.weight_scale_inv", lambda t: t[:-1], ValueError, "shape"),
+    ("layers.0.ffn.experts.1.w2.scale", lambda t: t.view(torch.float8_e4m3fn), TypeError, "mxfp4_scale"),
+    ("layers.0.ffn.shared_experts.w1.weight", lambda t: t.tolist(), TypeError, "expected a tensor"),
+])
+def test_load_weights_checks_every_tensor_against_the_layout(tiny, name, bad, error, match):
+    from fp8chain.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    tensors = dict(random_checkpoint_tensors(tiny, seed=3))
+    tensors[name] = bad(tensors[name])
+    with pytest.raises(error, match=match):
+        DeepseekV41ForCausalLM(tiny).load_weights(tensors.items())
+
+
+def test_load_weights_refuses_a_tensor_given_twice(tiny):
+    from fp8chain.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    items = list(random_checkpoint_tensors(tiny, seed=3))
+    scale = "layers.0.attn.wq_b.weight_scale_inv"
+    items.append(("layers.0.attn.wq_b.scale", dict(items)[scale]))
+    with pytest.raises(ValueError, match="given twice"):
+        DeepseekV41ForCausalLM(tiny).load_weights(items)

@@ -47,3 +47,13 @@ def test_info_lists_backends(capsys):
     assert "programmatic dependent launch: off (needs sm_90+" in out  # CPU
     assert "mHC boundary row barrier at decode: off (the Triton interpreter" in out
     assert "SGLang plugin: sglang.srt.plugins entry point registered (fp8chain.integrations.sglang:install)" in out
+
+
+@pytest.mark.parametrize("argv", [["demo", "--prompts", "0"], ["demo", "--tokens", "-2"], ["demo", "--layers", "x"],
+                                  ["bench", "layer", "--rows", "0"], ["bench", "layer", "--iters", "-1"],
+                                  ["bench", "attention", "--prefill", "-5"], ["bench", "quant", "--cols", "0"]])
+def test_counts_must_be_positive(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert "integer" in capsys.readouterr().err

@@ -81,3 +81,34 @@ def test_from_hf_style_dict_overrides_defaults():
 def test_validation_rejects_unsupported_structures(bad):
     with pytest.raises(ValueError):
         DeepseekV41Config.tiny(**bad)
+
+
+@pytest.mark.parametrize("bad,named", [
+    (dict(hidden_size="256"), "hidden_size must be a positive int"),
+    (dict(hidden_size=256.0), "hidden_size must be a positive int"),
+    (dict(o_groups=0), "o_groups must be a positive int"),
+    (dict(num_hidden_layers=0), "num_hidden_layers must be a positive int"),
+    (dict(vocab_size=-5), "vocab_size must be a positive int"),
+    (dict(num_experts_per_tok=0), "num_experts_per_tok must be a positive int"),
+    (dict(norm_topk_prob="false"), "norm_topk_prob must be true or false"),
+    (dict(routed_scaling_factor=True), "routed_scaling_factor must be a positive number"),
+    (dict(rms_norm_eps=-1e-6), "rms_norm_eps must be a positive number"),
+    (dict(quantization_config=None), "quantization_config must be a dict"),
+    (dict(quantization_config={"weight_block_size": [32]}), "weight_block_size is two positive ints"),
+])
+def test_from_dict_names_values_of_the_wrong_kind(bad, named):
+    with pytest.raises(ValueError, match=named):
+        DeepseekV41Config.from_dict({**DeepseekV41Config.tiny().to_dict(), **bad})
+
+
+def test_from_dict_refuses_other_models_and_says_what_it_ignores(caplog):
+    tiny = DeepseekV41Config.tiny().to_dict()
+    with pytest.raises(ValueError, match="not a DeepSeek-V4 config"):
+        DeepseekV41Config.from_dict({**tiny, "model_type": "llama"})
+    with pytest.raises(ValueError, match="extra must be a dict"):
+        DeepseekV41Config.from_dict({**tiny, "extra": [1]})
+    yarn = {"type": "yarn", "factor": 16}
+    with caplog.at_level("WARNING"):
+        config = DeepseekV41Config.from_dict({**tiny, "rope_scaling": yarn})
+    assert "rope_scaling" in caplog.text and config.extra["rope_scaling"] == yarn
+    assert DeepseekV41Config.from_dict({**tiny, "swiglu_limit": None}).swiglu_limit is None

@@ -184,23 +184,44 @@ def write_random_checkpoint(path, config: DeepseekV41Config, seed: int = 0, *,
 
 
 def load_checkpoint(path) -> tuple[DeepseekV41Config, Iterator[tuple[str, torch.Tensor]]]:
-    """``(config, iterator of (name, tensor))`` of a checkpoint directory, shard by shard."""
-    from safetensors import safe_open
+    """``(config, iterator of (name, tensor))`` of a checkpoint directory, shard by shard.
+
+    With an index, every tensor must sit in the shard the index names and appear once; without
+    one, the ``*.safetensors`` files are read in name order and a name in two of them is an error.
+    A corrupt index or shard raises ``ValueError`` naming the file."""
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     config = DeepseekV41Config.from_json(path / "config.json")
     index_path = path / INDEX_FILE
+    weight_map = None
     if index_path.exists():
-        with open(index_path) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError(f"weight_map is a {type(weight_map).__name__}")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index_path}: not a safetensors index with a weight_map ({exc})") from None
+        files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
 
     def tensors():
+        seen: dict[str, str] = {}
         for fname in files:
-            with safe_open(str(path / fname), framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+            try:
+                with safe_open(str(path / fname), framework="pt") as f:
+                    for name in f.keys():
+                        if name in seen:
+                            raise ValueError(f"{name} is in both {seen[name]} and {fname}")
+                        if weight_map is not None and weight_map.get(name) != fname:
+                            raise ValueError(f"{fname} holds {name}, which the index maps to "
+                                             f"{weight_map.get(name)!r}")
+                        seen[name] = fname
+                        yield name, f.get_tensor(name)
+            except SafetensorError as exc:  # a corrupt shard (a missing one raises FileNotFoundError)
+                raise ValueError(f"{path / fname}: cannot read the shard ({exc})") from exc
 
     return config, tensors()
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -39,7 +40,7 @@ from torch import nn
 from fp8chain_kernel import attention as attention_kernels
 from fp8chain_kernel import einsum as einsum_kernels
 from fp8chain_kernel.reference import apply_rope, attention_with_sinks, rope_cos_sin, rope_tables
-from fp8chain_kernel.formats import QuantizedActivation
+from fp8chain_kernel.formats import QuantizedActivation, is_int
 
 from ..layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from ..layers.mhc import HyperConnection, at_start, expand_streams, run_sublayer
@@ -51,6 +52,8 @@ __all__ = [
     "DeepseekV41Config", "MQALayer", "DeepseekV41MoE", "DeepseekV41DecoderLayer",
     "DeepseekV41ForCausalLM",
 ]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_QUANT_CONFIG = {
     "quant_method": "fp8",
@@ -110,12 +113,20 @@ class DeepseekV41Config:
     @classmethod
     def from_dict(cls, d: dict) -> "DeepseekV41Config":
         """From a HF ``config.json`` dict; unknown keys go to ``extra``."""
+        if d.get("model_type", "deepseek_v4") != "deepseek_v4":
+            raise ValueError(f"model_type {d['model_type']!r} is not a DeepSeek-V4 config (deepseek_v4)")
+        if d.get("rope_scaling"):
+            logger.warning("config rope_scaling %r is not implemented: positions rotate with plain RoPE "
+                           "(rope_theta), exact only within the unscaled context", d["rope_scaling"])
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in d.items() if k in names}
         identity = ("architectures", "model_type", "extra")  # to_dict writes these itself
         extra = {k: v for k, v in d.items() if k not in names and k not in identity}
-        extra.update(d.get("extra", {}) or {})
-        if "quantization_config" in kwargs and kwargs["quantization_config"] is not None:
+        given_extra = d.get("extra") or {}
+        if not isinstance(given_extra, dict):
+            raise ValueError(f"extra must be a dict, got {type(given_extra).__name__}")
+        extra.update(given_extra)
+        if isinstance(kwargs.get("quantization_config"), dict):
             kwargs["quantization_config"] = dict(kwargs["quantization_config"])
         config = cls(**kwargs, extra=extra)
         config.validate()
@@ -198,9 +209,36 @@ class DeepseekV41Config:
             "ffn.shared_experts.w2": (h, i),
         }
 
-    def validate(self) -> None:
-        """Raise ``ValueError`` for a structure this model (or an FP8 format) cannot run."""
+    def _value_errors(self) -> list[str]:
+        """What is of the wrong kind: every count and width a positive int, every float setting a
+        positive number, the switches bools, the weight blocks two positive ints."""
         errors = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and not (is_int(value) and value > 0):
+                errors.append(f"{f.name} must be a positive int, got {value!r}")
+            elif f.type in ("float", "float | None") and not (
+                    (value is None and f.type == "float | None")
+                    or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)):
+                errors.append(f"{f.name} must be a positive number{' or None' if 'None' in f.type else ''}, "
+                              f"got {value!r}")
+            elif f.type == "bool" and not isinstance(value, bool):
+                errors.append(f"{f.name} must be true or false, got {value!r}")
+        qc = self.quantization_config
+        block = qc.get("weight_block_size", [32, 32]) if isinstance(qc, dict) else None
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(is_int(v) and v > 0 for v in block)):
+            errors.append(f"quantization_config must be a dict whose weight_block_size is two positive ints, "
+                          f"got {qc!r}")
+        if not isinstance(self.extra, dict):
+            errors.append(f"extra must be a dict, got {type(self.extra).__name__}")
+        return errors
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` for a value of the wrong kind or a structure this model (or an FP8
+        format) cannot run."""
+        errors = self._value_errors()
+        if errors:  # the structural checks below do arithmetic on these values
+            raise ValueError("invalid DeepseekV41Config: " + "; ".join(errors))
         if self.num_attention_heads % self.o_groups:
             errors.append(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                           f"o_groups={self.o_groups}")
@@ -543,7 +581,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         from ..layers import loading
         from .checkpoint import checkpoint_layout
 
-        expected = set(checkpoint_layout(self.config))
+        layout = checkpoint_layout(self.config)
+        expected = set(layout)
         loaded: set[str] = set()
         pending: dict[str, dict[str, torch.Tensor]] = {}
         linear_items: list[tuple[str, torch.Tensor]] = []
@@ -574,6 +613,9 @@ class DeepseekV41ForCausalLM(nn.Module):
                     name = alias
                 else:
                     raise KeyError(f"unexpected checkpoint tensor {name!r}")
+            if name in loaded:
+                raise ValueError(f"checkpoint tensor {name!r} given twice (as .scale and .weight_scale_inv?)")
+            _check_checkpoint_tensor(name, tensor, layout[name])
             loaded.add(name)
             if name in ("embed.weight", "head.weight", "norm.weight"):
                 copy_into(name, tensor)
@@ -636,6 +678,24 @@ class DeepseekV41ForCausalLM(nn.Module):
                               self.config.weight_block_size)
         with torch.no_grad():
             attn.wo_a.copy_(w.view(attn.wo_a.shape).to(torch.bfloat16))
+
+
+#: Element types a checkpoint may store MXFP4 experts in (packed e2m1 pairs; e8m0 scale bits).
+MXFP4_WEIGHT_DTYPES = (torch.uint8, torch.int8) + ((torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ())
+MXFP4_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
+
+
+def _check_checkpoint_tensor(name: str, tensor, spec) -> None:
+    """A checkpoint tensor against its ``checkpoint_layout`` entry: the shape always, the element
+    type where another one would be read wrongly (FP8 weights, MXFP4 experts and their scales;
+    bf16/fp32 tensors are converted on copy)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(tensor).__name__}")
+    if tuple(tensor.shape) != tuple(spec.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(spec.shape)}")
+    allowed = {"fp8": (spec.dtype,), "mxfp4": MXFP4_WEIGHT_DTYPES, "mxfp4_scale": MXFP4_SCALE_DTYPES}.get(spec.kind)
+    if allowed is not None and tensor.dtype not in allowed:
+        raise TypeError(f"{name}: a {spec.kind} tensor must be one of {allowed}, got {tensor.dtype}")
 
 
 class QuantizeCounter:

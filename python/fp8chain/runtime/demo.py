@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..argtypes import positive_int
+
 __all__ = ["add_demo_arguments", "run_demo"]
 
 CPU_DEFAULTS = dict(prompts=2, tokens=8)
@@ -26,16 +28,16 @@ GPU_DEFAULTS = dict(prompts=8, tokens=32)
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--prompts", type=int, default=None,
+    parser.add_argument("--prompts", type=positive_int, default=None,
                         help="prompts in the batch (default: 2 on CPU, 8 on GPU)")
-    parser.add_argument("--tokens", type=int, default=None,
+    parser.add_argument("--tokens", type=positive_int, default=None,
                         help="greedy tokens generated per prompt (default: 8 on CPU, 32 on GPU)")
     parser.add_argument("--seed", type=int, default=0, help="checkpoint and prompt seed")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to run (auto: cuda if available)")
     parser.add_argument("--out", default=None,
                         help="directory for the checkpoint and demo.json (default: a temp dir, removed)")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the tiny model")
+    parser.add_argument("--layers", type=positive_int, default=2, help="decoder layers of the tiny model")
     parser.add_argument("--eager", action="store_true", help="GPU: decode without CUDA graphs")
     return parser
 

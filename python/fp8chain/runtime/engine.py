@@ -12,10 +12,13 @@ are kept per chain state, since the captured kernels differ.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from typing import Callable, Sequence
 
 import torch
+
+from fp8chain_kernel.formats import is_int
 
 __all__ = ["Engine", "GenerationResult"]
 
@@ -31,6 +34,11 @@ class GenerationResult:
     logits: list[torch.Tensor] | None = None  # per step fp32 [B, V] (``return_logits=True``)
 
 
+def _token_id(value) -> bool:
+    """An integer (numpy's too), not a bool or a float."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 class Engine:
     """Greedy generation for a batch of prompts with ``DeepseekV41ForCausalLM``.
 
@@ -44,10 +52,13 @@ class Engine:
 
     def __init__(self, model, *, max_batch: int = 8, max_len: int = 256, cuda_graphs: bool = False,
                  graph_batch_sizes: Sequence[int] | None = None):
+        for name, value in (("max_batch", max_batch), ("max_len", max_len)):
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.model = model
         self.device = model.embed.weight.device
-        self.max_batch = int(max_batch)
-        self.max_len = int(max_len)
+        self.max_batch = max_batch
+        self.max_len = max_len
         self.scratch_slot = self.max_batch
         self.kv_caches = model.make_kv_cache(self.max_batch + 1, self.max_len, self.device)
         if cuda_graphs and self.device.type != "cuda":
@@ -59,7 +70,10 @@ class Engine:
                 graph_batch_sizes.append(b)
                 b *= 2
             graph_batch_sizes.append(self.max_batch)
-        self.graph_batch_sizes = sorted({int(b) for b in graph_batch_sizes if 0 < int(b) <= self.max_batch})
+        elif not graph_batch_sizes or any(not is_int(b) or not 0 < b <= self.max_batch for b in graph_batch_sizes):
+            raise ValueError(f"graph_batch_sizes must be ints in 1..max_batch={self.max_batch}, "
+                             f"got {graph_batch_sizes!r}")
+        self.graph_batch_sizes = sorted(set(graph_batch_sizes))
         self._runners: dict[bool, object] = {}
         #: called after every forward (prefill and each decode step) with ("prefill"|"decode", rows)
         self.step_hook: Callable[[str, int], None] | None = None
@@ -125,11 +139,15 @@ class Engine:
         b = len(prompts)
         if not 0 < b <= self.max_batch:
             raise ValueError(f"batch of {b} prompts; this engine takes 1..{self.max_batch}")
+        if not is_int(max_new_tokens) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        self._check_prompts(prompts)
         longest = max(len(p) for p in prompts)
         if longest + max_new_tokens > self.max_len:
             raise ValueError(f"prompt {longest} + {max_new_tokens} new tokens > max_len {self.max_len}")
-        if max_new_tokens <= 0:
-            return GenerationResult([[] for _ in prompts], 0.0, 0.0, 0, self.cuda_graphs, self.chain)
+        graphs = self.cuda_graphs and b <= max(self.graph_batch_sizes)
+        if max_new_tokens == 0:
+            return GenerationResult([[] for _ in prompts], 0.0, 0.0, 0, graphs, self.chain)
         if self.cuda_graphs:
             self.graph_runner()  # capture before timing
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
@@ -152,5 +170,15 @@ class Engine:
         sync()
         t2 = time.perf_counter()
         tokens = torch.stack(generated, dim=1).cpu().tolist()
-        return GenerationResult(tokens, t1 - t0, t2 - t1, max_new_tokens - 1, self.cuda_graphs,
-                                self.chain, kept)
+        return GenerationResult(tokens, t1 - t0, t2 - t1, max_new_tokens - 1, graphs, self.chain, kept)
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Every prompt a non-empty sequence of token ids in ``[0, vocab)`` (an id out of range
+        would index the embedding out of bounds, or wrap around if negative)."""
+        vocab = self.model.embed.weight.shape[0]
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            bad = next((t for t in prompt if not _token_id(t) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt {i} holds {bad!r}: token ids are ints in [0, {vocab})")
