@@ -47,8 +47,10 @@ PREFILL = 2048
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", nargs="+", type=positive_int, default=ROWS, help="decode batch sizes M")
-    parser.add_argument("--contexts", nargs="+", type=positive_int, default=CONTEXTS, help="KV-cache lengths per decode token")
-    parser.add_argument("--heads", nargs="+", type=positive_int, default=HEADS, help="query heads (64: TP1, 16: a TP4 rank)")
+    parser.add_argument("--contexts", nargs="+", type=positive_int, default=CONTEXTS,
+                        help="KV-cache lengths per decode token")
+    parser.add_argument("--heads", nargs="+", type=positive_int, default=HEADS,
+                        help="query heads (64: TP1, 16: a TP4 rank)")
     parser.add_argument("--prefill", type=non_negative_int, default=PREFILL, help="causal prefill tokens (0: skip)")
     parser.add_argument("--quick", action="store_true", help="64 heads, M in {1, 16, 64}, context 1024, no prefill")
     parser.add_argument("--iters", type=positive_int, default=50, help="calls per captured graph")

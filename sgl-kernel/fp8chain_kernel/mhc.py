@@ -691,7 +691,7 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
         if not (pre.is_contiguous() and post.is_contiguous() and comb.is_contiguous()):
             raise ValueError("out=(pre, post, comb) must be contiguous")
         check_no_overlap([("out pre", pre), ("out post", post), ("out comb", comb)],
-                    [("residual", residual), ("fn", fn), ("scale", scale), ("base", base)])
+                         [("residual", residual), ("fn", fn), ("scale", scale), ("base", base)])
         check_no_overlap([("out pre", pre), ("out post", post)], [("out comb", comb)])
         check_no_overlap([("out pre", pre)], [("out post", post)])
     if rows == 0:
@@ -760,7 +760,7 @@ def mhc_combine_norm(residual: torch.Tensor, pre: torch.Tensor, norm_weight: tor
     store_x = return_bf16 or out_bf16 is not None
     x = _prepare_x_out(out_bf16, rows, cols, device) if store_x else None
     check_no_overlap([("out_bf16", x)] + ([("out.data", pair.data), ("out.scale", pair.scale)] if pair else []),
-                [("residual", residual), ("pre", pre), ("norm_weight", norm_weight)])
+                     [("residual", residual), ("pre", pre), ("norm_weight", norm_weight)])
     if rows and cols:
         _launch(None, residual, pre, None, None, norm_weight, norm_eps, None, x, pair, fmt,
                 do_post=False, do_norm=True, store_x=store_x)
@@ -798,7 +798,7 @@ def mhc_mega_boundary(y: torch.Tensor, residual: torch.Tensor, pre: torch.Tensor
     if pair is not None:
         outputs += [("out.data", pair.data), ("out.scale", pair.scale)]
     check_no_overlap(outputs, [("y", y), ("residual", residual), ("pre", pre), ("post", post),
-                          ("comb", comb), ("norm_weight", norm_weight)])
+                               ("comb", comb), ("norm_weight", norm_weight)])
     check_no_overlap([("out_residual", new_residual)], [("out_bf16", x)])
     if rows and cols:
         _launch(y, residual, pre, post, comb, norm_weight, norm_eps, new_residual, x, pair, fmt,

@@ -681,7 +681,8 @@ class DeepseekV41ForCausalLM(nn.Module):
 
 
 #: Element types a checkpoint may store MXFP4 experts in (packed e2m1 pairs; e8m0 scale bits).
-MXFP4_WEIGHT_DTYPES = (torch.uint8, torch.int8) + ((torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ())
+MXFP4_WEIGHT_DTYPES = (torch.uint8, torch.int8) + tuple(
+    getattr(torch, name) for name in ("float4_e2m1fn_x2",) if hasattr(torch, name))
 MXFP4_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
 
 
