@@ -217,11 +217,12 @@ class DeepseekV41Config:
             value = getattr(self, f.name)
             if f.type == "int" and not (is_int(value) and value > 0):
                 errors.append(f"{f.name} must be a positive int, got {value!r}")
-            elif f.type in ("float", "float | None") and not (
-                    (value is None and f.type == "float | None")
-                    or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)):
-                errors.append(f"{f.name} must be a positive number{' or None' if 'None' in f.type else ''}, "
-                              f"got {value!r}")
+            elif f.type in ("float", "float | None"):
+                optional = f.type == "float | None"
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if not ((optional and value is None) or (number and value > 0)):
+                    errors.append(f"{f.name} must be a positive number{' or None' if optional else ''}, "
+                                  f"got {value!r}")
             elif f.type == "bool" and not isinstance(value, bool):
                 errors.append(f"{f.name} must be true or false, got {value!r}")
         qc = self.quantization_config

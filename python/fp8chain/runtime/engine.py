@@ -82,6 +82,10 @@ class Engine:
     def chain(self) -> bool:
         return bool(self.model.chain)
 
+    def replays_graphs(self, batch: int) -> bool:
+        """Whether decode steps of ``batch`` sequences replay a captured graph (else run eagerly)."""
+        return self.cuda_graphs and batch <= max(self.graph_batch_sizes)
+
     def graph_runner(self):
         """The decode graph runner of the current chain state (captured on first use)."""
         from .cuda_graph import DecodeGraphRunner
@@ -122,7 +126,7 @@ class Engine:
         """One token per sequence (sequence ``i`` in slot ``i``) -> fp32 logits ``[B, V]``."""
         b = tokens.shape[0]
         slots = torch.arange(b, device=self.device)
-        if self.cuda_graphs and b <= max(self.graph_batch_sizes, default=0):
+        if self.replays_graphs(b):
             logits = self.graph_runner().run(tokens, positions, slots)
         else:
             logits = self.model(tokens, positions, slots, self.kv_caches)
@@ -145,7 +149,7 @@ class Engine:
         longest = max(len(p) for p in prompts)
         if longest + max_new_tokens > self.max_len:
             raise ValueError(f"prompt {longest} + {max_new_tokens} new tokens > max_len {self.max_len}")
-        graphs = self.cuda_graphs and b <= max(self.graph_batch_sizes)
+        graphs = self.replays_graphs(b)
         if max_new_tokens == 0:
             return GenerationResult([[] for _ in prompts], 0.0, 0.0, 0, graphs, self.chain)
         if self.cuda_graphs:
