@@ -8,7 +8,8 @@
   NaN stays NaN.
 * ``y = bf16(silu(gate) * up)`` in fp32, one rounding: bf16 ``[T, I]``.
 * ``out_format`` / ``out`` / ``out_bf16`` / ``return_bf16``: as ``norm.rms_norm`` (the pair equals
-  ``reference.quantize(y, out_format)`` bit for bit; ``return_bf16=False`` stores no bf16).
+  ``reference.quantize(y, out_format)`` bit for bit; ``return_bf16=False`` stores no bf16); no
+  output shares memory with another or with ``gate_up``.
 
 Tiles: ``[BLOCK_M, BLOCK_N]`` of output columns, ``BLOCK_N`` a multiple of 128 (whole quantization
 groups and whole packed scale words per program), a grid over rows and columns; ``config`` sets
@@ -21,10 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import ActFormat, QuantizedActivation
+from .formats import ActFormat, QuantizedActivation, check_no_overlap
 from .fp8_tile import fp8_offsets, round_bf16, store_pair_tile
 from .launch import await_producer, pdl_options
-from .norm import check_launch_config, check_tensor, launch_args, producer_result, resolve_outputs
+from .norm import check_launch_config, check_tensor, launch_args, produced, producer_result, resolve_outputs
 
 __all__ = ["silu_mul", "swiglu", "check_limit"]
 
@@ -103,6 +104,7 @@ def silu_mul(gate_up: torch.Tensor, *, limit: float | None = None, out_format: A
     else:
         block_m, block_n, num_warps = check_launch_config(config, "BLOCK_N", 128)
     fmt, pair, y = resolve_outputs(rows, cols, gate_up.device, out_format, out, out_bf16, return_bf16)
+    check_no_overlap(produced(pair, y), [("gate_up", gate_up)])
     if rows == 0 or cols == 0:
         return producer_result(y, pair)
     a = launch_args(fmt, pair, y, gate_up)

@@ -37,7 +37,7 @@ from .formats import ActFormat, QuantizedActivation, check_no_overlap, is_int
 from .fp8_tile import dot_bf16, round_bf16, store_pair_tile
 from .launch import (H200_SMS, await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count,
                      split_workspace)
-from .norm import check_tensor, launch_args, producer_result, resolve_outputs
+from .norm import check_tensor, launch_args, produced, producer_result, resolve_outputs
 
 __all__ = ["wo_a_einsum"]
 
@@ -219,8 +219,7 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, out_format: ActFormat | 
         raise ValueError(f"wo_a must have unit stride along D, got strides {wo_a.stride()}")
     cols = groups * r
     fmt, pair, y = resolve_outputs(rows, cols, o.device, out_format, out, out_bf16, return_bf16)
-    outputs = [("out_bf16", out_bf16)] + ([("out.data", pair.data), ("out.scale", pair.scale)] if pair else [])
-    check_no_overlap(outputs, [("o", o), ("wo_a", wo_a)])
+    check_no_overlap(produced(pair, y), [("o", o), ("wo_a", wo_a)])
     if fmt is not None and r % fmt.group_size:
         raise ValueError(f"{fmt.value} needs R % {fmt.group_size} == 0 (a scale group may not straddle "
                          f"two einsum groups), got R={r}")

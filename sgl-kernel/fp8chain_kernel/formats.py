@@ -144,6 +144,19 @@ def check_no_overlap(outputs, inputs) -> None:
                                  f"others still read or write the other, so they must not share memory")
 
 
+def check_disjoint(outputs) -> None:
+    """No two ``(name, tensor)`` of ``outputs`` (None entries skipped) share memory: one launch
+    writes them all, so an overlap leaves whichever store lands last."""
+    for index, (name, t) in enumerate(outputs):
+        check_no_overlap([(name, t)], outputs[index + 1:])
+
+
+def pair_parts(pair, name: str = "out") -> list:
+    """``[(name.data, data), (name.scale, scale)]`` of a pair, ``[]`` for None: the named tensors
+    the overlap checks take."""
+    return [] if pair is None else [(f"{name}.data", pair.data), (f"{name}.scale", pair.scale)]
+
+
 def check_distinct_elements(t: torch.Tensor, name: str) -> None:
     """An output's elements are distinct memory (no expanded or self-overlapping view): sorted by
     stride, each dimension steps past the span of the ones before it."""

@@ -42,12 +42,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair, is_int
+from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_no_overlap, check_pair, is_int, pair_parts
 from .act import check_limit, silu_mul, swiglu
 from .gemv import GEMV_TABLE, GemvConfig, gemv_token_tile, launch_gemv, select_gemv
 from .fp8_tile import e4m3_to_f32_exact, fp8_offsets, interpreting, round_bf16, store_pair_tile
 from .launch import await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count, split_workspace
-from .norm import launch_args, producer_result, resolve_outputs
+from .norm import check_rows, launch_args, produced, producer_result, resolve_outputs
 from .quant import check_activation, quantize
 
 __all__ = [
@@ -525,16 +525,19 @@ def check_weight(weight: torch.Tensor, weight_scale: torch.Tensor, weight_block:
     return n, k
 
 
-def _prepare_out(out: torch.Tensor | None, m: int, n: int, device) -> torch.Tensor:
+def _prepare_out(out: torch.Tensor | None, m: int, n: int, device, inputs) -> torch.Tensor:
+    """A caller's bf16 ``[m, n]`` output (unit column stride, one location per element, apart from
+    the named ``inputs``) or a fresh one."""
     if out is None:
         return torch.empty((m, n), dtype=torch.bfloat16, device=device)
-    if out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n):
-        raise ValueError(f"out must be bfloat16 {(m, n)}, got {out.dtype} {tuple(out.shape)}")
-    if out.numel() and out.stride(1) != 1:
-        raise ValueError(f"out must have unit column stride, got strides {out.stride()}")
-    if out.device != torch.device(device):
-        raise ValueError(f"out on {out.device}, inputs on {device}")
+    check_rows(out, "out", (m, n), torch.device(device))
+    check_no_overlap([("out", out)], inputs)
     return out
+
+
+def _operands(pair: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor) -> list:
+    """A GEMM's named inputs, which its outputs must not overlap."""
+    return pair_parts(pair, "a") + [("weight", weight), ("weight_scale", weight_scale)]
 
 
 def _split_plan(tiles: int, k: int, cfg: GemmConfig, device):
@@ -633,7 +636,7 @@ def fp8_gemm(a: QuantizedActivation | torch.Tensor, weight: torch.Tensor, weight
     """
     pair = _pair_operand(a, weight_block, fmt)
     m, n, k = _check_operands(pair, weight, weight_scale, weight_block)
-    out = _prepare_out(out, m, n, weight.device)
+    out = _prepare_out(out, m, n, weight.device, _operands(pair, weight, weight_scale))
     cfg = config or gemm_config(m, n, k, weight_block, weight.device)
     if isinstance(cfg, GemvConfig):  # launch_gemv refuses M outside 1..MAX_GEMV_TOKENS
         return launch_gemv(pair.data, pair.scale, weight, weight_scale, out, weight_block, cfg)
@@ -699,12 +702,13 @@ def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale
     check_limit(limit)
     inter = n // 2
     fmt, out_pair, y = resolve_outputs(m, inter, weight.device, out_format, out, out_bf16, return_bf16)
+    check_no_overlap(produced(out_pair, y), _operands(pair, weight, weight_scale))
     if m == 0 or inter == 0:
         return producer_result(y, out_pair)
     cfg = config or gemm_config(m, n, k, weight_block, weight.device)
     if isinstance(cfg, GemvConfig):  # the operands are checked: fp8_gemm's GEMV launch itself
-        gate_up = launch_gemv(pair.data, pair.scale, weight, weight_scale, _prepare_out(None, m, n, weight.device),
-                              weight_block, cfg)
+        gate_up = torch.empty((m, n), dtype=torch.bfloat16, device=weight.device)
+        launch_gemv(pair.data, pair.scale, weight, weight_scale, gate_up, weight_block, cfg)
         return silu_mul(gate_up, limit=limit, out_format=fmt, out=out_pair, out_bf16=y, return_bf16=y is not None)
     _check_config(cfg, k, weight_block, True)
     if fmt is not None and cfg.block_n < 2 * fmt.group_size:  # whole quantization groups per tile
@@ -744,7 +748,7 @@ def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     m, kx = x.shape
     if kx != k:
         raise ValueError(f"x has K={kx}, weight has K={k}")
-    out = _prepare_out(out, m, n, weight.device)
+    out = _prepare_out(out, m, n, weight.device, [("x", x), ("weight", weight), ("weight_scale", weight_scale)])
     return _launch(x, None, weight, weight_scale, out, weight_block, False, config)
 
 

@@ -52,10 +52,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import ActFormat, QuantizedActivation, cdiv, check_distinct_elements, check_no_overlap, is_int
+from .formats import (ActFormat, QuantizedActivation, cdiv, check_disjoint, check_distinct_elements, check_no_overlap,
+                      is_int, pair_parts)
 from .fp8_tile import format_constexprs, fp8_offsets, interpreting, round_bf16, store_pair_tile
 from .launch import (ARRIVAL_SLOTS, H200_SMS, arrival_counters, arrive_last, await_arrivals, await_producer,
                      compiled_for_gpu, pdl_options, rearm, sm_count, zeroed_workspace)
+from .norm import check_rows
 from .quant import prepare_out
 
 __all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary", "row_barrier_off_reason"]
@@ -596,17 +598,17 @@ def _prepare_residual_out(out, rows: int, cols: int, device, name: str) -> torch
 def _prepare_x_out(out_bf16, rows: int, cols: int, device) -> torch.Tensor:
     if out_bf16 is None:
         return torch.empty((rows, cols), dtype=torch.bfloat16, device=device)
-    _check_tensor(out_bf16, "out_bf16", (torch.bfloat16,), (rows, cols), device)
-    _check_rowmajor(out_bf16, "out_bf16")
-    check_distinct_elements(out_bf16, "out_bf16")
+    check_rows(out_bf16, "out_bf16", (rows, cols), device)
     return out_bf16
 
 
-def _resolve_format(out_format, out) -> ActFormat | None:
+def _resolve_format(out_format, out, return_bf16: bool) -> ActFormat | None:
     if out_format is None and out is not None:
         if not isinstance(out, QuantizedActivation):
             raise TypeError(f"out must be a QuantizedActivation, got {type(out).__name__}")
         return out.fmt
+    if out_format is None and not return_bf16:
+        raise ValueError("return_bf16=False needs an out_format (or out pair)")
     return ActFormat(out_format) if out_format is not None else None
 
 
@@ -690,10 +692,9 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
         _check_mixes(rows, device, pre, post, comb)
         if not (pre.is_contiguous() and post.is_contiguous() and comb.is_contiguous()):
             raise ValueError("out=(pre, post, comb) must be contiguous")
-        check_no_overlap([("out pre", pre), ("out post", post), ("out comb", comb)],
-                         [("residual", residual), ("fn", fn), ("scale", scale), ("base", base)])
-        check_no_overlap([("out pre", pre), ("out post", post)], [("out comb", comb)])
-        check_no_overlap([("out pre", pre)], [("out post", post)])
+        outputs = [("out pre", pre), ("out post", post), ("out comb", comb)]
+        check_disjoint(outputs)
+        check_no_overlap(outputs, [("residual", residual), ("fn", fn), ("scale", scale), ("base", base)])
     if rows == 0:
         return pre, post, comb
     if cols == 0:
@@ -753,14 +754,13 @@ def mhc_combine_norm(residual: torch.Tensor, pre: torch.Tensor, norm_weight: tor
     device = residual.device
     _check_mixes(rows, device, pre=pre)
     _check_weight(norm_weight, cols, device)
-    fmt = _resolve_format(out_format, out)
-    if not return_bf16 and fmt is None:
-        raise ValueError("return_bf16=False needs an out_format (or out pair)")
+    fmt = _resolve_format(out_format, out, return_bf16)
     pair = prepare_out(out, rows, cols, fmt, device) if fmt is not None else None
     store_x = return_bf16 or out_bf16 is not None
     x = _prepare_x_out(out_bf16, rows, cols, device) if store_x else None
-    check_no_overlap([("out_bf16", x)] + ([("out.data", pair.data), ("out.scale", pair.scale)] if pair else []),
-                     [("residual", residual), ("pre", pre), ("norm_weight", norm_weight)])
+    outputs = [("out_bf16", x)] + pair_parts(pair)
+    check_disjoint(outputs)
+    check_no_overlap(outputs, [("residual", residual), ("pre", pre), ("norm_weight", norm_weight)])
     if rows and cols:
         _launch(None, residual, pre, None, None, norm_weight, norm_eps, None, x, pair, fmt,
                 do_post=False, do_norm=True, store_x=store_x)
@@ -778,10 +778,10 @@ def mhc_mega_boundary(y: torch.Tensor, residual: torch.Tensor, pre: torch.Tensor
     sublayer's ``x = bf16(RMSNorm(bf16(sum_k pre[k]*R'[k]), norm_weight))`` with the carried
     ``pre``, and the FP8 pair of ``x`` in ``out_format``.
 
-    Returns ``(R', x, pair)``: ``x`` is None when ``return_bf16=False`` (still written into
-    ``out_bf16`` when given), ``pair`` None without ``out_format``/``out``. Writes into
-    ``out_residual`` / ``out_bf16`` / ``out`` when given (CUDA graphs); they must not overlap
-    the inputs.
+    Returns ``(R', x, pair)``: ``x`` is None when ``return_bf16=False`` (which needs an
+    ``out_format``/``out``; ``x`` is still written into ``out_bf16`` when given), ``pair`` None
+    without ``out_format``/``out``. Writes into ``out_residual`` / ``out_bf16`` / ``out`` when
+    given (CUDA graphs); they must not overlap each other or the inputs.
     """
     rows, cols = _check_residual(residual)
     device = residual.device
@@ -789,17 +789,15 @@ def mhc_mega_boundary(y: torch.Tensor, residual: torch.Tensor, pre: torch.Tensor
     _check_rowmajor(y, "y")
     _check_mixes(rows, device, pre=pre, post=post, comb=comb)
     _check_weight(norm_weight, cols, device)
-    fmt = _resolve_format(out_format, out)
+    fmt = _resolve_format(out_format, out, return_bf16)
     pair = prepare_out(out, rows, cols, fmt, device) if fmt is not None else None
     new_residual = _prepare_residual_out(out_residual, rows, cols, device, "out_residual")
     store_x = return_bf16 or out_bf16 is not None
     x = _prepare_x_out(out_bf16, rows, cols, device) if store_x else None
-    outputs = [("out_residual", new_residual), ("out_bf16", x)]
-    if pair is not None:
-        outputs += [("out.data", pair.data), ("out.scale", pair.scale)]
+    outputs = [("out_residual", new_residual), ("out_bf16", x)] + pair_parts(pair)
+    check_disjoint(outputs)
     check_no_overlap(outputs, [("y", y), ("residual", residual), ("pre", pre), ("post", post),
                                ("comb", comb), ("norm_weight", norm_weight)])
-    check_no_overlap([("out_residual", new_residual)], [("out_bf16", x)])
     if rows and cols:
         _launch(y, residual, pre, post, comb, norm_weight, norm_eps, new_residual, x, pair, fmt,
                 do_post=True, do_norm=True, store_x=store_x)

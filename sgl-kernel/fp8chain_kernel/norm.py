@@ -16,7 +16,8 @@ return_bf16=True, config=None)``
 * ``out``: a caller-given pair (``[T, H]`` in ``out_format``; its scale column stride is honoured,
   so a row-slice of a buffer captured for more rows works); ``out`` alone implies its format.
   ``out_bf16``: a caller-given bf16 ``[T, H]`` buffer with unit column stride, one location per
-  element (no expanded rows), apart from ``residual``.
+  element (no expanded rows). The outputs (``out_bf16``, the pair's data and scales, ``residual``)
+  share no memory with each other or with ``x`` and ``weight``.
 * ``config`` (benchmarks' sweeps): ``{"BLOCK_M", "BLOCK_H", "num_warps"}`` in place of the launch
   rule (``_launch_config``), powers of two, ``BLOCK_H >= max(H, 128)``, at most ``2**20`` values
   per program (``H`` is bounded by that too: a program holds whole rows).
@@ -25,7 +26,7 @@ The same return convention (and the helpers ``resolve_outputs`` / ``producer_res
 is shared by ``act.silu_mul`` and ``einsum.wo_a_einsum``.
 
 Errors: ``TypeError`` for a wrong type or dtype or a pair of another format; ``ValueError`` for
-a wrong shape, stride or device. ``T = 0`` launches nothing.
+a wrong shape, stride or device, or for outputs that overlap. ``T = 0`` launches nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import ActFormat, QuantizedActivation, check_distinct_elements, check_no_overlap, is_int
+from .formats import (ActFormat, QuantizedActivation, check_disjoint, check_distinct_elements, check_no_overlap,
+                      is_int, pair_parts)
 from .fp8_tile import format_constexprs, fp8_offsets, interpreting, rms_rstd, round_bf16, store_pair_tile
 from .launch import await_producer, pdl_options
 from .quant import prepare_out
@@ -100,7 +102,13 @@ def resolve_outputs(rows: int, cols: int, device, out_format, out, out_bf16, ret
         if out_bf16 is not None:
             raise ValueError("out_bf16 was given but return_bf16=False (no bf16 output is written)")
         y = None
+    check_disjoint([("out_bf16", y)] + pair_parts(pair))
     return fmt, pair, y
+
+
+def produced(pair, y) -> list:
+    """The named outputs of a producer (``check_no_overlap`` against its inputs)."""
+    return [("out_bf16", y)] + pair_parts(pair)
 
 
 MAX_TILE_ELEMS = 1 << 20  # the most elements Triton allows in one tensor (one program's tile)
@@ -226,7 +234,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
     else:  # whole rows per program, as the rule's, at least 128 wide
         block_m, block_h, num_warps = check_launch_config(config, "BLOCK_H", max(cols, 128))
     fmt, pair, y = resolve_outputs(rows, cols, x.device, out_format, out, out_bf16, return_bf16)
-    check_no_overlap([("out_bf16", y)], [("residual", residual)])  # residual holds x + residual
+    # residual is written too (x + residual): no output may share it, nor x or the weight
+    check_no_overlap(produced(pair, y), [("x", x), ("weight", weight), ("residual", residual)])
+    check_no_overlap([("residual", residual)], [("x", x), ("weight", weight)])
     if rows == 0 or cols == 0:
         return producer_result(y, pair)
     a = launch_args(fmt, pair, y, x)

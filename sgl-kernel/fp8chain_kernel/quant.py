@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import ActFormat, QuantizedActivation, check_pair, empty_pair
+from .formats import ActFormat, QuantizedActivation, check_disjoint, check_no_overlap, check_pair, empty_pair, pair_parts
 from .fp8_tile import format_constexprs, quantize_tile, store_scale_tile
 from .launch import await_producer, pdl_options
 
@@ -63,6 +63,7 @@ def prepare_out(out: QuantizedActivation | None, rows: int, cols: int, fmt: ActF
         raise ValueError(f"out pair has shape {tuple(out.data.shape)}, expected {(rows, cols)}")
     if out.data.device != torch.device(device):
         raise ValueError(f"out pair is on {out.data.device}, input on {device}")
+    check_disjoint(pair_parts(out))
     return out
 
 
@@ -75,6 +76,7 @@ def quantize(x: torch.Tensor, fmt: ActFormat | str, out: QuantizedActivation | N
     check_activation(x)
     rows, cols = x.shape
     out = prepare_out(out, rows, cols, fmt, x.device)
+    check_no_overlap(pair_parts(out), [("x", x)])
     if rows == 0 or cols == 0:
         return out
     block_m, block_k, num_warps = _launch_config(rows, cols)

@@ -158,7 +158,7 @@ def test_bad_weights_and_out_are_rejected(device):
         gemm.fp8_gemm(pair, w, s[:, :-1], weight_block=32)
     with pytest.raises(TypeError, match="weight must be"):
         gemm.fp8_gemm(pair, w.float(), s, weight_block=32)
-    with pytest.raises(ValueError, match="out must be"):
+    with pytest.raises(ValueError, match="out must have shape"):
         gemm.fp8_gemm(pair, w, s, weight_block=32, out=torch.empty(2, 127, dtype=torch.bfloat16, device=device))
     with pytest.raises(ValueError, match="K="):
         gemm.fp8_gemm(ref.quantize(make_activation(2, 128, device), G32), w, s, weight_block=32)

@@ -56,6 +56,22 @@ def test_pair_with_non_tensor_fields_is_a_type_error():
         quant.quantize(bf16(2, 64), G32, out=QuantizedActivation(None, None, G32))
 
 
+def pair_over(t, rows, cols, fmt=G32):
+    """A ``[rows, cols]`` pair of ``fmt`` whose data bytes lie in ``t``'s memory (fresh scales)."""
+    data = t.view(torch.uint8).flatten()[:rows * cols].view(rows, cols).view(torch.float8_e4m3fn)
+    return QuantizedActivation(data, quant.quantize(bf16(rows, cols), fmt).scale, fmt)
+
+
+def test_quantize_refuses_a_pair_whose_scales_overlap_its_data_or_the_input():
+    pair = quant.quantize(bf16(3, 64), G32)
+    scale_in_data = pair.data.view(torch.float32).flatten().as_strided(pair.scale.shape, pair.scale.stride())
+    with pytest.raises(ValueError, match="out.data overlaps out.scale"):
+        quant.quantize(bf16(3, 64), G32, out=QuantizedActivation(pair.data, scale_in_data, G32))
+    x = bf16(3, 64)
+    with pytest.raises(ValueError, match="out.data overlaps x"):
+        quant.quantize(x, G32, out=pair_over(x, 3, 64))
+
+
 # --------------------------------------------------------------------------- norm / act / einsum
 
 
@@ -68,6 +84,16 @@ def test_rms_norm_refuses_outputs_sharing_memory():
     residual = bf16(3, 64)
     with pytest.raises(ValueError, match="out_bf16 overlaps residual"):
         norm.rms_norm(x, w, 1e-6, residual=residual, out_bf16=residual)
+    with pytest.raises(ValueError, match="residual overlaps x"):
+        norm.rms_norm(x, w, 1e-6, residual=x)
+    with pytest.raises(ValueError, match="out.data overlaps x"):
+        norm.rms_norm(x, w, 1e-6, out=pair_over(x, 3, 64))
+    y = bf16(3, 64)
+    with pytest.raises(ValueError, match="out_bf16 overlaps out.data"):
+        norm.rms_norm(x, w, 1e-6, out=pair_over(y, 3, 64), out_bf16=y)
+    storage = bf16(3 * 64)
+    with pytest.raises(ValueError, match="out_bf16 overlaps weight"):
+        norm.rms_norm(x, storage[64:128], 1e-6, out_bf16=storage.view(3, 64))
 
 
 def test_rms_norm_refuses_bool_eps_and_rows_wider_than_a_tile():
@@ -86,6 +112,10 @@ def test_silu_mul_refuses_shared_output_rows_and_oversized_tiles():
         act.silu_mul(gate_up, out_bf16=expanded_rows(3, 128))
     with pytest.raises(ValueError, match="BLOCK_M"):
         act.silu_mul(gate_up, config={"BLOCK_M": 16384, "BLOCK_N": 128, "num_warps": 4})
+    with pytest.raises(ValueError, match="out_bf16 overlaps gate_up"):
+        act.silu_mul(gate_up, out_bf16=gate_up[:, :128])  # in place over the gate half
+    with pytest.raises(ValueError, match="out.data overlaps gate_up"):
+        act.silu_mul(gate_up, out=pair_over(gate_up, 3, 128), return_bf16=False)
 
 
 def test_wo_a_einsum_refuses_an_output_over_its_input():
@@ -128,6 +158,18 @@ def test_mhc_mega_boundary_refuses_a_residual_output_sharing_memory():
     with pytest.raises(ValueError, match="out_residual has elements sharing memory"):
         mhc.mhc_mega_boundary(bf16(3, 64), residual, pre, post, comb, bf16(64), 1e-6,
                               out_residual=bf16(3, 1, 64).expand(3, 4, 64))
+
+
+def test_mhc_boundary_refuses_no_output_and_outputs_over_each_other():
+    residual, _, _, _, pre, post, comb = mhc_inputs()
+    with pytest.raises(ValueError, match="return_bf16=False needs an out_format"):
+        mhc.mhc_mega_boundary(bf16(3, 64), residual, pre, post, comb, bf16(64), 1e-6, return_bf16=False)
+    x = bf16(3, 64)
+    with pytest.raises(ValueError, match="out_bf16 overlaps out.data"):
+        mhc.mhc_mega_boundary(bf16(3, 64), residual, pre, post, comb, bf16(64), 1e-6, out=pair_over(x, 3, 64),
+                              out_bf16=x)
+    with pytest.raises(ValueError, match="out_bf16 overlaps out.data"):
+        mhc.mhc_combine_norm(residual, pre, bf16(64), 1e-6, out=pair_over(x, 3, 64), out_bf16=x)
 
 
 def test_mhc_stats_refuses_malformed_or_overlapping_outputs():
@@ -194,6 +236,23 @@ def test_gemm_refuses_a_float_weight_block():
     w, s = ref.random_fp8_weight(64, 128, 32, "cpu")
     with pytest.raises(ValueError, match="weight_block must be the int 32 or 128"):
         gemm.fp8_gemm(quant.quantize(bf16(2, 128), G32), w, s, weight_block=32.0)
+
+
+def test_gemm_outputs_refuse_shared_memory_and_overlapping_inputs():
+    w, s = ref.random_fp8_weight(64, 128, 32, "cpu")
+    pair = quant.quantize(bf16(3, 128), G32)
+    with pytest.raises(ValueError, match="out has elements sharing memory"):
+        gemm.fp8_gemm(pair, w, s, weight_block=32, out=expanded_rows(3, 64))
+    with pytest.raises(TypeError, match="out must be torch.bfloat16"):
+        gemm.fp8_gemm(pair, w, s, weight_block=32, out=torch.empty(3, 64))
+    over_data = pair.data.view(torch.bfloat16)[:, :64]  # [3, 64] bf16 in the activation's bytes
+    with pytest.raises(ValueError, match="out overlaps a.data"):
+        gemm.fp8_gemm(pair, w, s, weight_block=32, out=over_data)
+    with pytest.raises(ValueError, match="out overlaps weight"):
+        gemm.w8a16_gemm(bf16(2, 128), w, s, weight_block=32, out=w.view(torch.bfloat16)[:2])
+    gate_up_w, gate_up_s = ref.random_fp8_weight(128, 128, 32, "cpu")
+    with pytest.raises(ValueError, match="out_bf16 overlaps a.data"):
+        gemm.fp8_gemm_silu_mul(pair, gate_up_w, gate_up_s, weight_block=32, out_bf16=over_data)
 
 
 def test_wo_a_einsum_refuses_bool_or_odd_warp_counts():

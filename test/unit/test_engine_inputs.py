@@ -3,7 +3,9 @@ the vocabulary (a negative one would wrap around the embedding), negative token 
 sizes that are not positive, graph buckets it would otherwise drop."""
 
 import pytest
+import torch
 
+from fp8chain.models.checkpoint import random_checkpoint_tensors
 from fp8chain.models.deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
 from fp8chain.runtime.engine import Engine
 
@@ -13,6 +15,13 @@ pytestmark = pytest.mark.cpu
 @pytest.fixture(scope="module")
 def model():
     return DeepseekV41ForCausalLM(DeepseekV41Config.tiny(num_hidden_layers=1))
+
+
+@pytest.fixture(scope="module")
+def loaded(model):
+    """The model with random weights in the checkpoint format (the steps run)."""
+    model.load_weights(random_checkpoint_tensors(model.config))
+    return model
 
 
 @pytest.mark.parametrize("prompts,match", [
@@ -46,3 +55,31 @@ def test_generate_refuses_negative_token_counts(model):
 def test_engine_refuses_sizes_it_cannot_serve(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         Engine(model, **kwargs)
+
+
+def test_prefill_refuses_prompts_its_cache_cannot_hold(loaded):
+    engine = Engine(loaded, max_batch=2, max_len=8)
+    with pytest.raises(ValueError, match="prompt 1 has 9 tokens; this engine's max_len is 8"):
+        engine.prefill([[1, 2], list(range(9))])
+    with pytest.raises(ValueError, match="batch of 3 prompts; this engine takes 1..2"):
+        engine.prefill([[1], [2], [3]])
+    with pytest.raises(ValueError, match="holds 512"):
+        engine.prefill([[1, 512]])
+    assert engine.prefill([[1, 2], list(range(8))]).shape == (2, 512)
+
+
+def test_decode_refuses_tokens_it_cannot_place(loaded):
+    engine = Engine(loaded, max_batch=2, max_len=8)
+    engine.prefill([[1, 2], [3]])
+    tokens, positions = torch.tensor([5, 6]), torch.tensor([2, 1])
+    with pytest.raises(TypeError, match="tokens must be an integer tensor, got torch.float32"):
+        engine.decode(tokens.float(), positions)
+    with pytest.raises(TypeError, match="positions must be an integer tensor, got list"):
+        engine.decode(tokens, [2, 1])
+    with pytest.raises(ValueError, match=r"must both be \[B\] with B in 1..2, got \(3,\) and \(3,\)"):
+        engine.decode(torch.tensor([5, 6, 7]), torch.tensor([2, 1, 1]))
+    with pytest.raises(ValueError, match=r"got \(2,\) and \(1,\)"):
+        engine.decode(tokens, positions[:1])
+    with pytest.raises(ValueError, match=r"got \(1, 2\)"):
+        engine.decode(tokens.view(1, 2), positions.view(1, 2))
+    assert engine.decode(tokens, positions).shape == (2, 512)

@@ -34,6 +34,9 @@ class GenerationResult:
     logits: list[torch.Tensor] | None = None  # per step fp32 [B, V] (``return_logits=True``)
 
 
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
 def _token_id(value) -> bool:
     """An integer (numpy's too), not a bool or a float."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -108,10 +111,9 @@ class Engine:
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Run every prompt (sequence ``i`` in slot ``i``); fp32 logits of each last token ``[B, V]``."""
+        self._check_prompts(prompts)
         dev = self.device
         lens = [len(p) for p in prompts]
-        if any(n == 0 for n in lens):
-            raise ValueError("empty prompt")
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
         slots = torch.cat([torch.full((n,), i, dtype=torch.long, device=dev) for i, n in enumerate(lens)])
@@ -123,8 +125,21 @@ class Engine:
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One token per sequence (sequence ``i`` in slot ``i``) -> fp32 logits ``[B, V]``."""
-        b = tokens.shape[0]
+        """One token per sequence (sequence ``i`` in slot ``i``) -> fp32 logits ``[B, V]``.
+
+        ``tokens`` and ``positions``: integer ``[B]`` tensors on the engine's device, ``B`` in
+        ``1..max_batch``. Each position must be below ``max_len`` and each token id below the
+        vocabulary size: the values are not checked here (that would cost a host sync per step);
+        ``generate`` guarantees both."""
+        for name, t in (("tokens", tokens), ("positions", positions)):
+            if not isinstance(t, torch.Tensor) or t.dtype not in _INDEX_DTYPES:
+                raise TypeError(f"{name} must be an integer tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}, the engine on {self.device}")
+        b = tokens.shape[0] if tokens.dim() == 1 else 0
+        if not 0 < b <= self.max_batch or positions.shape != tokens.shape:
+            raise ValueError(f"tokens and positions must both be [B] with B in 1..{self.max_batch}, got "
+                             f"{tuple(tokens.shape)} and {tuple(positions.shape)}")
         slots = torch.arange(b, device=self.device)
         if self.replays_graphs(b):
             logits = self.graph_runner().run(tokens, positions, slots)
@@ -141,11 +156,9 @@ class Engine:
                  return_logits: bool = False) -> GenerationResult:
         """Greedy ``max_new_tokens`` tokens for each prompt (step ``s`` logits kept on request)."""
         b = len(prompts)
-        if not 0 < b <= self.max_batch:
-            raise ValueError(f"batch of {b} prompts; this engine takes 1..{self.max_batch}")
+        self._check_prompts(prompts)
         if not is_int(max_new_tokens) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-        self._check_prompts(prompts)
         longest = max(len(p) for p in prompts)
         if longest + max_new_tokens > self.max_len:
             raise ValueError(f"prompt {longest} + {max_new_tokens} new tokens > max_len {self.max_len}")
@@ -177,12 +190,17 @@ class Engine:
         return GenerationResult(tokens, t1 - t0, t2 - t1, max_new_tokens - 1, graphs, self.chain, kept)
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Every prompt a non-empty sequence of token ids in ``[0, vocab)`` (an id out of range
-        would index the embedding out of bounds, or wrap around if negative)."""
+        """1..max_batch prompts (one cache slot each), every one a non-empty sequence of at most
+        ``max_len`` token ids in ``[0, vocab)``: a longer prompt would write past its cache row, an
+        id out of range index the embedding out of bounds (or wrap around if negative)."""
+        if not 0 < len(prompts) <= self.max_batch:
+            raise ValueError(f"batch of {len(prompts)} prompts; this engine takes 1..{self.max_batch}")
         vocab = self.model.embed.weight.shape[0]
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty")
+            if len(prompt) > self.max_len:
+                raise ValueError(f"prompt {i} has {len(prompt)} tokens; this engine's max_len is {self.max_len}")
             bad = next((t for t in prompt if not _token_id(t) or not 0 <= t < vocab), None)
             if bad is not None:
                 raise ValueError(f"prompt {i} holds {bad!r}: token ids are ints in [0, {vocab})")
