@@ -25,6 +25,7 @@ RoPE acts on interleaved pairs ``(x[2i], x[2i+1])``; ``cos_table``/``sin_table``
 ``fp8chain_kernel.reference`` namesakes up to that rounding (``rope_qkv`` within one bf16 ulp).
 Decode and prefill alike: each token reads only its own slot's keys up to its own position,
 straight from the cache. The tables need a row per cache position (``L`` rows at least).
+What a launch writes (``out``, the cache in ``rope_qkv``) shares no memory with what it reads.
 
 Index contract: ``0 <= slots[t] < S`` and ``0 <= positions[t] < L``. The kernels do not check the
 values (that would take a device-to-host copy per call, which CUDA-graph capture forbids); an
@@ -37,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import is_int
+from .formats import check_distinct_elements, check_no_overlap, is_int
 from .fp8_tile import dot_bf16, interpreting, rms_rstd, round_bf16
 from .launch import H200_SMS, await_producer, pdl_options, sm_count
 
@@ -371,6 +372,10 @@ def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_tab
                                   or not kv_weight.is_contiguous() or kv_weight.device != q.device):
         raise TypeError(f"kv_weight must be a contiguous bfloat16 [{dim}] tensor on {q.device}, got "
                         f"{kv_weight.dtype} {tuple(kv_weight.shape)} on {kv_weight.device}")
+    # the cache is written while other programs read the token's inputs
+    check_no_overlap([("kv_cache", kv_cache)], [("q", q), ("kv", kv), ("kv_weight", kv_weight), ("slots", slots),
+                                                ("positions", positions), ("cos_table", cos_table),
+                                                ("sin_table", sin_table)])
     heads = q.shape[1] // dim if dim else 0
     out = torch.empty((tokens, heads, dim), dtype=torch.bfloat16, device=q.device)
     if tokens == 0 or heads == 0:
@@ -414,10 +419,15 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
         raise ValueError(f"head dim must be even (column pairs), got {dim}")
     if out is None:
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-    elif out.dtype != torch.bfloat16 or out.shape != q.shape or out.stride(2) != 1:
-        raise ValueError(f"out must be bfloat16 {tuple(q.shape)} with unit last stride")
     else:
+        if out.dtype != torch.bfloat16 or out.shape != q.shape:
+            raise TypeError(f"out must be bfloat16 {tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
+        if out.numel() and out.stride(2) != 1:
+            raise ValueError(f"out must have unit last stride, got strides {out.stride()}")
+        check_distinct_elements(out, "out")
         _check_device(q.device, out=out)
+        check_no_overlap([("out", out)], [("q", q), ("kv_cache", kv_cache), ("slots", slots), ("positions", positions),
+                                          ("sink", sink), ("cos_table", cos_table), ("sin_table", sin_table)])
     if tokens == 0 or heads == 0:
         return out
     length = kv_cache.shape[1]

@@ -52,7 +52,7 @@ from .quant import check_activation, quantize
 
 __all__ = [
     "GemmConfig", "fp8_gemm", "fp8_gemm_silu_mul", "gemm_config", "silu_mul_epilogue_pays", "w8a16_gemm",
-    "input_format_for_block", "check_weight", "select_config", "CONFIG_TABLE",
+    "input_format_for_block", "check_block_scaled", "check_weight", "select_config", "CONFIG_TABLE",
 ]
 
 
@@ -504,13 +504,13 @@ def input_format_for_block(weight_block: int) -> ActFormat:
     raise ValueError(f"weight_block must be the int 32 or 128, got {weight_block!r}")
 
 
-def check_weight(weight: torch.Tensor, weight_scale: torch.Tensor, weight_block: int) -> tuple[int, int]:
-    """Validate an e4m3 ``[N, K]`` weight and its fp32 block scales; return ``(N, K)``."""
+def check_block_scaled(weight: torch.Tensor, weight_scale: torch.Tensor, weight_block: int) -> tuple[int, int]:
+    """An e4m3 ``[N, K]`` weight with fp32 ``[ceil(N/b), ceil(K/b)]`` block scales (the checkpoint
+    format, whatever reads it); returns ``(N, K)``."""
     if weight.dtype != FP8_DTYPE:
         raise TypeError(f"weight must be {FP8_DTYPE}, got {weight.dtype}")
-    if weight.dim() != 2 or weight.stride(1) != 1:
-        raise ValueError(f"weight must be 2-D [N, K] with unit column stride, got shape "
-                         f"{tuple(weight.shape)} strides {weight.stride()}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
     if weight_scale.dtype != torch.float32:
         raise TypeError(f"weight_scale must be float32, got {weight_scale.dtype}")
     n, k = weight.shape
@@ -518,6 +518,15 @@ def check_weight(weight: torch.Tensor, weight_scale: torch.Tensor, weight_block:
     if tuple(weight_scale.shape) != want:
         raise ValueError(f"weight {n}x{k} with {weight_block}x{weight_block} blocks needs scales {want}, "
                          f"got {tuple(weight_scale.shape)}")
+    return n, k
+
+
+def check_weight(weight: torch.Tensor, weight_scale: torch.Tensor, weight_block: int) -> tuple[int, int]:
+    """Validate an e4m3 ``[N, K]`` weight and its fp32 block scales as this kernel reads them;
+    return ``(N, K)``."""
+    n, k = check_block_scaled(weight, weight_scale, weight_block)
+    if weight.numel() and weight.stride(1) != 1:
+        raise ValueError(f"weight must have unit column stride, got strides {weight.stride()}")
     if weight_scale.device != weight.device:
         raise ValueError(f"weight on {weight.device} but weight_scale on {weight_scale.device}")
     if k % weight_block:

@@ -223,6 +223,25 @@ def test_attention_refuses_tensors_on_another_device():
                                 out=torch.empty(2, 2, 128, dtype=torch.bfloat16, device="meta"))
 
 
+def test_attention_refuses_outputs_over_its_inputs():
+    cos, sin, cache, slots, positions = attention_inputs()
+    q = bf16(2, 2, 128)
+    with pytest.raises(ValueError, match="out overlaps q"):
+        attention.mqa_attention(q, cache, slots, positions, torch.zeros(2), 0.1, cos, sin, out=q)
+    with pytest.raises(ValueError, match="out overlaps kv_cache"):
+        attention.mqa_attention(q, cache, slots, positions, torch.zeros(2), 0.1, cos, sin,
+                                out=cache[0, :4].view(2, 2, 128))
+    with pytest.raises(ValueError, match="out has elements sharing memory"):
+        attention.mqa_attention(q, cache, slots, positions, torch.zeros(2), 0.1, cos, sin,
+                                out=bf16(1, 2, 128).expand(2, 2, 128))
+    with pytest.raises(TypeError, match="out must be bfloat16"):
+        attention.mqa_attention(q, cache, slots, positions, torch.zeros(2), 0.1, cos, sin,
+                                out=torch.empty(2, 2, 128))
+    q_in_cache = cache[1, :4].reshape(2, 2 * 128)  # the token's query heads stored in the cache
+    with pytest.raises(ValueError, match="kv_cache overlaps q"):
+        attention.rope_qkv(q_in_cache, bf16(2, 128), cos, sin, cache, slots, positions, 1e-6)
+
+
 def test_key_splits_refuses_empty_problems():
     for args in ((0, 4, 64), (4, 0, 64), (4, 4, 0)):
         with pytest.raises(ValueError, match="positive ints"):

@@ -12,7 +12,9 @@ process, calls each plugin's function, then applies the hooks it registered
   ``wq_b`` and ``wo_b``) on a GPU where upstream has no such path (anything before Blackwell)
   becomes an fp8chain consumer (``prepare_consumer``): backend chosen for the arch and shape,
   derived weight tensors written in place, ``layer.input_format`` set; or the request is
-  refused (flag False, reason logged) and the layer keeps upstream's bf16 path.
+  refused (flag False, reason logged) and the layer keeps upstream's bf16 path. Before that, its
+  weight and scales pass the checks fp8chain's own ``Fp8LinearMethod`` runs (``check_weights``),
+  which raise at load rather than at the first forward.
 * around ``apply(layer, x, bias=None)``: a ``QuantizedActivation`` goes to that backend's GEMM,
   never re-quantized (a pair in another format, or for a layer that did not ask for one, raises
   ``TypeError``); any other input runs upstream's ``apply`` unchanged.
@@ -30,7 +32,7 @@ import torch
 
 from fp8chain_kernel.formats import QuantizedActivation
 
-from ..layers.quantization.fp8 import check_pair_input, consumer_gemm, prepare_consumer
+from ..layers.quantization.fp8 import check_pair_input, check_weights, consumer_gemm, prepare_consumer
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,9 @@ def after_process_weights(result, method, layer, *args, **kwargs):
         layer.deepgemm_mxfp8_input = False
         layer.input_format = None
         return None
+    # the checks fp8chain's own Fp8LinearMethod runs: a corrupt checkpoint fails here, at load,
+    # not at the first forward (possibly inside graph capture)
+    check_weights(layer, block, getattr(method.quant_config, "scale_fmt", None), name=name)
     prepare_consumer(layer, block, name=name)
     return None
 

@@ -32,14 +32,30 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "LinearMethodBase", "UnquantizedLinearMethod", "LinearBase", "ReplicatedLinear",
-    "ColumnParallelLinear", "RowParallelLinear", "divide",
+    "ColumnParallelLinear", "RowParallelLinear", "divide", "check_dense_input",
 ]
+
+# What the dense (bf16) path computes on: F.linear here, the activation quantizer in the FP8 method.
+_DENSE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:
     if numerator % denominator:
         raise ValueError(f"{what} {numerator} is not divisible by tp_size {denominator}")
     return numerator // denominator
+
+
+def check_dense_input(layer: "LinearBase", x) -> None:
+    """``x`` is a bf16/fp32 tensor ``[..., K]`` for ``layer``'s weight ``[N, K]``: ``TypeError`` /
+    ``ValueError`` naming what came otherwise (an FP8 or int tensor would be cast, not decoded)."""
+    name = layer.display_name
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a bfloat16 or float32 tensor, got {type(x).__name__}")
+    if x.dtype not in _DENSE_DTYPES:
+        raise TypeError(f"{name}: expected a bfloat16 or float32 tensor, got {x.dtype}")
+    k = layer.weight.shape[1]
+    if x.dim() == 0 or x.shape[-1] != k:
+        raise ValueError(f"{name}: input shape {tuple(x.shape)} does not end in the weight's K={k}")
 
 
 class LinearMethodBase:
@@ -62,6 +78,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def create_weights(self, layer, input_size_per_partition, output_size_per_partition,
                        params_dtype, device=None):
+        if params_dtype not in _DENSE_DTYPES:
+            raise TypeError(f"{layer.display_name}: an unquantized layer holds bfloat16 or float32 "
+                            f"weights, got params_dtype={params_dtype}")
         weight = nn.Parameter(
             torch.zeros(output_size_per_partition, input_size_per_partition, dtype=params_dtype,
                         device=device), requires_grad=False)
@@ -80,6 +99,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if isinstance(x, QuantizedActivation):
             raise TypeError(f"{layer.display_name} reads bf16 input (unquantized layer), "
                             f"got a pair in {x.fmt.value}")
+        check_dense_input(layer, x)
         weight = layer.weight
         return F.linear(x.to(weight.dtype), weight, layer.forward_bias)
 

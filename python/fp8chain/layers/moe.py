@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8chain_kernel import act as act_kernels
-from fp8chain_kernel.formats import QuantizedActivation
+from fp8chain_kernel.formats import QuantizedActivation, is_int
 
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .quantization.fp8 import consumer_gemm_silu_mul
@@ -46,7 +46,8 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Packed e2m1 ``[..., N, K/2]`` uint8 + UE8M0 ``[..., N, K/32]`` -> ``[..., N, K]``.
 
-    Every MXFP4 value is exact in bf16 and fp32 (3 significant bits times a power of two).
+    Every MXFP4 value is exact in bf16 and fp32 (3 significant bits times a power of two). A
+    scale byte 255 (UE8M0's NaN) raises ``ValueError``.
     """
     if packed.dtype not in (torch.uint8, torch.int8):
         raise TypeError(f"packed e2m1 data must be uint8, got {packed.dtype}")
@@ -56,6 +57,10 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor,
     if sbytes.shape[-1] * MXFP4_GROUP != k or sbytes.shape[:-1] != packed.shape[:-1]:
         raise ValueError(f"MXFP4 data {tuple(packed.shape)} needs scales "
                          f"{tuple(packed.shape[:-1]) + (k // MXFP4_GROUP,)}, got {tuple(sbytes.shape)}")
+    nan = sbytes == 255
+    if nan.any():  # the shift below would turn it into 2^128 = inf
+        raise ValueError(f"MXFP4 scales {tuple(sbytes.shape)}: {int(nan.sum())} hold the byte 255 (NaN in UE8M0; "
+                         f"scales are bytes 0..254), first at {nan.nonzero()[0].tolist()}")
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], k)
     values = _e2m1_table(packed.device)[codes.long()]
     pow2 = ((sbytes.to(torch.int32) << 23).view(torch.float32))  # 2^(e-127), exact
@@ -106,6 +111,8 @@ class TopKRouter(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, routed_scaling_factor: float,
                  renormalize: bool = True):
         super().__init__()
+        if not (is_int(top_k) and 1 <= top_k <= num_experts):
+            raise ValueError(f"top_k must be an int in 1..{num_experts} (num_experts), got {top_k!r}")
         self.num_experts = num_experts
         self.top_k = top_k
         self.routed_scaling_factor = routed_scaling_factor
@@ -151,6 +158,8 @@ class SharedExpert(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, *, swiglu_limit: float | None,
                  quant_config=None, prefix: str = "", tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
+        if tp_size != 1:  # a gate_up shard holds gate rows only or up rows only: SiLU*mul would mix them up
+            raise NotImplementedError(f"SharedExpert supports tp_size=1, got tp_size={tp_size}")
         self.intermediate_size = intermediate_size
         self.swiglu_limit = swiglu_limit
         self.chain = True
@@ -212,8 +221,13 @@ class RoutedExpertsReference(nn.Module):
             self.w2_dequant.copy_(dequantize_mxfp4(self.w2_weight, self.w2_scale, torch.bfloat16))
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]`` bf16 -> fp32 ``[T, H]`` (routing weights applied, already scaled)."""
+        """``x [T, H]`` bf16 -> fp32 ``[T, H]`` (routing weights applied, already scaled);
+        ``topk_idx`` and ``topk_weights`` are both ``[T, k]``."""
         t = x.shape[0]
+        if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape[0] != t or topk_weights.shape != topk_idx.shape:
+            # scatter would leave rows without routing at zero, or read only part of the weights
+            raise ValueError(f"x [T, H] = {tuple(x.shape)} needs topk_idx and topk_weights both [T, k], got "
+                             f"{tuple(topk_idx.shape)} and {tuple(topk_weights.shape)}")
         dense = torch.zeros(t, self.num_experts, dtype=torch.float32, device=x.device)
         dense.scatter_add_(1, topk_idx, topk_weights.float())
         routed = torch.zeros(t, self.num_experts, dtype=torch.bool, device=x.device)

@@ -8,10 +8,13 @@ is the one place that decides which of the two happens, and says so when it has 
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
 from torch import nn
+
+from fp8chain_kernel.formats import check_distinct_elements, overlaps
 
 logger = logging.getLogger(__name__)
 
@@ -35,25 +38,41 @@ def copy_or_rebind_param(module: nn.Module, name: str, tensor: torch.Tensor) -> 
       re-captured. Attributes on the Parameter (``weight_loader`` ...) are kept.
     * absent: register ``tensor`` as a new Parameter (``requires_grad=False``), strides as given.
 
-    Returns the parameter. A buffer or a non-parameter attribute of that name is an error.
+    The last two take ``tensor``'s own storage (no copy), which later reloads write in place, so
+    ``tensor`` must own it: a view of another parameter or buffer of the module, or one with
+    elements sharing memory (expanded, stride 0) is a ``ValueError``; pass a clone.
+
+    Returns the parameter. A buffer or a non-parameter attribute of that name is a ``TypeError``.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: expected a tensor, got {type(tensor).__name__}")
     tensor = tensor.detach()
     param = module._parameters.get(name)
+    if param is not None and param.shape == tensor.shape and param.dtype == tensor.dtype:
+        with torch.no_grad():
+            param.copy_(tensor)
+        return param
+    if param is None and (name in module._buffers or name in module.__dict__ or name in module._modules):
+        raise TypeError(f"{type(module).__name__}.{name} exists and is not a Parameter")
+    _check_owns_storage(module, name, tensor)
     if param is not None:
-        if param.shape == tensor.shape and param.dtype == tensor.dtype:
-            with torch.no_grad():
-                param.copy_(tensor)
-            return param
         logger.warning(
             "%s.%s: rebinding storage (%s %s -> %s %s); CUDA graphs captured reading it are stale "
             "and must be re-captured", type(module).__name__, name, param.dtype,
             tuple(param.shape), tensor.dtype, tuple(tensor.shape))
         param.data = tensor
         return param
-    if name in module._buffers or (name in module.__dict__) or name in module._modules:
-        raise TypeError(f"{type(module).__name__}.{name} exists and is not a Parameter")
     param = nn.Parameter(tensor, requires_grad=False)
     module.register_parameter(name, param)
     return param
+
+
+def _check_owns_storage(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """``tensor`` may become ``module.<name>``'s storage: a later in-place copy into it must write
+    each element once and touch no other parameter or buffer of the module."""
+    where = f"{type(module).__name__}.{name}"
+    check_distinct_elements(tensor, where)
+    for other, t in itertools.chain(module.named_parameters(), module.named_buffers()):
+        if other != name and t.device == tensor.device and overlaps(t, tensor):
+            raise ValueError(f"{where}: the tensor shares memory with {other}, so writing one would "
+                             f"overwrite the other; pass a clone")

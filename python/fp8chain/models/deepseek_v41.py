@@ -32,6 +32,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Iterable
 
 import torch
@@ -46,7 +47,7 @@ from ..layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelL
 from ..layers.mhc import HyperConnection, at_start, expand_streams, run_sublayer
 from ..layers.moe import RoutedExpertsReference, SharedExpert, TopKRouter
 from ..layers.norm import RMSNorm
-from ..layers.quantization.fp8 import Fp8Config
+from ..layers.quantization.fp8 import Fp8Config, check_weights
 
 __all__ = [
     "DeepseekV41Config", "MQALayer", "DeepseekV41MoE", "DeepseekV41DecoderLayer",
@@ -492,6 +493,11 @@ class Embedding(nn.Module):
         return self.weight[ids]
 
 
+def _capturing_graph(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device`` (host reads are forbidden then)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class DeepseekV41ForCausalLM(nn.Module):
     """The whole decoder: embedding -> 4-stream residual -> layers -> final combine + norm ->
     head. ``chain`` switches every producer's FP8 output (``set_chain``)."""
@@ -527,7 +533,8 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def set_chain(self, on: bool) -> None:
         """Producers write FP8 pairs (``True``) or bf16 only (``False``), model-wide."""
-        on = bool(on)
+        if not isinstance(on, bool):  # bool("false") is True
+            raise TypeError(f"chain must be True or False, got {on!r}")
         for module in self.modules():
             if hasattr(module, "chain"):
                 module.chain = on
@@ -550,7 +557,17 @@ class DeepseekV41ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 kv_caches: list[torch.Tensor], logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Flat tokens of any number of sequences -> fp32 logits ``[len(logits_indices), V]``
-        (all tokens when ``logits_indices`` is None)."""
+        (all tokens when ``logits_indices`` is None).
+
+        ``input_ids``, ``positions`` and ``slots`` are int32/int64 ``[T]``: token ``t`` writes its
+        latent at ``[slots[t], positions[t]]`` of each layer's cache in ``kv_caches`` (one
+        ``[S, L, head_dim]`` cache per layer, ``make_kv_cache``). Ids outside ``[0, V)``, positions
+        outside ``[0, L)`` and slots outside ``[0, S)`` are refused before anything runs, at the
+        cost of one host read per call. While a CUDA graph is captured that read is skipped
+        (capture forbids host syncs), so graph replays are not checked: the runtime ``Engine``
+        validates what it feeds them (``generate``: its prompts and lengths).
+        """
+        self._check_inputs(input_ids, positions, slots, kv_caches)
         c = self.config
         residual = expand_streams(self.embed(input_ids), c.hc_mult)
         first = self.layers[0]
@@ -566,6 +583,44 @@ class DeepseekV41ForCausalLM(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         return self.head(x)
+
+    def _check_inputs(self, input_ids, positions, slots, kv_caches) -> None:
+        """``forward``'s refusals: an id out of range indexes the embedding out of bounds (a
+        negative one wraps around), a position or slot out of range writes outside the cache."""
+        device = self.embed.weight.device
+        for name, t in (("input_ids", input_ids), ("positions", positions), ("slots", slots)):
+            if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
+                got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+                raise TypeError(f"{name} must be an int32/int64 tensor, got {got}")
+            if t.device != device:
+                raise ValueError(f"{name} is on {t.device}, the model on {device}")
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be 1-D [T], got shape {tuple(input_ids.shape)}")
+        if positions.shape != input_ids.shape or slots.shape != input_ids.shape:
+            raise ValueError(f"positions and slots must have input_ids' shape {tuple(input_ids.shape)}, got "
+                             f"{tuple(positions.shape)} and {tuple(slots.shape)}")
+        if not isinstance(kv_caches, (list, tuple)):
+            raise TypeError(f"kv_caches must be a list of per-layer caches (make_kv_cache), got "
+                            f"{type(kv_caches).__name__}")
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"kv_caches must hold one cache per layer: {len(self.layers)} layers, "
+                             f"got {len(kv_caches)}")
+        shapes = [tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+                  for cache in kv_caches]
+        if len(set(shapes)) != 1 or not (isinstance(shapes[0], tuple) and len(shapes[0]) == 3):
+            raise ValueError(f"kv_caches must be [S, L, head_dim] tensors of one shape (make_kv_cache), "
+                             f"got {sorted(set(map(str, shapes)))}")
+        if _capturing_graph(device):
+            return
+        num_slots, length = kv_caches[0].shape[:2]
+        ranges = (("input_ids", input_ids, self.config.vocab_size, "the vocabulary"),
+                  ("positions", positions, length, "the KV cache length"),
+                  ("slots", slots, num_slots, "the KV cache slots"))
+        outside = torch.stack([((t < 0) | (t >= bound)).any() for _, t, bound, _ in ranges])
+        if outside.any().item():  # the one host read
+            raise ValueError("; ".join(
+                f"{name} must be in [0, {bound}) ({what}), got values in [{t.min().item()}, {t.max().item()}]"
+                for (name, t, bound, what), bad in zip(ranges, outside.tolist()) if bad))
 
     # ---- weights ---------------------------------------------------------------------
 
@@ -638,7 +693,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             elif (q := re.fullmatch(r"attn\.wo_a\.(weight|weight_scale_inv)", rest)):
                 parts = stash(f"{pfx}.attn.wo_a", q.group(1), tensor, ("weight", "weight_scale_inv"))
                 if parts is not None:
-                    self._load_wo_a(self.layers[i].attn, *parts)
+                    self._load_wo_a(self.layers[i].attn, f"{pfx}.attn.wo_a", *parts)
             elif (q := re.fullmatch(r"ffn\.shared_experts\.(w1|w3)\.(weight|weight_scale_inv)", rest)):
                 key = f"{pfx}.ffn.shared_experts.gate_up.{q.group(2)}"
                 parts = stash(key, q.group(1), tensor, ("w1", "w3"))
@@ -671,10 +726,13 @@ class DeepseekV41ForCausalLM(nn.Module):
             layer.ffn.experts.process_weights_after_loading()
         return loaded
 
-    def _load_wo_a(self, attn: MQALayer, weight: torch.Tensor, scale: torch.Tensor) -> None:
-        """FP8 ``[G*R, D]`` + 32x32 scales -> bf16 ``[G, R, D]`` (dequantized once, in place)."""
+    def _load_wo_a(self, attn: MQALayer, name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        """FP8 ``[G*R, D]`` + 32x32 scales -> bf16 ``[G, R, D]`` (dequantized once, in place),
+        after the checks the FP8 linears' tensors get (``check_weights``)."""
         from fp8chain_kernel.reference import dequantize_weight
 
+        check_weights(SimpleNamespace(weight=weight, weight_scale_inv=scale), self.quant_config.block,
+                      self.quant_config.scale_fmt, name)
         w = dequantize_weight(weight.to(attn.wo_a.device), scale.to(attn.wo_a.device),
                               self.config.weight_block_size)
         with torch.no_grad():
@@ -685,19 +743,23 @@ class DeepseekV41ForCausalLM(nn.Module):
 MXFP4_WEIGHT_DTYPES = (torch.uint8, torch.int8) + tuple(
     getattr(torch, name) for name in ("float4_e2m1fn_x2",) if hasattr(torch, name))
 MXFP4_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
+#: Element types of the other tensors, converted on copy (an FP8 one would lose its scale).
+VALUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _check_checkpoint_tensor(name: str, tensor, spec) -> None:
-    """A checkpoint tensor against its ``checkpoint_layout`` entry: the shape always, the element
-    type where another one would be read wrongly (FP8 weights, MXFP4 experts and their scales;
-    bf16/fp32 tensors are converted on copy)."""
+    """A checkpoint tensor against its ``checkpoint_layout`` entry: the shape, and an element type
+    that is read right: FP8 weights e4m3 and their block scales float32 (uint8 UE8M0 bytes would
+    be read as numbers), MXFP4 experts and their scales bytes, every other tensor a float of 16
+    bits or more (converted on copy)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: expected a tensor, got {type(tensor).__name__}")
     if tuple(tensor.shape) != tuple(spec.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(spec.shape)}")
-    allowed = {"fp8": (spec.dtype,), "mxfp4": MXFP4_WEIGHT_DTYPES, "mxfp4_scale": MXFP4_SCALE_DTYPES}.get(spec.kind)
-    if allowed is not None and tensor.dtype not in allowed:
-        raise TypeError(f"{name}: a {spec.kind} tensor must be one of {allowed}, got {tensor.dtype}")
+    allowed = {"fp8": (spec.dtype,), "fp8_scale": (spec.dtype,), "mxfp4": MXFP4_WEIGHT_DTYPES,
+               "mxfp4_scale": MXFP4_SCALE_DTYPES}.get(spec.kind, VALUE_DTYPES)
+    if tensor.dtype not in allowed:
+        raise TypeError(f"{name}: {spec.kind} tensors must be one of {allowed}, got {tensor.dtype}")
 
 
 class QuantizeCounter:

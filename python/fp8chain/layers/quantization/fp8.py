@@ -23,15 +23,17 @@ import torch
 from torch import nn
 
 from fp8chain_kernel import backends as gemm_backends
-from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair
+from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair, is_int
+from fp8chain_kernel.gemm import check_block_scaled
 from fp8chain_kernel.quant import quantize
 
-from ..linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from ..linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod, check_dense_input
 from ..parameter import copy_or_rebind_param, set_param_attrs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Fp8Config", "Fp8LinearMethod", "prepare_consumer", "check_pair_input", "consumer_gemm"]
+__all__ = ["Fp8Config", "Fp8LinearMethod", "check_weights", "prepare_consumer", "check_pair_input",
+           "consumer_gemm"]
 
 _BLOCK_SIZES = (32, 128)
 _SCALE_FMTS = (None, "ue8m0")
@@ -42,11 +44,12 @@ class Fp8Config:
     """FP8 block quantization of a checkpoint (``quant_method: "fp8"``).
 
     Args:
-        weight_block_size: square weight block ``(b, b)``, b in {32, 128}.
+        weight_block_size: square weight block ``(b, b)`` of two ints, b in {32, 128}.
         scale_fmt: ``"ue8m0"`` when the checkpoint's weight scales are powers of two (DSv4.1),
             None for arbitrary fp32 scales.
-        ignored_layers: layer prefixes kept unquantized (bf16 weights).
-        backend: preferred GEMM backend name (``select_backend(prefer=...)``), None = automatic.
+        ignored_layers: a list or tuple of layer prefixes kept unquantized (bf16 weights).
+        backend: preferred GEMM backend name (one of ``backends.BACKEND_NAMES``, for
+            ``select_backend(prefer=...)``), None = automatic.
     """
 
     weight_block_size: tuple[int, int] = (128, 128)
@@ -56,17 +59,26 @@ class Fp8Config:
     backend: str | None = None
 
     def __post_init__(self):
-        block = tuple(int(b) for b in self.weight_block_size)
+        block = self.weight_block_size
+        if not isinstance(block, (list, tuple)) or not all(is_int(b) for b in block):
+            raise TypeError(f"fp8: weight_block_size must be a list or tuple of ints, got {block!r}")
         if len(block) != 2 or block[0] != block[1] or block[0] not in _BLOCK_SIZES:
-            raise ValueError(f"fp8: weight_block_size must be [32, 32] or [128, 128], got "
-                             f"{list(self.weight_block_size)}")
-        self.weight_block_size = block
+            raise ValueError(f"fp8: weight_block_size must be [32, 32] or [128, 128], got {list(block)}")
+        self.weight_block_size = tuple(block)
         if self.scale_fmt not in _SCALE_FMTS:
             raise ValueError(f"fp8: scale_fmt must be one of {_SCALE_FMTS}, got {self.scale_fmt!r}")
         if self.activation_scheme != "dynamic":
             raise ValueError(f"fp8: only dynamic activation scales are supported, got "
                              f"activation_scheme={self.activation_scheme!r}")
-        self.ignored_layers = tuple(self.ignored_layers or ())
+        ignored = self.ignored_layers or ()
+        # a bare string would become a tuple of one-character prefixes (upstream does not wrap it)
+        if not isinstance(ignored, (list, tuple)) or not all(isinstance(p, str) for p in ignored):
+            raise TypeError(f"fp8: ignored_layers / modules_to_not_convert must be a list or tuple "
+                            f"of layer prefixes, got {ignored!r}")
+        self.ignored_layers = tuple(ignored)
+        if self.backend is not None and self.backend not in gemm_backends.BACKEND_NAMES:
+            raise ValueError(f"fp8: backend (fp8chain_backend) must be one of "
+                             f"{', '.join(gemm_backends.BACKEND_NAMES)} or None, got {self.backend!r}")
 
     @property
     def block(self) -> int:
@@ -87,10 +99,10 @@ class Fp8Config:
         block = config.get("weight_block_size")
         if block is None:
             raise ValueError("fp8: weight_block_size is required (block-wise FP8 checkpoints only)")
-        ignored = config.get("ignored_layers") or config.get("modules_to_not_convert") or ()
-        return cls(weight_block_size=tuple(block), scale_fmt=config.get("scale_fmt"),
+        ignored = config.get("ignored_layers") or config.get("modules_to_not_convert")
+        return cls(weight_block_size=block, scale_fmt=config.get("scale_fmt"),
                    activation_scheme=config.get("activation_scheme", "dynamic"),
-                   ignored_layers=tuple(ignored), backend=config.get("fp8chain_backend"))
+                   ignored_layers=ignored, backend=config.get("fp8chain_backend"))
 
     def is_ignored(self, prefix: str) -> bool:
         return any(prefix == p or prefix.startswith(p + ".") or prefix.endswith("." + p)
@@ -134,29 +146,6 @@ class Fp8LinearMethod(LinearMethodBase):
         layer.act_format = None
         layer.derived_weight_names = ()
 
-    def _check_scales(self, layer) -> None:
-        """Shape, finiteness, positivity; powers of two when the checkpoint says ``ue8m0``."""
-        name = f"{layer.display_name}.weight_scale_inv"
-        b = self.quant_config.block
-        n, k = layer.weight.shape
-        scale = layer.weight_scale_inv
-        want = (cdiv(n, b), cdiv(k, b))
-        if tuple(scale.shape) != want:
-            raise ValueError(f"{name}: shape {tuple(scale.shape)}, expected {want} for weight "
-                             f"{n}x{k} with {b}x{b} blocks")
-        if scale.dtype != torch.float32:
-            raise TypeError(f"{name}: dtype {scale.dtype}, expected torch.float32")
-        bad = ~(torch.isfinite(scale) & (scale > 0))
-        if self.quant_config.scale_fmt == "ue8m0":
-            bad |= (scale.contiguous().view(torch.int32) & 0x7FFFFF) != 0
-            need = "positive, finite powers of two (checkpoint scale_fmt='ue8m0')"
-        else:
-            need = "positive and finite"
-        if bad.any():
-            idx = bad.nonzero()[0].tolist()
-            raise ValueError(f"{name}: {int(bad.sum())} of {scale.numel()} scales are not {need}; "
-                             f"first at {idx}: {scale[tuple(idx)].item()!r}")
-
     def process_weights_after_loading(self, layer) -> None:
         """Select the backend, derive its weight tensors in place, honour or refuse the request
         (``prepare_consumer``).
@@ -166,7 +155,7 @@ class Fp8LinearMethod(LinearMethodBase):
         """
         from ..warmup import linear_warmup, register_warmup
 
-        self._check_scales(layer)
+        check_weights(layer, self.quant_config.block, self.quant_config.scale_fmt)
         prepare_consumer(layer, self.quant_config.block, prefer=self.quant_config.backend)
         register_warmup(layer, linear_warmup)
 
@@ -178,12 +167,7 @@ class Fp8LinearMethod(LinearMethodBase):
             check_pair_input(layer, x, layer.display_name)
             pair, lead = x, x.data.shape[:-1]
         else:
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{layer.display_name}: expected a tensor or a QuantizedActivation, "
-                                f"got {type(x).__name__}")
-            if x.shape[-1] != k:
-                raise ValueError(f"{layer.display_name}: input has {x.shape[-1]} columns, weight "
-                                 f"expects K={k}")
+            check_dense_input(layer, x)
             lead = x.shape[:-1]
             x2 = x.reshape(-1, k)
             if x2.numel() and x2.stride(1) != 1:
@@ -207,6 +191,28 @@ class Fp8LinearMethod(LinearMethodBase):
             out.add_(bias)  # ``out`` is the GEMM's fresh result
         return out.reshape(*lead, n)
 
+
+def check_weights(layer, block: int, scale_fmt: str | None, name: str | None = None) -> None:
+    """The checkpoint tensors a consumer reads, before anything is derived from them: ``weight``
+    e4m3 ``[N, K]`` and ``weight_scale_inv`` fp32 ``[ceil(N/b), ceil(K/b)]``, positive and finite,
+    powers of two when the checkpoint says ``scale_fmt: "ue8m0"`` (``TypeError`` / ``ValueError``
+    naming the tensor, the count and the first bad value)."""
+    name = name or getattr(layer, "display_name", type(layer).__name__)
+    scale = layer.weight_scale_inv
+    try:
+        check_block_scaled(layer.weight, scale, block)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{name}: {error}") from None
+    bad = ~(torch.isfinite(scale) & (scale > 0))
+    if scale_fmt == "ue8m0":
+        bad |= (scale.contiguous().view(torch.int32) & 0x7FFFFF) != 0
+        need = "positive, finite powers of two (checkpoint scale_fmt='ue8m0')"
+    else:
+        need = "positive and finite"
+    if bad.any():
+        idx = bad.nonzero()[0].tolist()
+        raise ValueError(f"{name}.weight_scale_inv: {int(bad.sum())} of {scale.numel()} scales are "
+                         f"not {need}; first at {idx}: {scale[tuple(idx)].item()!r}")
 
 
 def prepare_consumer(layer, block: int, prefer: str | None = None, name: str | None = None) -> None:

@@ -1,0 +1,198 @@
+"""The model and its MoE layers refuse what they would compute wrongly, before computing: token ids,
+positions and slots outside the embedding or the KV cache (on a GPU those write outside the
+cache), inputs and routing of the wrong shape, a chain switch that is not a bool, router and
+shared-expert settings they cannot run, and checkpoint scales that would be misread."""
+
+import re
+
+import pytest
+import torch
+
+from fp8chain.layers.moe import SharedExpert, TopKRouter, dequantize_mxfp4
+from fp8chain.models import deepseek_v41
+from fp8chain.models.checkpoint import random_checkpoint_tensors
+from fp8chain.models.deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
+
+pytestmark = pytest.mark.cpu
+
+SLOTS, LENGTH = 2, 8  # the KV cache of the forward tests
+
+
+@pytest.fixture(scope="module")
+def config():
+    return DeepseekV41Config.tiny(num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def model(config):
+    """The model with random weights in the checkpoint format (a forward that passes runs)."""
+    model = DeepseekV41ForCausalLM(config)
+    model.load_weights(random_checkpoint_tensors(config))
+    return model
+
+
+def _inputs(model, ids=(1, 2, 3), positions=(0, 1, 0), slots=(0, 0, 1)):
+    return (torch.tensor(ids), torch.tensor(positions), torch.tensor(slots),
+            model.make_kv_cache(SLOTS, LENGTH))
+
+
+# ---- forward --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where,match", [
+    (dict(ids=(1, -1, 3)), r"input_ids must be in \[0, 512\) \(the vocabulary\), got values in \[-1, 3\]"),
+    (dict(ids=(1, 512, 3)), r"input_ids must be in \[0, 512\) .*got values in \[1, 512\]"),
+    (dict(positions=(0, 8, 0)), r"positions must be in \[0, 8\) \(the KV cache length\), got values in \[0, 8\]"),
+    (dict(positions=(0, -1, 0)), r"positions must be in \[0, 8\) .*got values in \[-1, 0\]"),
+    (dict(slots=(0, 2, 1)), r"slots must be in \[0, 2\) \(the KV cache slots\), got values in \[0, 2\]"),
+    (dict(slots=(0, -1, 1)), r"slots must be in \[0, 2\) .*got values in \[-1, 1\]"),
+], ids=["negative id", "id >= vocab", "position >= length", "negative position", "slot >= slots", "negative slot"])
+def test_forward_refuses_indices_outside_the_embedding_or_the_cache(model, where, match):
+    with pytest.raises(ValueError, match=match):
+        model(*_inputs(model, **where))
+
+
+def test_forward_names_every_index_out_of_range(model):
+    with pytest.raises(ValueError, match=r"input_ids must .*; positions must .*; slots must"):
+        model(*_inputs(model, ids=(512, 2, 3), positions=(0, 9, 0), slots=(0, 0, 5)))
+
+
+def test_forward_refuses_inputs_of_the_wrong_kind_or_shape(model):
+    ids, positions, slots, caches = _inputs(model)
+    with pytest.raises(TypeError, match="positions must be an int32/int64 tensor, got torch.float32"):
+        model(ids, positions.float(), slots, caches)
+    with pytest.raises(TypeError, match="input_ids must be an int32/int64 tensor, got list"):
+        model([1, 2, 3], positions, slots, caches)
+    with pytest.raises(ValueError, match=r"input_ids must be 1-D \[T\], got shape \(1, 3\)"):
+        model(ids.view(1, 3), positions.view(1, 3), slots.view(1, 3), caches)
+    with pytest.raises(ValueError, match=r"positions and slots must have input_ids' shape \(3,\), "
+                                         r"got \(2,\) and \(3,\)"):
+        model(ids, positions[:2], slots, caches)
+    with pytest.raises(ValueError, match=r"got \(3,\) and \(4,\)"):
+        model(ids, positions, torch.tensor([0, 0, 1, 1]), caches)
+    with pytest.raises(ValueError, match="kv_caches must hold one cache per layer: 1 layers, got 2"):
+        model(ids, positions, slots, caches * 2)
+    with pytest.raises(ValueError, match="kv_caches must hold one cache per layer: 1 layers, got 0"):
+        model(ids, positions, slots, [])
+    with pytest.raises(TypeError, match="kv_caches must be a list of per-layer caches .*got Tensor"):
+        model(ids, positions, slots, caches[0])
+    with pytest.raises(ValueError, match=r"kv_caches must be \[S, L, head_dim\] tensors .*got \['\(8, 128\)'\]"):
+        model(ids, positions, slots, [caches[0][0]])
+
+
+def test_forward_accepts_the_last_id_position_and_slot(model):
+    logits = model(*_inputs(model, ids=(511, 0), positions=(LENGTH - 1, 0), slots=(SLOTS - 1, 0)))
+    assert logits.shape == (2, 512) and torch.isfinite(logits).all()
+
+
+def test_forward_skips_the_value_check_while_a_graph_is_captured(model, monkeypatch):
+    """Capture forbids the host read: the values are then left to what fills the graph's inputs
+    (the runtime Engine), and the forward goes straight to the embedding."""
+    class Embedded(Exception):
+        pass
+
+    def embed(ids):
+        raise Embedded
+
+    inputs = _inputs(model, positions=(0, LENGTH, 0))
+    with pytest.raises(ValueError, match="positions must be in"):
+        model(*inputs)
+    monkeypatch.setattr(model.embed, "forward", embed)
+    monkeypatch.setattr(deepseek_v41, "_capturing_graph", lambda device: True)
+    with pytest.raises(Embedded):
+        model(*inputs)
+
+
+# ---- chain switch ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["false", 0, 1, None, torch.tensor(True)])
+def test_chain_must_be_a_bool(config, model, value):
+    with pytest.raises(TypeError, match=re.escape(f"chain must be True or False, got {value!r}")):
+        model.set_chain(value)
+    assert model.chain is True and model.layers[0].attn.chain is True  # unchanged
+    with pytest.raises(TypeError, match="chain must be True or False"):
+        DeepseekV41ForCausalLM(config, chain=value)
+
+
+# ---- MoE layers -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("top_k", [0, 9, -1, 2.0, True])
+def test_router_top_k_must_be_in_1_to_num_experts(top_k):
+    with pytest.raises(ValueError, match=rf"top_k must be an int in 1\.\.8 \(num_experts\), got {top_k!r}"):
+        TopKRouter(256, 8, top_k, 1.5)
+
+
+def test_shared_expert_refuses_tensor_parallelism():
+    with pytest.raises(NotImplementedError, match="SharedExpert supports tp_size=1, got tp_size=2"):
+        SharedExpert(256, 128, swiglu_limit=10.0, tp_rank=0, tp_size=2)
+
+
+@pytest.mark.parametrize("idx_shape,weights_shape", [
+    ((3, 2), (3, 3)),  # a weight column more than chosen experts (it was never read)
+    ((2, 2), (2, 2)),  # routing for two of the three tokens (the third came out zero)
+    ((3, 2), (2, 2)),
+    ((6,), (6,)),
+], ids=["extra weight column", "a token short", "weights a token short", "flat"])
+def test_routed_experts_refuse_routing_not_shaped_like_the_tokens(model, idx_shape, weights_shape):
+    experts = model.layers[0].ffn.experts
+    x = torch.randn(3, 256).bfloat16()
+    idx = torch.zeros(idx_shape, dtype=torch.long)
+    weights = torch.ones(weights_shape)
+    with pytest.raises(ValueError, match=re.escape(f"x [T, H] = (3, 256) needs topk_idx and topk_weights both "
+                                                   f"[T, k], got {idx_shape} and {weights_shape}")):
+        experts(x, idx, weights)
+
+
+def test_mxfp4_decoding_refuses_the_nan_scale_byte():
+    packed = torch.zeros(2, 16, dtype=torch.uint8)
+    scale = torch.tensor([[127], [255]], dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"byte 255 .*NaN.* first at \[1, 0\]"):
+        dequantize_mxfp4(packed, scale)
+    with pytest.raises(ValueError, match="byte 255"):
+        dequantize_mxfp4(packed, scale.view(torch.float8_e8m0fnu))
+
+
+# ---- checkpoint scales ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [float("nan"), -1.0, 0.0, 3.0])
+def test_load_refuses_wo_a_scales_that_are_not_positive_powers_of_two(config, value):
+    tensors = dict(random_checkpoint_tensors(config))
+    scale = tensors["layers.0.attn.wo_a.weight_scale_inv"].clone()
+    scale[1, 0] = value
+    tensors["layers.0.attn.wo_a.weight_scale_inv"] = scale
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.wo_a\.weight_scale_inv: 1 of .* scales are not "
+                                         r"positive, finite powers of two .*first at \[1, 0\]"):
+        DeepseekV41ForCausalLM(config).load_weights(tensors.items())
+
+
+@pytest.mark.parametrize("name", ["layers.0.attn.wq_b.weight_scale_inv", "layers.0.attn.wo_a.weight_scale_inv",
+                                  "layers.0.ffn.shared_experts.w2.weight_scale_inv"])
+def test_load_refuses_dense_scales_stored_as_bytes(config, name):
+    """A UE8M0 byte 128 (2.0) stored as uint8 would be read as the number 128.0, a power of two
+    64x off: dense scales must be the checkpoint's float32."""
+    tensors = dict(random_checkpoint_tensors(config))
+    tensors[name] = torch.full_like(tensors[name], 128, dtype=torch.uint8)
+    with pytest.raises(TypeError, match=rf"{name}: fp8_scale tensors must be one of \(torch.float32,\), "
+                                        rf"got torch.uint8"):
+        DeepseekV41ForCausalLM(config).load_weights(tensors.items())
+
+
+def test_load_refuses_an_fp8_embedding(config):
+    """It would be cast to bf16 without its scale."""
+    tensors = dict(random_checkpoint_tensors(config))
+    tensors["embed.weight"] = tensors["embed.weight"].to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="embed.weight: embed tensors must be one of .*got torch.float8_e4m3fn"):
+        DeepseekV41ForCausalLM(config).load_weights(tensors.items())
+
+
+def test_load_refuses_nan_expert_scales(config):
+    tensors = dict(random_checkpoint_tensors(config))
+    name = "layers.0.ffn.experts.3.w2.scale"
+    scale = tensors[name].view(torch.uint8).clone()
+    scale[4, 1] = 255
+    tensors[name] = scale.view(torch.float8_e8m0fnu)
+    with pytest.raises(ValueError, match=r"byte 255 .*first at \[3, 4, 1\]"):
+        DeepseekV41ForCausalLM(config).load_weights(tensors.items())
