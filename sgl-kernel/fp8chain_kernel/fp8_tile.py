@@ -91,15 +91,14 @@ def rms_rstd(sum_sq, n, eps):
 def round_bf16(x, EXACT_CAST: tl.constexpr):
     """fp32 tile -> bf16 tile, round to nearest even (NaN kept, overflow to inf).
 
-    Compiled, the native conversion rounds to nearest even. The Triton CPU interpreter's native
-    conversion truncates, so there the rounding is done on the fp32 bits first (the truncating
-    cast of the already rounded value is then exact).
+    Compiled, the native conversion rounds to nearest even (subnormals included, as torch does).
+    The Triton CPU interpreter's native conversion truncates and garbles subnormals, so there the
+    rounding is done on the fp32 bits and the bf16 bits are their top half.
     """
     if EXACT_CAST:
         bits = x.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        rounded = tl.where(x == x, rounded, bits | 0x400000)
-        return rounded.to(tl.float32, bitcast=True).to(tl.bfloat16)
+        rounded = tl.where(x == x, bits + 0x7FFF + ((bits >> 16) & 1), bits | 0x400000)
+        return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(tl.bfloat16)
 

@@ -249,3 +249,17 @@ def test_reload_under_captured_graphs(setup):
         model.load_weights((n, t.cuda()) for n, t in tensors)
     again = engine.generate(prompts, 12)
     assert again.tokens == [t[:12] for t in setup["runs"][True].tokens]
+
+
+def test_forward_refuses_out_of_range_indices_on_the_gpu(setup):
+    """Eager forward on CUDA tensors reads the index ranges back once and refuses before any
+    launch (a graph replay does not check: the engine feeds it)."""
+    model, caches = setup["model"], setup["engine"].kv_caches
+    length, vocab = caches[0].shape[1], setup["config"].vocab_size
+    cuda = lambda *values: torch.tensor(values, device="cuda")  # noqa: E731
+    before = [c.clone() for c in caches]
+    with pytest.raises(ValueError, match=rf"positions must be in \[0, {length}\)"):
+        model(cuda(1, 2), cuda(0, length), cuda(0, 1), caches)
+    with pytest.raises(ValueError, match=rf"input_ids must be in \[0, {vocab}\)"):
+        model(cuda(1, vocab), cuda(0, 1), cuda(0, 1), caches)
+    assert all(torch.equal(a, b) for a, b in zip(before, caches))  # nothing was written

@@ -8,7 +8,7 @@ import triton.language as tl
 from fp8chain_kernel import quant
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, empty_pair
-from fp8chain_kernel.fp8_tile import cast_to_e4m3, interpreting
+from fp8chain_kernel.fp8_tile import cast_to_e4m3, interpreting, round_bf16
 from helpers import assert_pairs_equal, poisoned_pair
 
 ALL_FORMATS = list(ActFormat)
@@ -53,6 +53,44 @@ def test_cast_to_e4m3_matches_torch_on_every_region():
     _cast_kernel[(triton.cdiv(x.numel(), 1024),)](x, got, x.numel(), EXACT_CAST=True, BLOCK=1024)
     got = got.view(torch.uint8)
     assert torch.equal(got, want), f"{(got != want).sum()} codes differ"
+
+
+@triton.jit
+def _round_kernel(x_ptr, out_ptr, n, EXACT_CAST: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(out_ptr + offs, round_bf16(x, EXACT_CAST), mask=offs < n)
+
+
+def _check_round_bf16(device, exact_cast):
+    """``round_bf16`` == torch's round to nearest even, incl. fp32 subnormals, ties, carries into
+    the exponent, overflow to inf, NaN (any NaN for a NaN)."""
+    n = 1 << 16
+    mantissa = torch.randint(0, 1 << 23, (n,), dtype=torch.int64)
+    exponent = torch.randint(0, 255, (n,))  # 0: subnormals; 254: rounds up to inf near the top
+    bits = (exponent << 23) | mantissa
+    ties = (torch.randint(0, 255, (1024,)) << 23) | (torch.randint(0, 1 << 7, (1024,)) << 16) | 0x8000
+    bits = torch.cat([bits, ties, torch.tensor([0x7F7FFFFF, 0x00007FFF, 0x00008000, 0x00018000, 0x7FC00001])])
+    x = bits.to(torch.int32).view(torch.float32) * torch.where(torch.rand(bits.numel()) < 0.5, -1.0, 1.0)
+    x = torch.cat([x, torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])]).to(device)
+    got = torch.empty(x.numel(), dtype=torch.bfloat16, device=device)
+    _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, got, x.numel(), EXACT_CAST=exact_cast, BLOCK=1024)
+    want = x.cpu().to(torch.bfloat16)
+    got = got.cpu()
+    same = (got.view(torch.int16) == want.view(torch.int16)) | (torch.isnan(got) & torch.isnan(want))
+    assert bool(same.all()), f"{int((~same).sum())} values differ, e.g. {x.cpu()[~same][:4].tolist()}"
+
+
+@pytest.mark.cpu
+def test_round_bf16_matches_torch_on_every_region():
+    """The bit-level rounding used under the interpreter (its own conversion garbles subnormals)."""
+    _check_round_bf16("cpu", True)
+
+
+@pytest.mark.gpu
+def test_round_bf16_matches_torch_on_every_region_gpu():
+    """The native conversion the compiled producers use."""
+    _check_round_bf16("cuda", False)
 
 
 @pytest.mark.cpu
