@@ -53,11 +53,11 @@ import triton
 import triton.language as tl
 
 from .formats import (ActFormat, QuantizedActivation, cdiv, check_disjoint, check_distinct_elements, check_no_overlap,
-                      is_int, pair_parts)
+                      is_int)
 from .fp8_tile import format_constexprs, fp8_offsets, interpreting, round_bf16, store_pair_tile
 from .launch import (ARRIVAL_SLOTS, H200_SMS, arrival_counters, arrive_last, await_arrivals, await_producer,
                      compiled_for_gpu, pdl_options, rearm, sm_count, zeroed_workspace)
-from .norm import check_rows
+from .norm import check_rows, produced
 from .quant import prepare_out
 
 __all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary", "row_barrier_off_reason"]
@@ -758,7 +758,7 @@ def mhc_combine_norm(residual: torch.Tensor, pre: torch.Tensor, norm_weight: tor
     pair = prepare_out(out, rows, cols, fmt, device) if fmt is not None else None
     store_x = return_bf16 or out_bf16 is not None
     x = _prepare_x_out(out_bf16, rows, cols, device) if store_x else None
-    outputs = [("out_bf16", x)] + pair_parts(pair)
+    outputs = produced(pair, x)
     check_disjoint(outputs)
     check_no_overlap(outputs, [("residual", residual), ("pre", pre), ("norm_weight", norm_weight)])
     if rows and cols:
@@ -794,7 +794,7 @@ def mhc_mega_boundary(y: torch.Tensor, residual: torch.Tensor, pre: torch.Tensor
     new_residual = _prepare_residual_out(out_residual, rows, cols, device, "out_residual")
     store_x = return_bf16 or out_bf16 is not None
     x = _prepare_x_out(out_bf16, rows, cols, device) if store_x else None
-    outputs = [("out_residual", new_residual), ("out_bf16", x)] + pair_parts(pair)
+    outputs = [("out_residual", new_residual)] + produced(pair, x)
     check_disjoint(outputs)
     check_no_overlap(outputs, [("y", y), ("residual", residual), ("pre", pre), ("post", post),
                                ("comb", comb), ("norm_weight", norm_weight)])

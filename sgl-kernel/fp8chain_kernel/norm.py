@@ -35,8 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import (ActFormat, QuantizedActivation, check_disjoint, check_distinct_elements, check_no_overlap,
-                      is_int, pair_parts)
+from .formats import ActFormat, QuantizedActivation, check_distinct_elements, check_no_overlap, is_int, pair_parts
 from .fp8_tile import format_constexprs, fp8_offsets, interpreting, rms_rstd, round_bf16, store_pair_tile
 from .launch import await_producer, pdl_options
 from .quant import prepare_out
@@ -102,7 +101,7 @@ def resolve_outputs(rows: int, cols: int, device, out_format, out, out_bf16, ret
         if out_bf16 is not None:
             raise ValueError("out_bf16 was given but return_bf16=False (no bf16 output is written)")
         y = None
-    check_disjoint([("out_bf16", y)] + pair_parts(pair))
+    check_no_overlap([("out_bf16", y)], pair_parts(pair))  # the pair's own parts: prepare_out
     return fmt, pair, y
 
 

@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import ActFormat, QuantizedActivation, check_disjoint, check_no_overlap, check_pair, empty_pair, pair_parts
+from .formats import (ActFormat, QuantizedActivation, check_disjoint, check_no_overlap, check_pair, empty_pair,
+                      pair_parts)
 from .fp8_tile import format_constexprs, quantize_tile, store_scale_tile
 from .launch import await_producer, pdl_options
 
