@@ -42,7 +42,7 @@ from .formats import check_distinct_elements, check_no_overlap, is_int
 from .fp8_tile import dot_bf16, interpreting, rms_rstd, round_bf16
 from .launch import H200_SMS, await_producer, pdl_options, sm_count
 
-__all__ = ["rope_qkv", "mqa_attention", "key_splits"]
+__all__ = ["INDEX_DTYPES", "rope_qkv", "mqa_attention", "key_splits"]
 
 _BLOCK_H = 16  # query heads per program (tl.dot needs >= 16 rows)
 # rope_qkv: query heads per program and warps. From an H200 sweep of 1-16 heads on 1-8 warps (64
@@ -340,8 +340,12 @@ def _check_device(device, **tensors) -> None:
             raise ValueError(f"{name} is on {t.device}, q on {device}")
 
 
+#: The integer types the kernels read token indices (slots, positions) in.
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
 def _check_index(idx: torch.Tensor, name: str, tokens: int) -> None:
-    if idx.dtype not in (torch.int32, torch.int64) or tuple(idx.shape) != (tokens,):
+    if idx.dtype not in INDEX_DTYPES or tuple(idx.shape) != (tokens,):
         raise TypeError(f"{name} must be an int32/int64 [{tokens}] tensor, got {idx.dtype} {tuple(idx.shape)}")
 
 

@@ -72,10 +72,15 @@ def test_decode_refuses_tokens_it_cannot_place(loaded):
     engine = Engine(loaded, max_batch=2, max_len=8)
     engine.prefill([[1, 2], [3]])
     tokens, positions = torch.tensor([5, 6]), torch.tensor([2, 1])
-    with pytest.raises(TypeError, match="tokens must be an integer tensor, got torch.float32"):
+    with pytest.raises(TypeError, match="tokens must be an int32/int64 tensor, got torch.float32"):
         engine.decode(tokens.float(), positions)
-    with pytest.raises(TypeError, match="positions must be an integer tensor, got list"):
+    with pytest.raises(TypeError, match="positions must be an int32/int64 tensor, got list"):
         engine.decode(tokens, [2, 1])
+    # the model and the attention kernels read int32/int64 indices only: refused here, not later
+    for dtype in (torch.int16, torch.uint8):
+        with pytest.raises(TypeError, match=f"tokens must be an int32/int64 tensor, got {dtype}"):
+            engine.decode(tokens.to(dtype), positions)
+    assert engine.decode(tokens.int(), positions.int()).shape == (2, 512)
     with pytest.raises(ValueError, match=r"must both be \[B\] with B in 1..2, got \(3,\) and \(3,\)"):
         engine.decode(torch.tensor([5, 6, 7]), torch.tensor([2, 1, 1]))
     with pytest.raises(ValueError, match=r"got \(2,\) and \(1,\)"):

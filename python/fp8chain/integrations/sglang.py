@@ -84,7 +84,7 @@ def after_process_weights(result, method, layer, *args, **kwargs):
         return None
     # the checks fp8chain's own Fp8LinearMethod runs: a corrupt checkpoint fails here, at load,
     # not at the first forward (possibly inside graph capture)
-    check_weights(layer, block, getattr(method.quant_config, "scale_fmt", None), name=name)
+    check_weights(layer.weight, layer.weight_scale_inv, block, getattr(method.quant_config, "scale_fmt", None), name)
     prepare_consumer(layer, block, name=name)
     return None
 

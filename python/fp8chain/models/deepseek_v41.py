@@ -32,7 +32,6 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Iterable
 
 import torch
@@ -589,7 +588,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         negative one wraps around), a position or slot out of range writes outside the cache."""
         device = self.embed.weight.device
         for name, t in (("input_ids", input_ids), ("positions", positions), ("slots", slots)):
-            if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
+            if not isinstance(t, torch.Tensor) or t.dtype not in attention_kernels.INDEX_DTYPES:
                 got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
                 raise TypeError(f"{name} must be an int32/int64 tensor, got {got}")
             if t.device != device:
@@ -731,8 +730,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         after the checks the FP8 linears' tensors get (``check_weights``)."""
         from fp8chain_kernel.reference import dequantize_weight
 
-        check_weights(SimpleNamespace(weight=weight, weight_scale_inv=scale), self.quant_config.block,
-                      self.quant_config.scale_fmt, name)
+        check_weights(weight, scale, self.quant_config.block, self.quant_config.scale_fmt, name)
         w = dequantize_weight(weight.to(attn.wo_a.device), scale.to(attn.wo_a.device),
                               self.config.weight_block_size)
         with torch.no_grad():

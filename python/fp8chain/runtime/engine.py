@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from fp8chain_kernel.attention import INDEX_DTYPES
 from fp8chain_kernel.formats import is_int
 
 __all__ = ["Engine", "GenerationResult"]
@@ -32,9 +33,6 @@ class GenerationResult:
     graphs: bool                   # decode steps replayed CUDA graphs
     chain: bool
     logits: list[torch.Tensor] | None = None  # per step fp32 [B, V] (``return_logits=True``)
-
-
-_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def _token_id(value) -> bool:
@@ -132,8 +130,8 @@ class Engine:
         vocabulary size: the values are not checked here (that would cost a host sync per step);
         ``generate`` guarantees both."""
         for name, t in (("tokens", tokens), ("positions", positions)):
-            if not isinstance(t, torch.Tensor) or t.dtype not in _INDEX_DTYPES:
-                raise TypeError(f"{name} must be an integer tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+            if not isinstance(t, torch.Tensor) or t.dtype not in INDEX_DTYPES:
+                raise TypeError(f"{name} must be an int32/int64 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device}, the engine on {self.device}")
         b = tokens.shape[0] if tokens.dim() == 1 else 0

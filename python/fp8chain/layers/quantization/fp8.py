@@ -155,7 +155,8 @@ class Fp8LinearMethod(LinearMethodBase):
         """
         from ..warmup import linear_warmup, register_warmup
 
-        check_weights(layer, self.quant_config.block, self.quant_config.scale_fmt)
+        check_weights(layer.weight, layer.weight_scale_inv, self.quant_config.block, self.quant_config.scale_fmt,
+                      getattr(layer, "display_name", type(layer).__name__))
         prepare_consumer(layer, self.quant_config.block, prefer=self.quant_config.backend)
         register_warmup(layer, linear_warmup)
 
@@ -192,15 +193,14 @@ class Fp8LinearMethod(LinearMethodBase):
         return out.reshape(*lead, n)
 
 
-def check_weights(layer, block: int, scale_fmt: str | None, name: str | None = None) -> None:
+def check_weights(weight: torch.Tensor, scale: torch.Tensor, block: int, scale_fmt: str | None,
+                  name: str) -> None:
     """The checkpoint tensors a consumer reads, before anything is derived from them: ``weight``
-    e4m3 ``[N, K]`` and ``weight_scale_inv`` fp32 ``[ceil(N/b), ceil(K/b)]``, positive and finite,
-    powers of two when the checkpoint says ``scale_fmt: "ue8m0"`` (``TypeError`` / ``ValueError``
-    naming the tensor, the count and the first bad value)."""
-    name = name or getattr(layer, "display_name", type(layer).__name__)
-    scale = layer.weight_scale_inv
+    e4m3 ``[N, K]`` and its ``weight_scale_inv`` ``scale``, fp32 ``[ceil(N/b), ceil(K/b)]``, positive
+    and finite, powers of two when the checkpoint says ``scale_fmt: "ue8m0"`` (``TypeError`` /
+    ``ValueError`` naming the tensor, the count and the first bad value)."""
     try:
-        check_block_scaled(layer.weight, scale, block)
+        check_block_scaled(weight, scale, block)
     except (TypeError, ValueError) as error:
         raise type(error)(f"{name}: {error}") from None
     bad = ~(torch.isfinite(scale) & (scale > 0))
