@@ -21,6 +21,12 @@ Arms, timed in one process with CUDA-graph replay (median):
   is the difference to ``chained`` / ``unchained``;
 - ``chained_silu_launch`` (diagnostic): the chained step with SiLU*mul as its own launch after the
   gate_up GEMM instead of the GEMM's SiLU*mul epilogue (``SharedExpert.fuse_silu_mul``);
+- ``unchained_no_quantize`` (diagnostic, not a computation): the unchained step with its
+  standalone quantize launches taken out, each FP8 linear reading a pair written once before
+  capture (``quantize_launches_removed``): what those launches cost the unchained step, i.e. what
+  a chain saves by removing them if its FP8 epilogues cost nothing. The chained step differs from
+  it only by its producers' FP8 epilogues, the bf16 stores they skip and the gate_up GEMM's
+  SiLU*mul epilogue;
 - ``chained_best_stats`` / ``unchained_best_stats``: each arm at the fastest of its steps over
   the mHC stats' K-split caps (``HyperConnection.max_stats_splits``, every (attention, FFN)
   combination of ``STATS_SPLIT_CAPS``), with the caps in ``*_best_stats_splits``. The split count
@@ -56,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
 from fp8chain.argtypes import positive_int, non_negative_int  # noqa: E402
 from fp8chain.bench import harness  # noqa: E402
 from fp8chain.layers.mhc import at_start, run_sublayer  # noqa: E402
+from fp8chain.layers.quantization import fp8 as fp8_method  # noqa: E402
 from fp8chain.layers.quantization.fp8 import Fp8Config  # noqa: E402
 from fp8chain.models.deepseek_v41 import (  # noqa: E402
     DeepseekV41Config, DeepseekV41DecoderLayer, _chain_format,
@@ -192,6 +199,28 @@ def stats_in_line(layer: DeepseekV41DecoderLayer):
         layer.overlap_stats = True
 
 
+@contextlib.contextmanager
+def quantize_launches_removed():
+    """Every FP8 linear fed bf16 takes a pair quantized on its first call for that input shape
+    (eagerly, before a graph is captured) instead of quantizing at every call: the step launches no
+    quantize, and its GEMMs read stale pairs (a timing diagnostic, not a computation)."""
+    pairs = {}
+
+    def stale_pair(x, fmt, out=None):
+        key = (tuple(x.shape), ActFormat(fmt), x.device)
+        if key not in pairs:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("quantize_launches_removed: a new input shape inside graph capture")
+            pairs[key] = quant.quantize(x, fmt)
+        return pairs[key]
+
+    saved, fp8_method.quantize = fp8_method.quantize, stale_pair
+    try:
+        yield
+    finally:
+        fp8_method.quantize = saved
+
+
 def weight_bytes(layer: DeepseekV41DecoderLayer) -> int:
     linears = [layer.attn.wqkv_a, layer.attn.wq_b, layer.attn.wo_b,
                layer.ffn.shared_experts.gate_up, layer.ffn.shared_experts.down]
@@ -279,16 +308,16 @@ ARMS = (("chained", True), ("unchained", False))
 STATS_SPLIT_CAPS = (None, 32)
 
 
-def _time_arms(unit: LayerUnit, record: dict, variant: str, iters: int, silu_launch: bool = False) -> None:
+def _time_arms(unit: LayerUnit, record: dict, variant: str, iters: int, diagnostics: bool = False) -> None:
     """``record["{arm}{variant}_us"]`` for both arms of ``unit`` as the layer is now configured
-    (with ``silu_launch`` also ``chained_silu_launch_us``: the chained step with the shared
-    expert's SiLU*mul as its own launch): one graph per arm, their replays alternated
-    (``harness.replay_times_us``)."""
+    (with ``diagnostics`` also ``chained_silu_launch_us``, the chained step with the shared
+    expert's SiLU*mul as its own launch, and ``unchained_no_quantize_us``): one graph per arm,
+    their replays alternated (``harness.replay_times_us``)."""
     graphs = {}
     for arm, on in ARMS:
         unit.set_chain(on)
         graphs[f"{arm}{variant}"] = harness.capture_graph(unit.step, iters)
-    if silu_launch:
+    if diagnostics:
         shared = unit.layer.ffn.shared_experts
         unit.set_chain(True)
         shared.fuse_silu_mul = False
@@ -296,6 +325,9 @@ def _time_arms(unit: LayerUnit, record: dict, variant: str, iters: int, silu_lau
             graphs["chained_silu_launch"] = harness.capture_graph(unit.step, iters)
         finally:
             shared.fuse_silu_mul = True
+        unit.set_chain(False)
+        with quantize_launches_removed():
+            graphs["unchained_no_quantize"] = harness.capture_graph(unit.step, iters)
     for name, us in harness.replay_times_us(graphs, iters, rounds=7).items():
         record[f"{name}_us"] = us
 
@@ -350,7 +382,7 @@ def run(args) -> tuple[dict, list[dict]]:
         unit = LayerUnit(layer, config, rows, args.context, "cuda", prefill=is_prefill)
         record = {"shapes": shapes, "M": rows, "phase": "prefill" if is_prefill else "decode"}
         with torch.no_grad():
-            _time_arms(unit, record, "", args.iters, silu_launch=True)
+            _time_arms(unit, record, "", args.iters, diagnostics=True)
             _time_best_stats_splits(unit, record, args.iters)
             with stats_at_sublayer_start(layer):
                 _time_arms(unit, record, "_stats_at_start", args.iters)
@@ -377,6 +409,7 @@ def run(args) -> tuple[dict, list[dict]]:
                                ("_serial_stats", "serial_chained_over_unchained"),
                                ("_no_stats", "no_stats_chained_over_unchained")):
             record[ratio] = record[f"chained{variant}_us"] / record[f"unchained{variant}_us"]
+        record["no_quantize_over_unchained"] = record["unchained_no_quantize_us"] / record["unchained_us"]
         if record.get("compiled_peer_us"):
             record["chained_over_peer"] = record["chained_us"] / record["compiled_peer_us"]
         record["chained_over_floor"] = record["chained_us"] / record["floor_us"]
@@ -394,19 +427,27 @@ def run(args) -> tuple[dict, list[dict]]:
                 record[f"{arm}_launches"] = sum(launches.values())
                 record[f"{arm}_quantize_launches"] = harness.quantize_launches(launches)
                 record[f"{arm}_kernels"] = kernels
+            unit.set_chain(False)
+            with quantize_launches_removed():
+                unit.step()  # its pairs, before the profile
+                launches = harness.launch_counts(harness.kernel_profile(unit.step))
+            record["unchained_no_quantize_launches"] = sum(launches.values())
+            record["unchained_no_quantize_quantize_launches"] = harness.quantize_launches(launches)
         del unit
     return meta, records
 
 
 COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "chained_best_stats_us", "unchained_best_stats_us",
            "chained_best_stats_splits", "unchained_best_stats_splits", "chained_silu_launch_us",
+           "unchained_no_quantize_us",
            "chained_stats_at_start_us", "unchained_stats_at_start_us", "chained_serial_stats_us",
            "unchained_serial_stats_us", "chained_no_stats_us", "unchained_no_stats_us", "chained_no_pdl_us",
            "unchained_no_pdl_us", "compiled_peer_us",
            "floor_us", "chained_over_unchained", "best_stats_chained_over_unchained",
            "stats_at_start_chained_over_unchained", "serial_chained_over_unchained",
-           "no_stats_chained_over_unchained", "chained_over_peer", "chained_over_floor", "chained_launches",
-           "unchained_launches", "chained_quantize_launches", "unchained_quantize_launches"]
+           "no_stats_chained_over_unchained", "no_quantize_over_unchained", "chained_over_peer", "chained_over_floor", "chained_launches",
+           "unchained_launches", "chained_quantize_launches", "unchained_quantize_launches",
+           "unchained_no_quantize_launches", "unchained_no_quantize_quantize_launches"]
 
 
 def report(meta: dict, records: list[dict], results_dir=None) -> str:

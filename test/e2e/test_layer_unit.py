@@ -99,6 +99,34 @@ def test_precomputed_stats_arm_freezes_the_mixes_and_restores_them():
     assert all(torch.equal(a, b) for a, b in zip(want[:2], again[:2]))
 
 
+def test_no_quantize_arm_quantizes_once_per_shape_and_restores(monkeypatch):
+    """The unchained_no_quantize diagnostic arm: inside the context the unchained step's FP8
+    linears quantize on their first call only (one pair per input shape, made before any graph is
+    captured), later steps launch no quantize; afterwards every call quantizes again."""
+    bench = _layer_benchmark()
+    config = bench.layer_config("tp1", tiny=True)
+    layer = bench.build_layer(config, "cpu")
+    unit = bench.LayerUnit(layer, config, 3, 16, "cpu")
+    unit.set_chain(False)
+    calls = []
+    real = bench.quant.quantize
+    monkeypatch.setattr(bench.quant, "quantize", lambda x, fmt, out=None: calls.append(tuple(x.shape)) or real(x, fmt, out))
+    monkeypatch.setattr(bench.fp8_method, "quantize", bench.quant.quantize)
+    with torch.no_grad():
+        with bench.quantize_launches_removed():
+            unit.step()
+            first = list(calls)
+            unit.step()
+            assert calls == first
+        # one pair per distinct input shape of the five FP8 linears (wqkv_a and gate_up share one)
+        widths = {config.hidden_size, config.q_lora_rank, layer.attn.wo_b.weight.shape[1],
+                  layer.ffn.shared_experts.down.weight.shape[1]}
+        assert sorted(first) == sorted((3, w) for w in widths)
+        assert bench.fp8_method.quantize is bench.quant.quantize
+        unit.step()
+    assert len(calls) == len(first) + 5
+
+
 def test_kernel_breakdown_lists_the_costliest_kernels_first():
     bench = _layer_benchmark()
     kernels = {"_quantize_kernel": {"launches": 5, "us": 7.5}, "gemm_kernel": {"launches": 2, "us": 30.0},
