@@ -88,3 +88,22 @@ def test_decode_refuses_tokens_it_cannot_place(loaded):
     with pytest.raises(ValueError, match=r"got \(1, 2\)"):
         engine.decode(tokens.view(1, 2), positions.view(1, 2))
     assert engine.decode(tokens, positions).shape == (2, 512)
+
+
+def test_only_a_public_eager_decode_reads_the_indices_back(loaded, monkeypatch):
+    """The model's range check of the indices costs a host read per forward: ``generate`` (its
+    prefill from validated prompts, its decode steps from tokens and positions it makes) skips it;
+    a caller's eager ``decode`` keeps it, and an out-of-range position is still refused there."""
+    reads = []
+    real = type(loaded)._check_index_values
+    monkeypatch.setattr(type(loaded), "_check_index_values",
+                        lambda self, *args: reads.append(args[1].tolist()) or real(self, *args))
+    engine = Engine(loaded, max_batch=2, max_len=8)
+    result = engine.generate([[1, 2], [3]], 3)
+    assert reads == [] and [len(t) for t in result.tokens] == [3, 3]
+    engine.decode(torch.tensor([5, 6]), torch.tensor([3, 2]))
+    assert reads == [[3, 2]]
+    with pytest.raises(ValueError, match=r"positions must be in \[0, 8\)"):
+        engine.decode(torch.tensor([5, 6]), torch.tensor([8, 2]))
+    engine.decode(torch.tensor([5, 6]), torch.tensor([3, 2]), check_indices=False)
+    assert len(reads) == 2

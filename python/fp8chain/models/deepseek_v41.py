@@ -554,7 +554,8 @@ class DeepseekV41ForCausalLM(nn.Module):
     # ---- forward ---------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                kv_caches: list[torch.Tensor], logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], logits_indices: torch.Tensor | None = None, *,
+                check_indices: bool = True) -> torch.Tensor:
         """Flat tokens of any number of sequences -> fp32 logits ``[len(logits_indices), V]``
         (all tokens when ``logits_indices`` is None).
 
@@ -562,11 +563,15 @@ class DeepseekV41ForCausalLM(nn.Module):
         latent at ``[slots[t], positions[t]]`` of each layer's cache in ``kv_caches`` (one
         ``[S, L, head_dim]`` cache per layer, ``make_kv_cache``). Ids outside ``[0, V)``, positions
         outside ``[0, L)`` and slots outside ``[0, S)`` are refused before anything runs, at the
-        cost of one host read per call. While a CUDA graph is captured that read is skipped
-        (capture forbids host syncs), so graph replays are not checked: the runtime ``Engine``
-        validates what it feeds them (``generate``: its prompts and lengths).
+        cost of one host read per call; ``check_indices=False`` skips that read for a caller that
+        made the indices itself (the runtime ``Engine``: its validated prompts and the steps of
+        ``generate``). While a CUDA graph is captured it is skipped too (capture forbids host
+        syncs), so graph replays are not checked: the ``Engine`` validates what it feeds them.
+        Dtypes, shapes and devices are always checked (no host read).
         """
         self._check_inputs(input_ids, positions, slots, kv_caches)
+        if check_indices and not _capturing_graph(input_ids.device):
+            self._check_index_values(input_ids, positions, slots, kv_caches)
         c = self.config
         residual = expand_streams(self.embed(input_ids), c.hc_mult)
         first = self.layers[0]
@@ -584,8 +589,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         return self.head(x)
 
     def _check_inputs(self, input_ids, positions, slots, kv_caches) -> None:
-        """``forward``'s refusals: an id out of range indexes the embedding out of bounds (a
-        negative one wraps around), a position or slot out of range writes outside the cache."""
+        """``forward``'s refusals of index dtypes, shapes and devices and of the caches' layout."""
         device = self.embed.weight.device
         for name, t in (("input_ids", input_ids), ("positions", positions), ("slots", slots)):
             if not isinstance(t, torch.Tensor) or t.dtype not in attention_kernels.INDEX_DTYPES:
@@ -609,8 +613,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         if len(set(shapes)) != 1 or not (isinstance(shapes[0], tuple) and len(shapes[0]) == 3):
             raise ValueError(f"kv_caches must be [S, L, head_dim] tensors of one shape (make_kv_cache), "
                              f"got {sorted(set(map(str, shapes)))}")
-        if _capturing_graph(device):
-            return
+
+    def _check_index_values(self, input_ids, positions, slots, kv_caches) -> None:
+        """``forward``'s refusal of index values (one host read): an id out of range indexes the
+        embedding out of bounds (a negative one wraps around), a position or slot out of range
+        writes outside the cache."""
         num_slots, length = kv_caches[0].shape[:2]
         ranges = (("input_ids", input_ids, self.config.vocab_size, "the vocabulary"),
                   ("positions", positions, length, "the KV cache length"),

@@ -116,19 +116,21 @@ class Engine:
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
         slots = torch.cat([torch.full((n,), i, dtype=torch.long, device=dev) for i, n in enumerate(lens)])
         last = torch.tensor(lens, device=dev).cumsum(0) - 1
-        logits = self.model(ids, positions, slots, self.kv_caches, logits_indices=last)
+        # _check_prompts bounds every id, position and slot: no host read in the model
+        logits = self.model(ids, positions, slots, self.kv_caches, logits_indices=last, check_indices=False)
         if self.step_hook is not None:
             self.step_hook("prefill", int(ids.numel()))
         return logits
 
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, *, check_indices: bool = True) -> torch.Tensor:
         """One token per sequence (sequence ``i`` in slot ``i``) -> fp32 logits ``[B, V]``.
 
-        ``tokens`` and ``positions``: integer ``[B]`` tensors on the engine's device, ``B`` in
+        ``tokens`` and ``positions``: int32/int64 ``[B]`` tensors on the engine's device, ``B`` in
         ``1..max_batch``. Each position must be below ``max_len`` and each token id below the
-        vocabulary size: the values are not checked here (that would cost a host sync per step);
-        ``generate`` guarantees both."""
+        vocabulary size. A step run eagerly has the model refuse other values (one host read per
+        step) unless ``check_indices=False``, as ``generate``, which makes both itself, passes; a
+        step replaying a CUDA graph is never checked (no host sync there)."""
         for name, t in (("tokens", tokens), ("positions", positions)):
             if not isinstance(t, torch.Tensor) or t.dtype not in INDEX_DTYPES:
                 raise TypeError(f"{name} must be an int32/int64 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
@@ -142,7 +144,7 @@ class Engine:
         if self.replays_graphs(b):
             logits = self.graph_runner().run(tokens, positions, slots)
         else:
-            logits = self.model(tokens, positions, slots, self.kv_caches)
+            logits = self.model(tokens, positions, slots, self.kv_caches, check_indices=check_indices)
         if self.step_hook is not None:
             self.step_hook("decode", b)
         return logits
@@ -176,7 +178,7 @@ class Engine:
         generated = [next_tokens]
         positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
         for _ in range(max_new_tokens - 1):
-            logits = self.decode(next_tokens, positions)
+            logits = self.decode(next_tokens, positions, check_indices=False)
             if kept is not None:
                 kept.append(logits.clone())
             next_tokens = logits.argmax(dim=-1)
