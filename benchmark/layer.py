@@ -453,8 +453,8 @@ COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "chained_best_s
 def report(meta: dict, records: list[dict], results_dir=None) -> str:
     path = harness.save_results("layer", meta, records, results_dir)
     decode = [dict(r, panel=f"{r['shapes']} decode, context {meta['context']}") for r in records if r["phase"] == "decode"]
-    harness.plot_records("layer", decode, "M", ["chained_us", "unchained_us", "unchained_best_stats_us", "compiled_peer_us",
-                                               "floor_us"],
+    harness.plot_records("layer", decode, "M", ["chained_us", "unchained_us", "unchained_no_quantize_us",
+                                               "unchained_best_stats_us", "compiled_peer_us", "floor_us"],
                          "us per decode step (attention + shared expert)", group="panel", results_dir=results_dir)
     return f"{path}\n" + harness.markdown_table(records, COLUMNS) + "\n" + kernel_breakdown(records)
 
