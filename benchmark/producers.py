@@ -2,7 +2,8 @@
 
 Producers (DSv4.1 shapes): ``rms_norm`` H=5120 (with the fused residual add) and q_norm H=1280,
 ``silu_mul`` I=2304 with the swiglu clamp, ``wo_a_einsum`` G=8 (TP1) and G=2 (TP4) with R=1024,
-D=4096, and the mHC boundary (``mhc.mhc_mega_boundary``, post + combine + RMSNorm) when it is
+D=4096 (bf16 weights; ``wo_a_g8_fp8w`` / ``wo_a_g2_fp8w``: the checkpoint's FP8 weights with their
+32x32 block scales, dequantized in the kernel, the same products), and the mHC boundary (``mhc.mhc_mega_boundary``, post + combine + RMSNorm) when it is
 importable. For each producer and T, four timings in one process (CUDA-graph replay, median):
 
 - ``bf16_us``: the bf16-only producer;
@@ -52,7 +53,7 @@ from fp8chain_kernel.formats import ActFormat, empty_pair  # noqa: E402
 
 ROWS = [1, 4, 16, 64, 256, 2048]
 QUICK_ROWS = [1, 64, 2048]
-PRODUCERS = ["rms_norm", "q_norm", "silu_mul", "wo_a_g8", "wo_a_g2", "mhc_boundary"]
+PRODUCERS = ["rms_norm", "q_norm", "silu_mul", "wo_a_g8", "wo_a_g2", "wo_a_g8_fp8w", "wo_a_g2_fp8w", "mhc_boundary"]
 EPS = 1e-6
 DEVICE = "cuda"
 SWIGLU_LIMIT = 10.0
@@ -92,7 +93,7 @@ def peer_function(name: str, fmt: ActFormat):
         return lambda x, w, res: _peer_quantize(reference.rms_norm(x, w, EPS, residual=res), fmt)
     if name == "silu_mul":
         return lambda gu: _peer_quantize(reference.silu_mul(gu, limit=SWIGLU_LIMIT), fmt)
-    if name.startswith("wo_a"):
+    if name.startswith("wo_a"):  # the peer reads bf16 weights (an FP8 wo_a dequantized once)
         return lambda o, wo_a: _peer_quantize(torch.einsum("tgd,grd->tgr", o, wo_a).flatten(1), fmt)
     if name == "mhc_boundary":
         def boundary(*a):
@@ -139,19 +140,29 @@ class Case:
                                             config=config)
             self.peer_args = (gu,)
         elif name.startswith("wo_a"):
-            g, r, d = (8 if name == "wo_a_g8" else 2), 1024, 4096
-            self.shape, cols = f"G={g} R={r} D={d}", g * r
+            g, r, d = (8 if name.startswith("wo_a_g8") else 2), 1024, 4096
+            fp8_weights = name.endswith("_fp8w")  # the checkpoint's FP8 wo_a, dequantized in the kernel
+            self.shape, cols = f"G={g} R={r} D={d}" + (" FP8 weights" if fp8_weights else ""), g * r
             # o as the attention output's view: [T, 64 heads / (8/G), 512] seen as [T, G, 4096]
             o = torch.randn(t, g, d, device=device).bfloat16()
-            wo_a = (torch.randn(g, r, d, device=device) / d ** 0.5).bfloat16()
+            if fp8_weights:
+                w8, ws = reference.random_fp8_weight(g * r, d, einsum.WEIGHT_BLOCK, device, log2_scale=-12)
+                wo_a, ws = w8.view(g, r, d), ws.view(g, r // einsum.WEIGHT_BLOCK, -1)
+                weight_bytes = wo_a.numel() + ws.numel() * 4
+                peer_weight = reference.dequantize_wo_a(wo_a, ws)
+            else:
+                wo_a, ws = (torch.randn(g, r, d, device=device) / d ** 0.5).bfloat16(), None
+                weight_bytes = wo_a.numel() * 2
+                peer_weight = wo_a
             self.fp8_bf16 = False
-            self.in_bytes = t * g * d * 2 + g * r * d * 2
+            self.in_bytes = t * g * d * 2 + weight_bytes
             self.flops = 2 * t * g * r * d
             y = torch.empty(t, cols, device=device, dtype=torch.bfloat16)
             pair = empty_pair(t, cols, fmt, device)
-            self.bf16 = lambda: einsum.wo_a_einsum(o, wo_a, out_bf16=y)
-            self.fp8 = lambda: einsum.wo_a_einsum(o, wo_a, out_format=fmt, out=pair, return_bf16=False)
-            self.peer_args = (o, wo_a)
+            self.bf16 = lambda: einsum.wo_a_einsum(o, wo_a, weight_scale=ws, out_bf16=y)
+            self.fp8 = lambda: einsum.wo_a_einsum(o, wo_a, weight_scale=ws, out_format=fmt, out=pair,
+                                                  return_bf16=False)
+            self.peer_args = (o, peer_weight)
         elif name == "mhc_boundary":
             from fp8chain_kernel import mhc  # lazily: the boundary kernel may not exist yet
             h = 5120

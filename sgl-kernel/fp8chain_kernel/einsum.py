@@ -1,9 +1,15 @@
 """wo_a grouped einsum -> bf16, and in the same launch (epilogue) its FP8 pair.
 
-``wo_a_einsum(o, wo_a, *, out_format=None, out=None, out_bf16=None, return_bf16=True)``
+``wo_a_einsum(o, wo_a, *, weight_scale=None, out_format=None, out=None, out_bf16=None, return_bf16=True)``
 
 * ``o``: bf16 ``[T, G, D]`` with unit stride along ``D`` (any other strides: a strided view of
   the attention output works as it is); ``wo_a``: bf16 ``[G, R, D]``, unit stride along ``D``.
+* Or ``wo_a`` e4m3 ``[G, R, D]`` (the checkpoint's FP8 wo_a, ``[G*R, D]`` viewed per group) with
+  ``weight_scale`` fp32 ``[G, ceil(R/32), ceil(D/32)]`` (its 32x32 block scales, viewed the same
+  way): each weight tile is dequantized in registers to ``bf16(w * scale)``, which for the
+  checkpoint's power-of-two scales is exact, so the result is bitwise that of the same launch on a
+  bf16 copy dequantized that way (``reference.dequantize_wo_a``), and the launch streams half the
+  weight bytes.
 * ``y[t, g*R + r] = bf16(sum_d o[t, g, d] * wo_a[g, r, d])``: ``tl.dot`` on bf16 tiles with fp32
   accumulation, rounded to bf16 once in the epilogue. ``y`` is bf16 ``[T, G*R]`` (the flattened
   ``[T, G, R]`` that ``wo_b`` reads).
@@ -33,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import ActFormat, QuantizedActivation, check_no_overlap, is_int
-from .fp8_tile import dot_bf16, round_bf16, store_pair_tile
+from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_no_overlap, is_int
+from .fp8_tile import dequantize_tile, dot_bf16, round_bf16, store_pair_tile
 from .launch import (H200_SMS, await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count,
                      split_workspace)
 from .norm import check_tensor, launch_args, produced, producer_result, resolve_outputs
@@ -61,12 +67,12 @@ def _wo_a_epilogue(acc, y_ptr, data_ptr, scale_ptr, offs_m, offs_n, m_ok, n_ok, 
 
 
 @triton.jit
-def _wo_a_kernel(o_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, part_ptr, count_ptr, M, G, R, D,
-                 stride_om, stride_og, stride_od, stride_wg, stride_wr, stride_wd,
+def _wo_a_kernel(o_ptr, w_ptr, ws_ptr, y_ptr, data_ptr, scale_ptr, part_ptr, count_ptr, M, G, R, D,
+                 stride_om, stride_og, stride_od, stride_wg, stride_wr, stride_wd, stride_wsg, stride_wsr, stride_wsk,
                  stride_ym, stride_dm, stride_sm, stride_sg,
-                 STORE_BF16: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+                 W_FP8: tl.constexpr, STORE_BF16: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                  POW2: tl.constexpr, PACKED: tl.constexpr, EXACT_CAST: tl.constexpr,
-                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr,
+                 WEIGHT_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr,
                  K_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PDL: tl.constexpr):
     # Axis 0 walks the tiles of one group (M fastest), axis 1 the groups: a group's o rows and
@@ -86,6 +92,11 @@ def _wo_a_kernel(o_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, part_ptr, count_ptr, 
               + offs_k[None, :] * stride_od)
     b_ptrs = (w_ptr + g.to(tl.int64) * stride_wg + offs_n.to(tl.int64)[:, None] * stride_wr
               + offs_k[None, :] * stride_wd)
+    # FP8 weights: the scales of the K step's WEIGHT_BLOCK-column groups, rows of WEIGHT_BLOCK
+    SUB: tl.constexpr = BLOCK_K // WEIGHT_BLOCK
+    offs_sub = pid_k * (K_TILES * SUB) + tl.arange(0, SUB)
+    ws_ptrs = (ws_ptr + g.to(tl.int64) * stride_wsg + (offs_n // WEIGHT_BLOCK).to(tl.int64)[:, None] * stride_wsr
+               + offs_sub[None, :] * stride_wsk)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # K_TILES (tiles per K slice) is a compile-time constant (D is fixed per model): the loop
     # bound must not be a runtime scalar on the Triton CPU interpreter under numpy 2.x.
@@ -100,6 +111,12 @@ def _wo_a_kernel(o_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, part_ptr, count_ptr, 
             k_ok = (kt * BLOCK_K + offs_k) < D
             a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if W_FP8:
+            # masked-off weights load as 0, their scales (rows past R, groups past D) as 0 too
+            sub_ok = (offs_sub + kt * SUB) < tl.cdiv(D, WEIGHT_BLOCK)
+            w_s = tl.load(ws_ptrs, mask=n_ok[:, None] & sub_ok[None, :], other=0.0)
+            b = dequantize_tile(b, w_s, BLOCK_N, SUB, WEIGHT_BLOCK, EXACT_CAST)
+            ws_ptrs += SUB * stride_wsk
         acc = dot_bf16(a, tl.trans(b), acc, EXACT_CAST)
         a_ptrs += BLOCK_K * stride_od
         b_ptrs += BLOCK_K * stride_wd
@@ -120,7 +137,8 @@ def _wo_a_kernel(o_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, part_ptr, count_ptr, 
             rearm(count_ptr, tile)
 
 
-def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: int = H200_SMS) -> dict:
+def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: int = H200_SMS,
+                   min_k: int = 16) -> dict:
     """Tile sizes and K split for ``rows`` tokens. Decode (<= 64 rows) streams the weights, so the
     tiles are narrow in N (one 32-column scale group) to spread the weights over many programs, and
     deep cp.async pipelines keep each SM's reads in flight. The decode rows come from the H200 sweep
@@ -160,12 +178,12 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
     # A tile never straddles two einsum groups when quantizing: BLOCK_N divides R.
     while cfg["BLOCK_N"] > min_n and r % cfg["BLOCK_N"]:
         cfg["BLOCK_N"] //= 2
-    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(d)))
+    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(min_k, triton.next_power_of_2(d)))
     while True:
         stage_bytes = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
         if cfg["num_stages"] * stage_bytes <= 192 * 1024 or cfg["num_stages"] <= 2:
             break
-        if cfg["BLOCK_K"] > 64:
+        if cfg["BLOCK_K"] > max(64, min_k):
             cfg["BLOCK_K"] //= 2
         else:
             cfg["num_stages"] -= 1
@@ -200,13 +218,41 @@ def _check_config(config: dict, r: int, min_n: int) -> dict:
     return {"SPLIT": 1, **config}
 
 
-def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, out_format: ActFormat | str | None = None,
-                out: QuantizedActivation | None = None, out_bf16: torch.Tensor | None = None,
-                return_bf16: bool = True, config: dict | None = None):
-    """Grouped einsum ``o [T, G, D] x wo_a [G, R, D] -> [T, G*R]`` bf16 (+ FP8 pair); see the
-    module docstring."""
+WEIGHT_BLOCK = 32  # an FP8 wo_a's scale blocks: 32 x 32, as DSv4.1 checkpoints store it
+
+
+def _check_weight(wo_a: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
+    """A bf16 ``wo_a`` without scales, or an e4m3 one with its fp32 ``[G, ceil(R/32), ceil(D/32)]``
+    block scales; returns whether the weights are FP8."""
+    if not isinstance(wo_a, torch.Tensor) or wo_a.dtype not in (torch.bfloat16, FP8_DTYPE):
+        raise TypeError(f"wo_a must be a bfloat16 or {FP8_DTYPE} tensor, got "
+                        f"{getattr(wo_a, 'dtype', type(wo_a).__name__)}")
+    if wo_a.dim() != 3:
+        raise ValueError(f"wo_a must be 3-D [G, R, D], got shape {tuple(wo_a.shape)}")
+    if wo_a.dtype == torch.bfloat16:
+        if weight_scale is not None:
+            raise TypeError("weight_scale was given for a bfloat16 wo_a (it scales an FP8 wo_a)")
+        return False
+    if weight_scale is None:
+        raise TypeError(f"a {FP8_DTYPE} wo_a needs weight_scale (its fp32 {WEIGHT_BLOCK}x{WEIGHT_BLOCK} block scales)")
+    check_tensor(weight_scale, "weight_scale", torch.float32, 3)
+    groups, r, d = wo_a.shape
+    want = (groups, cdiv(r, WEIGHT_BLOCK), cdiv(d, WEIGHT_BLOCK))
+    if tuple(weight_scale.shape) != want:
+        raise ValueError(f"wo_a {tuple(wo_a.shape)} with {WEIGHT_BLOCK}x{WEIGHT_BLOCK} blocks needs weight_scale "
+                         f"{want}, got {tuple(weight_scale.shape)}")
+    if weight_scale.device != wo_a.device:
+        raise ValueError(f"weight_scale is on {weight_scale.device}, wo_a on {wo_a.device}")
+    return True
+
+
+def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, weight_scale: torch.Tensor | None = None,
+                out_format: ActFormat | str | None = None, out: QuantizedActivation | None = None,
+                out_bf16: torch.Tensor | None = None, return_bf16: bool = True, config: dict | None = None):
+    """Grouped einsum ``o [T, G, D] x wo_a [G, R, D] -> [T, G*R]`` bf16 (+ FP8 pair), ``wo_a``
+    bf16 or e4m3 with ``weight_scale``; see the module docstring."""
     check_tensor(o, "o", torch.bfloat16, 3)
-    check_tensor(wo_a, "wo_a", torch.bfloat16, 3)
+    w_fp8 = _check_weight(wo_a, weight_scale)
     rows, groups, d = o.shape
     if wo_a.shape[0] != groups or wo_a.shape[2] != d:
         raise ValueError(f"wo_a must be [G={groups}, R, D={d}] for o {tuple(o.shape)}, got {tuple(wo_a.shape)}")
@@ -219,7 +265,7 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, out_format: ActFormat | 
         raise ValueError(f"wo_a must have unit stride along D, got strides {wo_a.stride()}")
     cols = groups * r
     fmt, pair, y = resolve_outputs(rows, cols, o.device, out_format, out, out_bf16, return_bf16)
-    check_no_overlap(produced(pair, y), [("o", o), ("wo_a", wo_a)])
+    check_no_overlap(produced(pair, y), [("o", o), ("wo_a", wo_a), ("weight_scale", weight_scale)])
     if fmt is not None and r % fmt.group_size:
         raise ValueError(f"{fmt.value} needs R % {fmt.group_size} == 0 (a scale group may not straddle "
                          f"two einsum groups), got R={r}")
@@ -229,22 +275,28 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, out_format: ActFormat | 
         raise ValueError("o and wo_a have D = 0")
     a = launch_args(fmt, pair, y, o)
     min_n = fmt.group_size if fmt is not None else 16
+    # an FP8 wo_a's K steps hold whole scale blocks
+    min_k = WEIGHT_BLOCK if w_fp8 else 16
     if config is not None:
         cfg = _check_config(config, r, min_n)
-        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(d)))
+        if cfg["BLOCK_K"] < min_k:
+            raise ValueError(f"an FP8 wo_a needs BLOCK_K >= {min_k} (whole scale blocks), got {config!r}")
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(min_k, triton.next_power_of_2(d)))
     else:
-        cfg = _launch_config(rows, groups, r, d, min_n, sm_count(o.device, interpreter=H200_SMS))
+        cfg = _launch_config(rows, groups, r, d, min_n, sm_count(o.device, interpreter=H200_SMS), min_k)
     block_n = cfg["BLOCK_N"]
     tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(r, block_n)
     k_tiles = triton.cdiv(d, cfg["BLOCK_K"])
     split, part, counters = split_workspace("wo_a", min(cfg.pop("SPLIT"), k_tiles), tiles * groups,
                                             cfg["BLOCK_M"] * block_n, o.device)
     slice_tiles = triton.cdiv(k_tiles, split)
+    ws = weight_scale if w_fp8 else o
     _wo_a_kernel[(tiles, groups, split)](
-        o, wo_a, a["y"], a["data"], a["scale"], o if part is None else part, o if counters is None else counters,
-        rows, groups, r, d,
+        o, wo_a, ws, a["y"], a["data"], a["scale"], o if part is None else part,
+        o if counters is None else counters, rows, groups, r, d,
         o.stride(0), o.stride(1), o.stride(2), wo_a.stride(0), wo_a.stride(1), wo_a.stride(2),
-        a["y_stride"], *a["strides"],
+        *(ws.stride() if w_fp8 else (0, 0, 0)), a["y_stride"], *a["strides"],
+        W_FP8=w_fp8, WEIGHT_BLOCK=WEIGHT_BLOCK if w_fp8 else cfg["BLOCK_K"],
         STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"], EVEN_K=d % (cfg["BLOCK_K"] * split) == 0, SPLIT=split,
         K_TILES=slice_tiles, EVEN_N=r % block_n == 0, **cfg, **a["consts"], **pdl_options(),
     )

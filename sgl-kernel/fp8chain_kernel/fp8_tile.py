@@ -66,6 +66,19 @@ def e4m3_to_f32_exact(x):
 
 
 @triton.jit
+def dequantize_tile(x, scales, ROWS: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """e4m3 ``[ROWS, SUB * GROUP]`` tile times its fp32 ``[ROWS, SUB]`` group scales, rounded to bf16
+    once: ``bf16(x * scale)`` per element, exact for power-of-two scales (an e4m3 value times 2^e
+    is a bf16 value), so a bf16 copy dequantized the same way holds the very same values."""
+    if EXACT_CAST:
+        xf = e4m3_to_f32_exact(x)
+    else:
+        xf = x.to(tl.float32)
+    return round_bf16(tl.reshape(tl.reshape(xf, (ROWS, SUB, GROUP)) * scales[:, :, None], (ROWS, SUB * GROUP)),
+                      EXACT_CAST)
+
+
+@triton.jit
 def dot_bf16(a, b, acc, EXACT_CAST: tl.constexpr):
     """``acc + a @ b`` for bf16 tiles, fp32 accumulation on the tensor cores.
 

@@ -45,7 +45,7 @@ import triton.language as tl
 from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_no_overlap, check_pair, is_int, pair_parts
 from .act import check_limit, silu_mul, swiglu
 from .gemv import GEMV_TABLE, GemvConfig, gemv_token_tile, launch_gemv, select_gemv
-from .fp8_tile import e4m3_to_f32_exact, fp8_offsets, interpreting, round_bf16, store_pair_tile
+from .fp8_tile import dequantize_tile, e4m3_to_f32_exact, fp8_offsets, interpreting, round_bf16, store_pair_tile
 from .launch import await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count, split_workspace
 from .norm import check_rows, launch_args, produced, producer_result, resolve_outputs
 from .quant import check_activation, quantize
@@ -153,19 +153,9 @@ def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, n_ok, m0, M, i
             w_s, a_s, w0, a0, w1, a1, w2, a2, w3, a3 = _next_scales(
                 w0, a0, w1, a1, w2, a2, w3, a3, ws_rows, as_rows, it, it_last, stride_wsk, stride_asg, n_ok, m_ok,
                 SUB, A_FP8, SCALE_AHEAD)
-            if FP32_DOT:
-                wf = e4m3_to_f32_exact(w)
-            else:
-                wf = w.to(tl.float32)
-            wd = tl.reshape(tl.reshape(wf, (BLOCK_N, SUB, GROUP)) * w_s[:, :, None], (BLOCK_N, BLOCK_K))
-            wd = round_bf16(wd, FP32_DOT)
+            wd = dequantize_tile(w, w_s, BLOCK_N, SUB, GROUP, FP32_DOT)
             if A_FP8:
-                if FP32_DOT:
-                    af = e4m3_to_f32_exact(a)
-                else:
-                    af = a.to(tl.float32)
-                ad = round_bf16(tl.reshape(tl.reshape(af, (BLOCK_M, SUB, GROUP)) * a_s[:, :, None],
-                                           (BLOCK_M, BLOCK_K)), FP32_DOT)
+                ad = dequantize_tile(a, a_s, BLOCK_M, SUB, GROUP, FP32_DOT)
             else:
                 ad = a
             if FP32_DOT:

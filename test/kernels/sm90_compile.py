@@ -80,6 +80,8 @@ def record_launches() -> None:
             act.silu_mul(bf16(rows, 4608), limit=10.0, out_format=fmt)
         for rows, groups in ((1, 2), (4, 8), (64, 2), (2048, 8)):
             einsum.wo_a_einsum(bf16(rows, groups, 4096), bf16(groups, 1024, 4096), out_format=fmt)
+            einsum.wo_a_einsum(bf16(rows, groups, 4096), torch.zeros(groups, 1024, 4096, dtype=FP8_DTYPE),
+                               weight_scale=torch.ones(groups, 1024 // 32, 4096 // 32), out_format=fmt)
     for block, fmt in ((32, ActFormat.SM90_G32_FP32_MN), (128, ActFormat.SM90_G128_FP32_MN)):
         weight = torch.zeros(1792, 5120, dtype=FP8_DTYPE)
         scale = torch.ones(1792 // block, 5120 // block)

@@ -240,3 +240,92 @@ def test_wo_a_decode_split_config():
     assert einsum._launch_config(1, 8, 1024, 4096, 32, num_sms=132)["SPLIT"] == 1
     assert einsum._launch_config(2048, 2, 1024, 4096, 32, num_sms=132)["SPLIT"] == 1
 
+
+
+def _fp8_weight(groups, r, d, device, nan_at=None):
+    """An e4m3 wo_a ``[G, R, D]`` with power-of-two 32x32 block scales (the checkpoint's form),
+    optionally with a NaN code at ``nan_at``."""
+    w, s = ref.random_fp8_weight(groups * r, d, 32, device, log2_scale=-8)
+    w = w.view(groups, r, d)
+    if nan_at is not None:
+        w.view(torch.uint8)[nan_at] = 0x7F
+    return w, s.view(groups, -1, s.shape[1])
+
+
+def check_wo_a_fp8_weight(rows, groups, r, d, fmt, device, config=None):
+    """An FP8 wo_a gives bitwise the output of the same launch on its bf16 dequantization
+    (``reference.dequantize_wo_a``), bf16 and pair, and the pair is ``reference.quantize`` of it."""
+    o, _ = _inputs(rows, groups, r, d, device)
+    w8, s = _fp8_weight(groups, r, d, device)
+    wb = ref.dequantize_wo_a(w8, s)
+    cols = groups * r
+    kw = {} if config is None else {"config": config}
+    if fmt is None:
+        y = einsum.wo_a_einsum(o, w8, weight_scale=s, out_bf16=_nan_bf16(rows, cols, device), **kw)
+        assert torch.equal(y.view(torch.int16), einsum.wo_a_einsum(o, wb, **kw).view(torch.int16))
+    else:
+        y, pair = einsum.wo_a_einsum(o, w8, weight_scale=s, out_format=fmt, out=poisoned_pair(rows, cols, fmt, device),
+                                     out_bf16=_nan_bf16(rows, cols, device), **kw)
+        yb, pair_b = einsum.wo_a_einsum(o, wb, out_format=fmt, **kw)
+        assert torch.equal(y.view(torch.int16), yb.view(torch.int16))
+        assert_pairs_equal(pair, pair_b)
+        assert_pairs_equal(pair, ref.quantize(y, fmt))
+    assert rel_error(y, wo_a_einsum_fp(o, wb, torch.float64)) < REL_BOUND
+    assert rel_error(y, ref.wo_a_einsum(o, w8, weight_scale=s)) < REL_BOUND
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("rows", [1, 3, 16, 70])
+@pytest.mark.parametrize("fmt", [None] + ALL_FORMATS)
+def test_wo_a_fp8_weight_cpu(rows, fmt, device):
+    # D not a multiple of the K tile; R not of the N tile where the format allows (128-groups)
+    check_wo_a_fp8_weight(rows, 2, 128 if fmt is ActFormat.SM90_G128_FP32_MN else 96, 80, fmt, device)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("split, d, block_k", [(2, 256, 64), (2, 80, 32), (3, 96, 32)])
+def test_wo_a_fp8_weight_split_k_cpu(split, d, block_k, device):
+    """K slices read their own scale columns (uneven slices, a slice past D)."""
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, num_warps=4, num_stages=2, SPLIT=split)
+    check_wo_a_fp8_weight(5, 2, 96, d, ActFormat.SM90_G32_FP32_MN, device, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", GPU_T)
+@pytest.mark.parametrize("groups", [8, 2])
+@pytest.mark.parametrize("fmt", [None, ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN])
+def test_wo_a_fp8_weight_gpu(rows, groups, fmt):
+    check_wo_a_fp8_weight(rows, groups, 1024, 4096, fmt, torch.device("cuda"))
+
+
+@pytest.mark.cpu
+def test_wo_a_fp8_weight_nan(device):
+    """A NaN weight code turns its output column into NaN in every row, nothing else."""
+    rows, groups, r, d = 3, 2, 64, 64
+    o, _ = _inputs(rows, groups, r, d, device)
+    w8, s = _fp8_weight(groups, r, d, device, nan_at=(1, 5, 7))
+    y = einsum.wo_a_einsum(o, w8, weight_scale=s)
+    assert torch.isnan(y[:, r + 5]).all()
+    assert not torch.isnan(y[:, [c for c in range(groups * r) if c != r + 5]]).any()
+
+
+@pytest.mark.cpu
+def test_wo_a_fp8_weight_bad_inputs(device):
+    o, _ = _inputs(3, 2, 64, 64, device)
+    w8, s = _fp8_weight(2, 64, 64, device)
+    wb = ref.dequantize_wo_a(w8, s)
+    with pytest.raises(TypeError, match="needs weight_scale"):
+        einsum.wo_a_einsum(o, w8)
+    with pytest.raises(TypeError, match="bfloat16 wo_a"):
+        einsum.wo_a_einsum(o, wb, weight_scale=s)
+    with pytest.raises(TypeError, match="float32"):
+        einsum.wo_a_einsum(o, w8, weight_scale=s.bfloat16())
+    with pytest.raises(ValueError, match="needs weight_scale"):
+        einsum.wo_a_einsum(o, w8, weight_scale=s[:, :1])
+    with pytest.raises(ValueError, match="3-D"):
+        einsum.wo_a_einsum(o, w8, weight_scale=s.flatten(0, 1))
+    with pytest.raises(TypeError, match="wo_a must be"):
+        einsum.wo_a_einsum(o, w8.view(torch.uint8), weight_scale=s)
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        einsum.wo_a_einsum(o, w8, weight_scale=s,
+                           config=dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2))
