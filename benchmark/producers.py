@@ -146,8 +146,8 @@ class Case:
             # o as the attention output's view: [T, 64 heads / (8/G), 512] seen as [T, G, 4096]
             o = torch.randn(t, g, d, device=device).bfloat16()
             if fp8_weights:
-                w8, ws = reference.random_fp8_weight(g * r, d, einsum.WEIGHT_BLOCK, device, log2_scale=-12)
-                wo_a, ws = w8.view(g, r, d), ws.view(g, r // einsum.WEIGHT_BLOCK, -1)
+                w8, ws = reference.random_fp8_weight(g * r, d, 32, device, log2_scale=-12)
+                wo_a, ws = w8.view(g, r, d), ws.view(g, r // 32, -1)
                 weight_bytes = wo_a.numel() + ws.numel() * 4
                 peer_weight = reference.dequantize_wo_a(wo_a, ws)
             else:

@@ -5,11 +5,11 @@
 * ``o``: bf16 ``[T, G, D]`` with unit stride along ``D`` (any other strides: a strided view of
   the attention output works as it is); ``wo_a``: bf16 ``[G, R, D]``, unit stride along ``D``.
 * Or ``wo_a`` e4m3 ``[G, R, D]`` (the checkpoint's FP8 wo_a, ``[G*R, D]`` viewed per group) with
-  ``weight_scale`` fp32 ``[G, ceil(R/32), ceil(D/32)]`` (its 32x32 block scales, viewed the same
-  way): each weight tile is dequantized in registers to ``bf16(w * scale)``, which for the
-  checkpoint's power-of-two scales is exact, so the result is bitwise that of the same launch on a
-  bf16 copy dequantized that way (``reference.dequantize_wo_a``), and the launch streams half the
-  weight bytes.
+  ``weight_scale`` fp32 ``[G, ceil(R/b), ceil(D/b)]`` (its ``b x b`` block scales viewed the same
+  way, ``b = weight_block``: 32 for DSv4.1, or 128): each weight tile is dequantized in registers
+  to ``bf16(w * scale)``, exact for DSv4.1's power-of-two scales, so the result is bitwise that of
+  the same launch on a bf16 copy dequantized that way (``reference.dequantize_wo_a``), and the
+  launch streams half the weight bytes. K steps then hold whole blocks (``BLOCK_K >= b``).
 * ``y[t, g*R + r] = bf16(sum_d o[t, g, d] * wo_a[g, r, d])``: ``tl.dot`` on bf16 tiles with fp32
   accumulation, rounded to bf16 once in the epilogue. ``y`` is bf16 ``[T, G*R]`` (the flattened
   ``[T, G, R]`` that ``wo_b`` reads).
@@ -178,7 +178,7 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
     # A tile never straddles two einsum groups when quantizing: BLOCK_N divides R.
     while cfg["BLOCK_N"] > min_n and r % cfg["BLOCK_N"]:
         cfg["BLOCK_N"] //= 2
-    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(min_k, triton.next_power_of_2(d)))
+    cfg["BLOCK_K"] = max(min_k, min(cfg["BLOCK_K"], triton.next_power_of_2(d)))
     while True:
         stage_bytes = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
         if cfg["num_stages"] * stage_bytes <= 192 * 1024 or cfg["num_stages"] <= 2:
@@ -218,12 +218,12 @@ def _check_config(config: dict, r: int, min_n: int) -> dict:
     return {"SPLIT": 1, **config}
 
 
-WEIGHT_BLOCK = 32  # an FP8 wo_a's scale blocks: 32 x 32, as DSv4.1 checkpoints store it
+WEIGHT_BLOCKS = (32, 128)  # an FP8 wo_a's square scale blocks (DSv4.1 checkpoints: 32)
 
 
-def _check_weight(wo_a: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
-    """A bf16 ``wo_a`` without scales, or an e4m3 one with its fp32 ``[G, ceil(R/32), ceil(D/32)]``
-    block scales; returns whether the weights are FP8."""
+def _check_weight(wo_a: torch.Tensor, weight_scale: torch.Tensor | None, weight_block: int) -> bool:
+    """A bf16 ``wo_a`` without scales, or an e4m3 one with its fp32 ``[G, ceil(R/b), ceil(D/b)]``
+    block scales (``b = weight_block``); returns whether the weights are FP8."""
     if not isinstance(wo_a, torch.Tensor) or wo_a.dtype not in (torch.bfloat16, FP8_DTYPE):
         raise TypeError(f"wo_a must be a bfloat16 or {FP8_DTYPE} tensor, got "
                         f"{getattr(wo_a, 'dtype', type(wo_a).__name__)}")
@@ -234,12 +234,14 @@ def _check_weight(wo_a: torch.Tensor, weight_scale: torch.Tensor | None) -> bool
             raise TypeError("weight_scale was given for a bfloat16 wo_a (it scales an FP8 wo_a)")
         return False
     if weight_scale is None:
-        raise TypeError(f"a {FP8_DTYPE} wo_a needs weight_scale (its fp32 {WEIGHT_BLOCK}x{WEIGHT_BLOCK} block scales)")
+        raise TypeError(f"a {FP8_DTYPE} wo_a needs weight_scale (its fp32 block scales)")
+    if not is_int(weight_block) or weight_block not in WEIGHT_BLOCKS:
+        raise ValueError(f"weight_block must be one of {WEIGHT_BLOCKS}, got {weight_block!r}")
     check_tensor(weight_scale, "weight_scale", torch.float32, 3)
     groups, r, d = wo_a.shape
-    want = (groups, cdiv(r, WEIGHT_BLOCK), cdiv(d, WEIGHT_BLOCK))
+    want = (groups, cdiv(r, weight_block), cdiv(d, weight_block))
     if tuple(weight_scale.shape) != want:
-        raise ValueError(f"wo_a {tuple(wo_a.shape)} with {WEIGHT_BLOCK}x{WEIGHT_BLOCK} blocks needs weight_scale "
+        raise ValueError(f"wo_a {tuple(wo_a.shape)} with {weight_block}x{weight_block} blocks needs weight_scale "
                          f"{want}, got {tuple(weight_scale.shape)}")
     if weight_scale.device != wo_a.device:
         raise ValueError(f"weight_scale is on {weight_scale.device}, wo_a on {wo_a.device}")
@@ -247,12 +249,13 @@ def _check_weight(wo_a: torch.Tensor, weight_scale: torch.Tensor | None) -> bool
 
 
 def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, weight_scale: torch.Tensor | None = None,
-                out_format: ActFormat | str | None = None, out: QuantizedActivation | None = None,
-                out_bf16: torch.Tensor | None = None, return_bf16: bool = True, config: dict | None = None):
+                weight_block: int = 32, out_format: ActFormat | str | None = None,
+                out: QuantizedActivation | None = None, out_bf16: torch.Tensor | None = None,
+                return_bf16: bool = True, config: dict | None = None):
     """Grouped einsum ``o [T, G, D] x wo_a [G, R, D] -> [T, G*R]`` bf16 (+ FP8 pair), ``wo_a``
     bf16 or e4m3 with ``weight_scale``; see the module docstring."""
     check_tensor(o, "o", torch.bfloat16, 3)
-    w_fp8 = _check_weight(wo_a, weight_scale)
+    w_fp8 = _check_weight(wo_a, weight_scale, weight_block)
     rows, groups, d = o.shape
     if wo_a.shape[0] != groups or wo_a.shape[2] != d:
         raise ValueError(f"wo_a must be [G={groups}, R, D={d}] for o {tuple(o.shape)}, got {tuple(wo_a.shape)}")
@@ -276,7 +279,7 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, weight_scale: torch.Tens
     a = launch_args(fmt, pair, y, o)
     min_n = fmt.group_size if fmt is not None else 16
     # an FP8 wo_a's K steps hold whole scale blocks
-    min_k = WEIGHT_BLOCK if w_fp8 else 16
+    min_k = weight_block if w_fp8 else 16
     if config is not None:
         cfg = _check_config(config, r, min_n)
         if cfg["BLOCK_K"] < min_k:
@@ -296,7 +299,7 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, weight_scale: torch.Tens
         o if counters is None else counters, rows, groups, r, d,
         o.stride(0), o.stride(1), o.stride(2), wo_a.stride(0), wo_a.stride(1), wo_a.stride(2),
         *(ws.stride() if w_fp8 else (0, 0, 0)), a["y_stride"], *a["strides"],
-        W_FP8=w_fp8, WEIGHT_BLOCK=WEIGHT_BLOCK if w_fp8 else cfg["BLOCK_K"],
+        W_FP8=w_fp8, WEIGHT_BLOCK=weight_block if w_fp8 else cfg["BLOCK_K"],
         STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"], EVEN_K=d % (cfg["BLOCK_K"] * split) == 0, SPLIT=split,
         K_TILES=slice_tiles, EVEN_N=r % block_n == 0, **cfg, **a["consts"], **pdl_options(),
     )

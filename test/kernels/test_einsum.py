@@ -242,36 +242,38 @@ def test_wo_a_decode_split_config():
 
 
 
-def _fp8_weight(groups, r, d, device, nan_at=None):
-    """An e4m3 wo_a ``[G, R, D]`` with power-of-two 32x32 block scales (the checkpoint's form),
-    optionally with a NaN code at ``nan_at``."""
-    w, s = ref.random_fp8_weight(groups * r, d, 32, device, log2_scale=-8)
-    w = w.view(groups, r, d)
+def _fp8_weight(groups, r, d, device, nan_at=None, block=32):
+    """An e4m3 wo_a ``[G, R, D]`` with block scales in the checkpoint's form (powers of two for
+    32x32 blocks, arbitrary for 128x128; per group: R a multiple of the block), optionally with a
+    NaN code at ``nan_at``."""
+    parts = [ref.random_fp8_weight(r, d, block, device, log2_scale=-8) for _ in range(groups)]
+    w = torch.stack([w for w, _ in parts])
     if nan_at is not None:
         w.view(torch.uint8)[nan_at] = 0x7F
-    return w, s.view(groups, -1, s.shape[1])
+    return w, torch.stack([s for _, s in parts])
 
 
-def check_wo_a_fp8_weight(rows, groups, r, d, fmt, device, config=None):
+def check_wo_a_fp8_weight(rows, groups, r, d, fmt, device, config=None, block=32):
     """An FP8 wo_a gives bitwise the output of the same launch on its bf16 dequantization
     (``reference.dequantize_wo_a``), bf16 and pair, and the pair is ``reference.quantize`` of it."""
     o, _ = _inputs(rows, groups, r, d, device)
-    w8, s = _fp8_weight(groups, r, d, device)
-    wb = ref.dequantize_wo_a(w8, s)
+    w8, s = _fp8_weight(groups, r, d, device, block=block)
+    wb = ref.dequantize_wo_a(w8, s, block)
     cols = groups * r
-    kw = {} if config is None else {"config": config}
+    kw = {"weight_block": block} if config is None else {"config": config, "weight_block": block}
     if fmt is None:
         y = einsum.wo_a_einsum(o, w8, weight_scale=s, out_bf16=_nan_bf16(rows, cols, device), **kw)
-        assert torch.equal(y.view(torch.int16), einsum.wo_a_einsum(o, wb, **kw).view(torch.int16))
+        same = einsum.wo_a_einsum(o, wb, **{k: v for k, v in kw.items() if k == "config"})
+        assert torch.equal(y.view(torch.int16), same.view(torch.int16))
     else:
         y, pair = einsum.wo_a_einsum(o, w8, weight_scale=s, out_format=fmt, out=poisoned_pair(rows, cols, fmt, device),
                                      out_bf16=_nan_bf16(rows, cols, device), **kw)
-        yb, pair_b = einsum.wo_a_einsum(o, wb, out_format=fmt, **kw)
+        yb, pair_b = einsum.wo_a_einsum(o, wb, out_format=fmt, **{k: v for k, v in kw.items() if k == "config"})
         assert torch.equal(y.view(torch.int16), yb.view(torch.int16))
         assert_pairs_equal(pair, pair_b)
         assert_pairs_equal(pair, ref.quantize(y, fmt))
     assert rel_error(y, wo_a_einsum_fp(o, wb, torch.float64)) < REL_BOUND
-    assert rel_error(y, ref.wo_a_einsum(o, w8, weight_scale=s)) < REL_BOUND
+    assert rel_error(y, ref.wo_a_einsum(o, w8, weight_scale=s, weight_block=block)) < REL_BOUND
 
 
 @pytest.mark.cpu
@@ -280,6 +282,22 @@ def check_wo_a_fp8_weight(rows, groups, r, d, fmt, device, config=None):
 def test_wo_a_fp8_weight_cpu(rows, fmt, device):
     # D not a multiple of the K tile; R not of the N tile where the format allows (128-groups)
     check_wo_a_fp8_weight(rows, 2, 128 if fmt is ActFormat.SM90_G128_FP32_MN else 96, 80, fmt, device)
+
+
+@pytest.mark.cpu
+def test_wo_a_fp8_weight_128_blocks_cpu(device):
+    """128x128 blocks with arbitrary scales (V3-style checkpoints), D not a multiple of 128. Past 64
+    rows the launch widens its 64-column K steps to whole blocks: the bf16 copy is compared at
+    that config, the launch's own choice against the reference."""
+    fmt = ActFormat.SM90_G128_FP32_MN
+    check_wo_a_fp8_weight(1, 2, 256, 200, fmt, device, block=128)
+    check_wo_a_fp8_weight(70, 2, 256, 200, fmt, device, block=128,
+                          config=dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2))
+    o, _ = _inputs(70, 2, 256, 200, device)
+    w8, s = _fp8_weight(2, 256, 200, device, block=128)
+    y, pair = einsum.wo_a_einsum(o, w8, weight_scale=s, weight_block=128, out_format=fmt)
+    assert rel_error(y, ref.wo_a_einsum(o, w8, weight_scale=s, weight_block=128)) < REL_BOUND
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
 
 
 @pytest.mark.cpu
@@ -296,6 +314,15 @@ def test_wo_a_fp8_weight_split_k_cpu(split, d, block_k, device):
 @pytest.mark.parametrize("fmt", [None, ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN])
 def test_wo_a_fp8_weight_gpu(rows, groups, fmt):
     check_wo_a_fp8_weight(rows, groups, 1024, 4096, fmt, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, config", [(1, None), (64, None),
+                                          (2048, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8,
+                                                      num_stages=3))])
+def test_wo_a_fp8_weight_128_blocks_gpu(rows, config):
+    check_wo_a_fp8_weight(rows, 8, 1024, 4096, ActFormat.SM90_G128_FP32_MN, torch.device("cuda"), config=config,
+                          block=128)
 
 
 @pytest.mark.cpu
@@ -326,6 +353,10 @@ def test_wo_a_fp8_weight_bad_inputs(device):
         einsum.wo_a_einsum(o, w8, weight_scale=s.flatten(0, 1))
     with pytest.raises(TypeError, match="wo_a must be"):
         einsum.wo_a_einsum(o, w8.view(torch.uint8), weight_scale=s)
+    with pytest.raises(ValueError, match="weight_block"):
+        einsum.wo_a_einsum(o, w8, weight_scale=s, weight_block=64)
+    with pytest.raises(ValueError, match="needs weight_scale"):  # the scales of 32-blocks read as 128-blocks
+        einsum.wo_a_einsum(o, w8, weight_scale=s, weight_block=128)
     with pytest.raises(ValueError, match="BLOCK_K"):
         einsum.wo_a_einsum(o, w8, weight_scale=s,
                            config=dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2))

@@ -4,8 +4,9 @@
 ``y[t, g*R + r] = bf16(sum_d o[t, g, d] * wo_a[g, r, d])`` accumulated in fp32 (rounded once);
 with ``out_format`` the pair is ``reference.quantize(y, out_format)`` of the flattened matrix.
 Returns ``y``, ``(y, pair)`` or ``pair`` (``return_bf16=False``). An e4m3 ``wo_a`` with
-``weight_scale`` (fp32 ``[G, ceil(R/32), ceil(D/32)]``) is first dequantized to bf16 per element,
-``bf16(w * scale)`` (``dequantize_wo_a``), as a bf16 copy of the checkpoint's FP8 wo_a holds it.
+``weight_scale`` (fp32 ``[G, ceil(R/b), ceil(D/b)]``, ``b = weight_block``) is first dequantized to
+bf16 per element, ``bf16(w * scale)`` (``dequantize_wo_a``), as a bf16 copy of the checkpoint's FP8
+wo_a holds it.
 """
 
 from __future__ import annotations
@@ -18,12 +19,9 @@ from .quant import dequantize_weight
 
 __all__ = ["dequantize_wo_a", "wo_a_einsum"]
 
-WEIGHT_BLOCK = 32
-
-
-def dequantize_wo_a(wo_a: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 ``[G, R, D]`` with fp32 ``[G, ceil(R/32), ceil(D/32)]`` block scales -> bf16 ``[G, R, D]``."""
-    return torch.stack([dequantize_weight(w, s, WEIGHT_BLOCK) for w, s in zip(wo_a, weight_scale)]).to(torch.bfloat16)
+def dequantize_wo_a(wo_a: torch.Tensor, weight_scale: torch.Tensor, weight_block: int = 32) -> torch.Tensor:
+    """e4m3 ``[G, R, D]`` with fp32 ``[G, ceil(R/b), ceil(D/b)]`` block scales -> bf16 ``[G, R, D]``."""
+    return torch.stack([dequantize_weight(w, s, weight_block) for w, s in zip(wo_a, weight_scale)]).to(torch.bfloat16)
 
 
 def wo_a_einsum_fp(o: torch.Tensor, wo_a: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -33,9 +31,9 @@ def wo_a_einsum_fp(o: torch.Tensor, wo_a: torch.Tensor, dtype: torch.dtype = tor
 
 
 def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, weight_scale: torch.Tensor | None = None,
-                out_format: ActFormat | str | None = None, return_bf16: bool = True):
+                weight_block: int = 32, out_format: ActFormat | str | None = None, return_bf16: bool = True):
     """Reference grouped einsum ``o [T, G, D] x wo_a [G, R, D] -> [T, G*R]``; see the module docstring."""
     if weight_scale is not None:
-        wo_a = dequantize_wo_a(wo_a, weight_scale)
+        wo_a = dequantize_wo_a(wo_a, weight_scale, weight_block)
     y = wo_a_einsum_fp(o, wo_a).to(torch.bfloat16)
     return finish(y, out_format, return_bf16)
