@@ -40,7 +40,9 @@ Arms, timed in one process with CUDA-graph replay (median):
   (128x128 weight blocks, a torch-composed quantize before each), ``torch.compile``d, computing
   as a serving implementation would: the mHC stats in fp32, the attention's products on bf16
   tensor cores (the references' fp64 stats and fp32 attention products are specifications);
-- ``floor``: weight bytes of the unit / copy bandwidth measured in the same run.
+- ``floor``: weight bytes of the unit / copy bandwidth measured in the same run, the weights as
+  the layer holds them (wo_a in FP8, as the checkpoint stores it); ``floor_bf16_wo_a``: the same
+  with wo_a counted in bf16 (2 bytes per weight), as a layer that dequantizes it at load reads it.
 Launches and quantize launches per step come from torch.profiler, after every case is timed.
 """
 
@@ -104,7 +106,11 @@ def build_layer(config: DeepseekV41Config, device) -> DeepseekV41DecoderLayer:
                 module.weight.copy_(w)
                 module.weight_scale_inv.copy_(s)
                 module.quant_method.process_weights_after_loading(module)
-        layer.attn.wo_a.copy_(torch.randn_like(layer.attn.wo_a, dtype=torch.float32).mul_(0.02))
+        attn = layer.attn
+        groups, rank, width = attn.wo_a.shape
+        w, s = reference.random_fp8_weight(groups * rank, width, attn.wo_a_block, device, log2_scale=-14)
+        attn.wo_a.copy_(w.view(attn.wo_a.shape))
+        attn.wo_a_scale_inv.copy_(s.view(attn.wo_a_scale_inv.shape))
         for hc in (layer.hc_attn, layer.hc_ffn):
             hc.fn.copy_(torch.randn_like(hc.fn) * 0.02)
             hc.base.copy_(torch.randn_like(hc.base) * 0.1)
@@ -221,11 +227,15 @@ def quantize_launches_removed():
         fp8_method.quantize = saved
 
 
-def weight_bytes(layer: DeepseekV41DecoderLayer) -> int:
+def weight_bytes(layer: DeepseekV41DecoderLayer, bf16_wo_a: bool = False) -> int:
+    """Bytes of the unit's weights: FP8 ones with their fp32 block scales, the mHC ``fn``; wo_a as
+    the layer holds it (FP8 + scales) or, ``bf16_wo_a``, dequantized to bf16."""
     linears = [layer.attn.wqkv_a, layer.attn.wq_b, layer.attn.wo_b,
                layer.ffn.shared_experts.gate_up, layer.ffn.shared_experts.down]
     total = sum(m.weight.numel() + m.weight_scale_inv.numel() * 4 for m in linears)
-    total += layer.attn.wo_a.numel() * 2 + sum(hc.fn.numel() * 4 for hc in (layer.hc_attn, layer.hc_ffn))
+    attn = layer.attn
+    total += attn.wo_a.numel() * 2 if bf16_wo_a else attn.wo_a.numel() + attn.wo_a_scale_inv.numel() * 4
+    total += sum(hc.fn.numel() * 4 for hc in (layer.hc_attn, layer.hc_ffn))
     return total
 
 
@@ -246,6 +256,9 @@ class CompiledPeer:
         if blockwise.calibrate(device):
             raise RuntimeError("cuBLAS blockwise FP8 does not run here; no compiled peer")
         self.layer, self.c = layer, config
+        # the bf16 wo_a a torch user runs (cuBLAS bf16 einsum): the FP8 checkpoint's, dequantized once
+        attn = layer.attn
+        self.wo_a = reference.dequantize_wo_a(attn.wo_a, attn.wo_a_scale_inv, attn.wo_a_block)
         self.weights = {}
         for name, module in (("wqkv_a", layer.attn.wqkv_a), ("wq_b", layer.attn.wq_b),
                              ("wo_b", layer.attn.wo_b), ("gate_up", layer.ffn.shared_experts.gate_up),
@@ -289,7 +302,7 @@ class CompiledPeer:
         q_lora, kv = qkv[:, :attn.q_lora_rank], qkv[:, attn.q_lora_rank:]
         q = self._linear("wq_b", reference.rms_norm(q_lora, attn.q_norm.weight, c.rms_norm_eps))
         o = attn.attend(q, kv.contiguous(), positions, slots, kv_cache, impl=self.attention)
-        o = torch.einsum("tgd,grd->tgr", o, attn.wo_a).reshape(t, -1)
+        o = torch.einsum("tgd,grd->tgr", o, self.wo_a).reshape(t, -1)
         y = self._linear("wo_b", o)
         pre, post, comb = stats
         residual, xf, _ = reference.mhc_mega_boundary(y, residual, pre, post, comb, layer.ffn_norm.weight,
@@ -404,6 +417,7 @@ def run(args) -> tuple[dict, list[dict]]:
                     print(f"compiled peer failed at {shapes} M={rows}: {record['compiled_peer_error']}",
                           file=sys.stderr)
         record["floor_us"] = weight_bytes(layer) / bandwidth * 1e6
+        record["floor_bf16_wo_a_us"] = weight_bytes(layer, bf16_wo_a=True) / bandwidth * 1e6
         for variant, ratio in (("", "chained_over_unchained"), ("_best_stats", "best_stats_chained_over_unchained"),
                                ("_stats_at_start", "stats_at_start_chained_over_unchained"),
                                ("_serial_stats", "serial_chained_over_unchained"),
@@ -413,6 +427,7 @@ def run(args) -> tuple[dict, list[dict]]:
         if record.get("compiled_peer_us"):
             record["chained_over_peer"] = record["chained_us"] / record["compiled_peer_us"]
         record["chained_over_floor"] = record["chained_us"] / record["floor_us"]
+        record["chained_over_floor_bf16_wo_a"] = record["chained_us"] / record["floor_bf16_wo_a_us"]
         records.append(record)
         del unit
     for record in harness.progress(records, "launches (torch.profiler)"):
@@ -442,9 +457,10 @@ COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "chained_best_s
            "chained_stats_at_start_us", "unchained_stats_at_start_us", "chained_serial_stats_us",
            "unchained_serial_stats_us", "chained_no_stats_us", "unchained_no_stats_us", "chained_no_pdl_us",
            "unchained_no_pdl_us", "compiled_peer_us",
-           "floor_us", "chained_over_unchained", "best_stats_chained_over_unchained",
+           "floor_us", "floor_bf16_wo_a_us", "chained_over_unchained", "best_stats_chained_over_unchained",
            "stats_at_start_chained_over_unchained", "serial_chained_over_unchained",
-           "no_stats_chained_over_unchained", "no_quantize_over_unchained", "chained_over_peer", "chained_over_floor", "chained_launches",
+           "no_stats_chained_over_unchained", "no_quantize_over_unchained", "chained_over_peer", "chained_over_floor",
+           "chained_over_floor_bf16_wo_a", "chained_launches",
            "unchained_launches", "chained_quantize_launches", "unchained_quantize_launches",
            "unchained_no_quantize_launches", "unchained_no_quantize_quantize_launches"]
 
