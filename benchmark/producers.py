@@ -18,8 +18,8 @@ importable. For each producer and T, four timings in one process (CUDA-graph rep
   accumulation, one bf16 rounding: the same contract as the kernel) rather than the fp32-upcast
   reference, which is a specification, not a competitor.
 
-``--sweep-wo-a`` instead times candidate launch configs of the FP8-emitting ``wo_a_einsum`` (G=8
-and G=2 as ``--producers`` selects, the given T; ``--splits`` narrows them to one-group tiles)
+``--sweep-wo-a`` instead times candidate launch configs of the FP8-emitting ``wo_a_einsum`` (the
+``wo_a*`` producers ``--producers`` selects, bf16 or FP8 weights, the given T; ``--splits`` narrows them to one-group tiles)
 against the table's choice, with the weights rotating through copies past L2
 (``harness.copies_past_l2``), and writes ``producers_wo_a_sweep.json`` (the source of
 ``einsum._launch_config``).
@@ -223,28 +223,38 @@ def run_wo_a_sweep(args) -> tuple[dict, list[dict]]:
     meta["copy_bandwidth_TBps"] = harness.copy_bandwidth() / 1e12
     fmt = ActFormat(args.formats[0])
     records = []
-    cases = [(g, t) for g in (8, 2) if f"wo_a_g{g}" in args.producers
+    cases = [(name, t) for name in args.producers if name.startswith("wo_a")
              for t in (QUICK_ROWS if args.quick else args.rows) if t <= 64]
-    for g, rows in harness.progress(cases, "wo_a configs"):
-        r, d = 1024, 4096
-        weights = [((torch.randn(g, r, d, device=DEVICE) / d ** 0.5).bfloat16(),)
-                   for _ in range(harness.copies_past_l2(g * r * d * 2))]
+    for name, rows in harness.progress(cases, "wo_a configs"):
+        g, r, d = (8 if name.startswith("wo_a_g8") else 2), 1024, 4096
+        fp8_weights = name.endswith("_fp8w")
+        if fp8_weights:  # (e4m3 weight, its 32x32 block scales) per copy
+            weights = [(w.view(g, r, d), s.view(g, r // 32, -1)) for w, s in (
+                reference.random_fp8_weight(g * r, d, 32, DEVICE) for _ in range(harness.copies_past_l2(g * r * d)))]
+            weight_bytes = g * r * d + weights[0][1].numel() * 4
+        else:
+            weights = [((torch.randn(g, r, d, device=DEVICE) / d ** 0.5).bfloat16(), None)
+                       for _ in range(harness.copies_past_l2(g * r * d * 2))]
+            weight_bytes = g * r * d * 2
         o = torch.randn(rows, g, d, device=DEVICE).bfloat16()
         pair = empty_pair(rows, g * r, fmt, DEVICE)
 
-        floor_us = (g * r * d * 2 + rows * g * d * 2) / (meta["copy_bandwidth_TBps"] * 1e12) * 1e6
+        floor_us = (weight_bytes + rows * g * d * 2) / (meta["copy_bandwidth_TBps"] * 1e12) * 1e6
+        mine = []
         for config in [None] + wo_a_candidates(rows, d, args.splits):
             try:
-                call = harness.rotating(lambda w, c=config: einsum.wo_a_einsum(
-                    o, w, out_format=fmt, out=pair, return_bf16=False, config=c), weights)
+                call = harness.rotating(lambda w, ws, c=config: einsum.wo_a_einsum(
+                    o, w, weight_scale=ws, out_format=fmt, out=pair, return_bf16=False, config=c), weights)
                 us = harness.graph_time_us(call, iters=args.iters, repeats=3)
             except Exception as exc:  # a config that does not compile or launch is skipped
-                print(f"skip G={g} T={rows} {config}: {type(exc).__name__}: {str(exc)[:120]}")
+                print(f"skip {name} T={rows} {config}: {type(exc).__name__}: {str(exc)[:120]}")
                 continue
-            records.append({"G": g, "T": rows, "config": config or "table", "fp8_us": us, "floor_us": floor_us})
-        best = min((x for x in records if x["G"] == g and x["T"] == rows), key=lambda x: x["fp8_us"])
-        table = next(x for x in records if x["G"] == g and x["T"] == rows and x["config"] == "table")
-        print(f"G={g} T={rows}: table {table['fp8_us']:.2f} us, best {best['fp8_us']:.2f} us {best['config']}, "
+            mine.append({"producer": name, "G": g, "T": rows, "config": config or "table", "fp8_us": us,
+                         "floor_us": floor_us})
+        records += mine
+        best = min(mine, key=lambda x: x["fp8_us"])
+        table = next(x for x in mine if x["config"] == "table")
+        print(f"{name} T={rows}: table {table['fp8_us']:.2f} us, best {best['fp8_us']:.2f} us {best['config']}, "
               f"floor {floor_us:.2f} us", flush=True)
         harness.save_results("producers_wo_a_sweep", meta, records, args.results_dir)
         del weights
@@ -373,10 +383,11 @@ def report(meta: dict, records: list[dict], results_dir=None) -> str:
         json_path = harness.save_results("producers_wo_a_sweep", meta, records, results_dir)
         best = {}
         for rec in records:
-            key = (rec["G"], rec["T"])
+            key = (rec["producer"], rec["T"])
             if key not in best or rec["fp8_us"] < best[key]["fp8_us"]:
                 best[key] = rec
-        return f"{json_path}\n" + harness.markdown_table(list(best.values()), ["G", "T", "fp8_us", "floor_us", "config"])
+        return f"{json_path}\n" + harness.markdown_table(list(best.values()),
+                                                         ["producer", "T", "fp8_us", "floor_us", "config"])
     json_path = harness.save_results("producers", meta, records, results_dir)
     if records:
         harness.plot_records("producers", records, "T",
