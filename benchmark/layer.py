@@ -27,6 +27,9 @@ Arms, timed in one process with CUDA-graph replay (median):
   a chain saves by removing them if its FP8 epilogues cost nothing. The chained step differs from
   it only by its producers' FP8 epilogues, the bf16 stores they skip and the gate_up GEMM's
   SiLU*mul epilogue;
+- ``chained_bf16_wo_a`` / ``unchained_bf16_wo_a`` (diagnostic): both steps with wo_a as a bf16
+  copy of the FP8 one (``bf16_wo_a``: a layer that dequantizes wo_a at load), the same outputs;
+  the difference to ``chained`` / ``unchained`` is what reading wo_a in FP8 saves;
 - ``chained_best_stats`` / ``unchained_best_stats``: each arm at the fastest of its steps over
   the mHC stats' K-split caps (``HyperConnection.max_stats_splits``, every (attention, FFN)
   combination of ``STATS_SPLIT_CAPS``), with the caps in ``*_best_stats_splits``. The split count
@@ -206,6 +209,21 @@ def stats_in_line(layer: DeepseekV41DecoderLayer):
 
 
 @contextlib.contextmanager
+def bf16_wo_a(layer: DeepseekV41DecoderLayer):
+    """wo_a as a layer that dequantizes it at load holds it: a bf16 copy of the FP8 one (the same
+    values, so the same outputs; twice the einsum's weight bytes). Yields the copy, which must
+    outlive any graph captured inside."""
+    attn = layer.attn
+    saved = attn.wo_a, attn.wo_a_scale_inv
+    copy = reference.dequantize_wo_a(attn.wo_a, attn.wo_a_scale_inv, attn.wo_a_block)
+    attn.wo_a, attn.wo_a_scale_inv = torch.nn.Parameter(copy, requires_grad=False), None
+    try:
+        yield copy
+    finally:
+        attn.wo_a, attn.wo_a_scale_inv = saved
+
+
+@contextlib.contextmanager
 def quantize_launches_removed():
     """Every FP8 linear fed bf16 takes a pair quantized on its first call for that input shape
     (eagerly, before a graph is captured) instead of quantizing at every call: the step launches no
@@ -324,9 +342,10 @@ STATS_SPLIT_CAPS = (None, 32)
 def _time_arms(unit: LayerUnit, record: dict, variant: str, iters: int, diagnostics: bool = False) -> None:
     """``record["{arm}{variant}_us"]`` for both arms of ``unit`` as the layer is now configured
     (with ``diagnostics`` also ``chained_silu_launch_us``, the chained step with the shared
-    expert's SiLU*mul as its own launch, and ``unchained_no_quantize_us``): one graph per arm,
-    their replays alternated (``harness.replay_times_us``)."""
-    graphs = {}
+    expert's SiLU*mul as its own launch, ``unchained_no_quantize_us`` and both arms with a bf16
+    wo_a, ``{arm}_bf16_wo_a_us``): one graph per arm, their replays alternated
+    (``harness.replay_times_us``)."""
+    graphs, alive = {}, []
     for arm, on in ARMS:
         unit.set_chain(on)
         graphs[f"{arm}{variant}"] = harness.capture_graph(unit.step, iters)
@@ -341,6 +360,11 @@ def _time_arms(unit: LayerUnit, record: dict, variant: str, iters: int, diagnost
         unit.set_chain(False)
         with quantize_launches_removed():
             graphs["unchained_no_quantize"] = harness.capture_graph(unit.step, iters)
+        with bf16_wo_a(unit.layer) as copy:
+            alive.append(copy)  # the graphs read it
+            for arm, on in ARMS:
+                unit.set_chain(on)
+                graphs[f"{arm}_bf16_wo_a"] = harness.capture_graph(unit.step, iters)
     for name, us in harness.replay_times_us(graphs, iters, rounds=7).items():
         record[f"{name}_us"] = us
 
@@ -419,6 +443,7 @@ def run(args) -> tuple[dict, list[dict]]:
         record["floor_us"] = weight_bytes(layer) / bandwidth * 1e6
         record["floor_bf16_wo_a_us"] = weight_bytes(layer, bf16_wo_a=True) / bandwidth * 1e6
         for variant, ratio in (("", "chained_over_unchained"), ("_best_stats", "best_stats_chained_over_unchained"),
+                               ("_bf16_wo_a", "bf16_wo_a_chained_over_unchained"),
                                ("_stats_at_start", "stats_at_start_chained_over_unchained"),
                                ("_serial_stats", "serial_chained_over_unchained"),
                                ("_no_stats", "no_stats_chained_over_unchained")):
@@ -428,6 +453,7 @@ def run(args) -> tuple[dict, list[dict]]:
             record["chained_over_peer"] = record["chained_us"] / record["compiled_peer_us"]
         record["chained_over_floor"] = record["chained_us"] / record["floor_us"]
         record["chained_over_floor_bf16_wo_a"] = record["chained_us"] / record["floor_bf16_wo_a_us"]
+        record["chained_bf16_wo_a_over_floor_bf16_wo_a"] = record["chained_bf16_wo_a_us"] / record["floor_bf16_wo_a_us"]
         records.append(record)
         del unit
     for record in harness.progress(records, "launches (torch.profiler)"):
@@ -453,14 +479,15 @@ def run(args) -> tuple[dict, list[dict]]:
 
 COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "chained_best_stats_us", "unchained_best_stats_us",
            "chained_best_stats_splits", "unchained_best_stats_splits", "chained_silu_launch_us",
-           "unchained_no_quantize_us",
+           "unchained_no_quantize_us", "chained_bf16_wo_a_us", "unchained_bf16_wo_a_us",
            "chained_stats_at_start_us", "unchained_stats_at_start_us", "chained_serial_stats_us",
            "unchained_serial_stats_us", "chained_no_stats_us", "unchained_no_stats_us", "chained_no_pdl_us",
            "unchained_no_pdl_us", "compiled_peer_us",
-           "floor_us", "floor_bf16_wo_a_us", "chained_over_unchained", "best_stats_chained_over_unchained",
+           "floor_us", "floor_bf16_wo_a_us", "chained_over_unchained", "bf16_wo_a_chained_over_unchained",
+           "best_stats_chained_over_unchained",
            "stats_at_start_chained_over_unchained", "serial_chained_over_unchained",
            "no_stats_chained_over_unchained", "no_quantize_over_unchained", "chained_over_peer", "chained_over_floor",
-           "chained_over_floor_bf16_wo_a", "chained_launches",
+           "chained_over_floor_bf16_wo_a", "chained_bf16_wo_a_over_floor_bf16_wo_a", "chained_launches",
            "unchained_launches", "chained_quantize_launches", "unchained_quantize_launches",
            "unchained_no_quantize_launches", "unchained_no_quantize_quantize_launches"]
 
