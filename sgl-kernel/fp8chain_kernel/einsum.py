@@ -1,6 +1,7 @@
 """wo_a grouped einsum -> bf16, and in the same launch (epilogue) its FP8 pair.
 
-``wo_a_einsum(o, wo_a, *, weight_scale=None, out_format=None, out=None, out_bf16=None, return_bf16=True)``
+``wo_a_einsum(o, wo_a, *, weight_scale=None, weight_block=32, out_format=None, out=None, out_bf16=None,
+return_bf16=True)``
 
 * ``o``: bf16 ``[T, G, D]`` with unit stride along ``D`` (any other strides: a strided view of
   the attention output works as it is); ``wo_a``: bf16 ``[G, R, D]``, unit stride along ``D``.
