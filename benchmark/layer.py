@@ -27,9 +27,6 @@ Arms, timed in one process with CUDA-graph replay (median):
   a chain saves by removing them if its FP8 epilogues cost nothing. The chained step differs from
   it only by its producers' FP8 epilogues, the bf16 stores they skip and the gate_up GEMM's
   SiLU*mul epilogue;
-- ``chained_bf16_wo_a`` / ``unchained_bf16_wo_a`` (diagnostic): both steps with wo_a as a bf16
-  copy of the FP8 one (``bf16_wo_a``: a layer that dequantizes wo_a at load), the same outputs;
-  the difference to ``chained`` / ``unchained`` is what reading wo_a in FP8 saves;
 - ``chained_best_stats`` / ``unchained_best_stats``: each arm at the fastest of its steps over
   the mHC stats' K-split caps (``HyperConnection.max_stats_splits``, every (attention, FFN)
   combination of ``STATS_SPLIT_CAPS``), with the caps in ``*_best_stats_splits``. The split count
@@ -43,9 +40,7 @@ Arms, timed in one process with CUDA-graph replay (median):
   (128x128 weight blocks, a torch-composed quantize before each), ``torch.compile``d, computing
   as a serving implementation would: the mHC stats in fp32, the attention's products on bf16
   tensor cores (the references' fp64 stats and fp32 attention products are specifications);
-- ``floor``: weight bytes of the unit / copy bandwidth measured in the same run, the weights as
-  the layer holds them (wo_a in FP8, as the checkpoint stores it); ``floor_bf16_wo_a``: the same
-  with wo_a counted in bf16 (2 bytes per weight), as a layer that dequantizes it at load reads it.
+- ``floor``: weight bytes of the unit / copy bandwidth measured in the same run.
 Launches and quantize launches per step come from torch.profiler, after every case is timed.
 """
 
@@ -109,11 +104,7 @@ def build_layer(config: DeepseekV41Config, device) -> DeepseekV41DecoderLayer:
                 module.weight.copy_(w)
                 module.weight_scale_inv.copy_(s)
                 module.quant_method.process_weights_after_loading(module)
-        attn = layer.attn
-        groups, rank, width = attn.wo_a.shape
-        w, s = reference.random_fp8_weight(groups * rank, width, attn.wo_a_block, device, log2_scale=-14)
-        attn.wo_a.copy_(w.view(attn.wo_a.shape))
-        attn.wo_a_scale_inv.copy_(s.view(attn.wo_a_scale_inv.shape))
+        layer.attn.wo_a.copy_(torch.randn_like(layer.attn.wo_a, dtype=torch.float32).mul_(0.02))
         for hc in (layer.hc_attn, layer.hc_ffn):
             hc.fn.copy_(torch.randn_like(hc.fn) * 0.02)
             hc.base.copy_(torch.randn_like(hc.base) * 0.1)
@@ -209,21 +200,6 @@ def stats_in_line(layer: DeepseekV41DecoderLayer):
 
 
 @contextlib.contextmanager
-def bf16_wo_a(layer: DeepseekV41DecoderLayer):
-    """wo_a as a layer that dequantizes it at load holds it: a bf16 copy of the FP8 one (the same
-    values, so the same outputs; twice the einsum's weight bytes). Yields the copy, which must
-    outlive any graph captured inside."""
-    attn = layer.attn
-    saved = attn.wo_a, attn.wo_a_scale_inv
-    copy = reference.dequantize_wo_a(attn.wo_a, attn.wo_a_scale_inv, attn.wo_a_block)
-    attn.wo_a, attn.wo_a_scale_inv = torch.nn.Parameter(copy, requires_grad=False), None
-    try:
-        yield copy
-    finally:
-        attn.wo_a, attn.wo_a_scale_inv = saved
-
-
-@contextlib.contextmanager
 def quantize_launches_removed():
     """Every FP8 linear fed bf16 takes a pair quantized on its first call for that input shape
     (eagerly, before a graph is captured) instead of quantizing at every call: the step launches no
@@ -245,15 +221,11 @@ def quantize_launches_removed():
         fp8_method.quantize = saved
 
 
-def weight_bytes(layer: DeepseekV41DecoderLayer, bf16_wo_a: bool = False) -> int:
-    """Bytes of the unit's weights: FP8 ones with their fp32 block scales, the mHC ``fn``; wo_a as
-    the layer holds it (FP8 + scales) or, ``bf16_wo_a``, dequantized to bf16."""
+def weight_bytes(layer: DeepseekV41DecoderLayer) -> int:
     linears = [layer.attn.wqkv_a, layer.attn.wq_b, layer.attn.wo_b,
                layer.ffn.shared_experts.gate_up, layer.ffn.shared_experts.down]
     total = sum(m.weight.numel() + m.weight_scale_inv.numel() * 4 for m in linears)
-    attn = layer.attn
-    total += attn.wo_a.numel() * 2 if bf16_wo_a else attn.wo_a.numel() + attn.wo_a_scale_inv.numel() * 4
-    total += sum(hc.fn.numel() * 4 for hc in (layer.hc_attn, layer.hc_ffn))
+    total += layer.attn.wo_a.numel() * 2 + sum(hc.fn.numel() * 4 for hc in (layer.hc_attn, layer.hc_ffn))
     return total
 
 
@@ -274,9 +246,6 @@ class CompiledPeer:
         if blockwise.calibrate(device):
             raise RuntimeError("cuBLAS blockwise FP8 does not run here; no compiled peer")
         self.layer, self.c = layer, config
-        # the bf16 wo_a a torch user runs (cuBLAS bf16 einsum): the FP8 checkpoint's, dequantized once
-        attn = layer.attn
-        self.wo_a = reference.dequantize_wo_a(attn.wo_a, attn.wo_a_scale_inv, attn.wo_a_block)
         self.weights = {}
         for name, module in (("wqkv_a", layer.attn.wqkv_a), ("wq_b", layer.attn.wq_b),
                              ("wo_b", layer.attn.wo_b), ("gate_up", layer.ffn.shared_experts.gate_up),
@@ -320,7 +289,7 @@ class CompiledPeer:
         q_lora, kv = qkv[:, :attn.q_lora_rank], qkv[:, attn.q_lora_rank:]
         q = self._linear("wq_b", reference.rms_norm(q_lora, attn.q_norm.weight, c.rms_norm_eps))
         o = attn.attend(q, kv.contiguous(), positions, slots, kv_cache, impl=self.attention)
-        o = torch.einsum("tgd,grd->tgr", o, self.wo_a).reshape(t, -1)
+        o = torch.einsum("tgd,grd->tgr", o, attn.wo_a).reshape(t, -1)
         y = self._linear("wo_b", o)
         pre, post, comb = stats
         residual, xf, _ = reference.mhc_mega_boundary(y, residual, pre, post, comb, layer.ffn_norm.weight,
@@ -342,10 +311,9 @@ STATS_SPLIT_CAPS = (None, 32)
 def _time_arms(unit: LayerUnit, record: dict, variant: str, iters: int, diagnostics: bool = False) -> None:
     """``record["{arm}{variant}_us"]`` for both arms of ``unit`` as the layer is now configured
     (with ``diagnostics`` also ``chained_silu_launch_us``, the chained step with the shared
-    expert's SiLU*mul as its own launch, ``unchained_no_quantize_us`` and both arms with a bf16
-    wo_a, ``{arm}_bf16_wo_a_us``): one graph per arm, their replays alternated
-    (``harness.replay_times_us``)."""
-    graphs, alive = {}, []
+    expert's SiLU*mul as its own launch, and ``unchained_no_quantize_us``): one graph per arm,
+    their replays alternated (``harness.replay_times_us``)."""
+    graphs = {}
     for arm, on in ARMS:
         unit.set_chain(on)
         graphs[f"{arm}{variant}"] = harness.capture_graph(unit.step, iters)
@@ -360,11 +328,6 @@ def _time_arms(unit: LayerUnit, record: dict, variant: str, iters: int, diagnost
         unit.set_chain(False)
         with quantize_launches_removed():
             graphs["unchained_no_quantize"] = harness.capture_graph(unit.step, iters)
-        with bf16_wo_a(unit.layer) as copy:
-            alive.append(copy)  # the graphs read it
-            for arm, on in ARMS:
-                unit.set_chain(on)
-                graphs[f"{arm}_bf16_wo_a"] = harness.capture_graph(unit.step, iters)
     for name, us in harness.replay_times_us(graphs, iters, rounds=7).items():
         record[f"{name}_us"] = us
 
@@ -441,9 +404,7 @@ def run(args) -> tuple[dict, list[dict]]:
                     print(f"compiled peer failed at {shapes} M={rows}: {record['compiled_peer_error']}",
                           file=sys.stderr)
         record["floor_us"] = weight_bytes(layer) / bandwidth * 1e6
-        record["floor_bf16_wo_a_us"] = weight_bytes(layer, bf16_wo_a=True) / bandwidth * 1e6
         for variant, ratio in (("", "chained_over_unchained"), ("_best_stats", "best_stats_chained_over_unchained"),
-                               ("_bf16_wo_a", "bf16_wo_a_chained_over_unchained"),
                                ("_stats_at_start", "stats_at_start_chained_over_unchained"),
                                ("_serial_stats", "serial_chained_over_unchained"),
                                ("_no_stats", "no_stats_chained_over_unchained")):
@@ -452,8 +413,6 @@ def run(args) -> tuple[dict, list[dict]]:
         if record.get("compiled_peer_us"):
             record["chained_over_peer"] = record["chained_us"] / record["compiled_peer_us"]
         record["chained_over_floor"] = record["chained_us"] / record["floor_us"]
-        record["chained_over_floor_bf16_wo_a"] = record["chained_us"] / record["floor_bf16_wo_a_us"]
-        record["chained_bf16_wo_a_over_floor_bf16_wo_a"] = record["chained_bf16_wo_a_us"] / record["floor_bf16_wo_a_us"]
         records.append(record)
         del unit
     for record in harness.progress(records, "launches (torch.profiler)"):
@@ -479,15 +438,13 @@ def run(args) -> tuple[dict, list[dict]]:
 
 COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "chained_best_stats_us", "unchained_best_stats_us",
            "chained_best_stats_splits", "unchained_best_stats_splits", "chained_silu_launch_us",
-           "unchained_no_quantize_us", "chained_bf16_wo_a_us", "unchained_bf16_wo_a_us",
+           "unchained_no_quantize_us",
            "chained_stats_at_start_us", "unchained_stats_at_start_us", "chained_serial_stats_us",
            "unchained_serial_stats_us", "chained_no_stats_us", "unchained_no_stats_us", "chained_no_pdl_us",
            "unchained_no_pdl_us", "compiled_peer_us",
-           "floor_us", "floor_bf16_wo_a_us", "chained_over_unchained", "bf16_wo_a_chained_over_unchained",
-           "best_stats_chained_over_unchained",
+           "floor_us", "chained_over_unchained", "best_stats_chained_over_unchained",
            "stats_at_start_chained_over_unchained", "serial_chained_over_unchained",
-           "no_stats_chained_over_unchained", "no_quantize_over_unchained", "chained_over_peer", "chained_over_floor",
-           "chained_over_floor_bf16_wo_a", "chained_bf16_wo_a_over_floor_bf16_wo_a", "chained_launches",
+           "no_stats_chained_over_unchained", "no_quantize_over_unchained", "chained_over_peer", "chained_over_floor", "chained_launches",
            "unchained_launches", "chained_quantize_launches", "unchained_quantize_launches",
            "unchained_no_quantize_launches", "unchained_no_quantize_quantize_launches"]
 

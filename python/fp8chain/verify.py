@@ -71,19 +71,13 @@ def check_wo_a_and_mhc(device, quick) -> str:
 
     groups, rank, width, hidden = (8, 1024, 4096, 5120) if device.type == "cuda" else (2, 128, 128, 256)
     rows_list = [1, 3, 64] if device.type == "cuda" else [1, 3]
-    # the checkpoint's FP8 wo_a (32x32 power-of-two scales) and its bf16 dequantization
-    wo_a8, scale = ref.random_fp8_weight(groups * rank, width, 32, device)
-    wo_a8, scale = wo_a8.view(groups, rank, width), scale.view(groups, rank // 32, -1)
-    wo_a = ref.dequantize_wo_a(wo_a8, scale)
+    wo_a = (torch.randn(groups, rank, width, device=device) * width ** -0.5).bfloat16()
     norm_weight = (torch.rand(hidden, device=device) + 0.5).bfloat16()
     for fmt in ActFormat:
         for rows in rows_list[:1] if quick else rows_list:
             o = torch.randn(rows, groups, width, device=device).bfloat16()
             y, pair = einsum.wo_a_einsum(o, wo_a, out_format=fmt)
             _require(_pairs_equal(pair, ref.quantize(y, fmt)), f"wo_a_einsum {fmt.value} T={rows}")
-            y8, pair8 = einsum.wo_a_einsum(o, wo_a8, weight_scale=scale, out_format=fmt)
-            _require(torch.equal(y8.view(torch.int16), y.view(torch.int16)) and _pairs_equal(pair8, pair),
-                     f"wo_a_einsum FP8 weights {fmt.value} T={rows} (bitwise the bf16 copy's)")
             residual = _random_rows(rows, 4 * hidden, device).view(rows, 4, hidden)
             pre = torch.rand(rows, 4, device=device)
             post = 2 * torch.rand(rows, 4, device=device)
@@ -91,8 +85,7 @@ def check_wo_a_and_mhc(device, quick) -> str:
             _, x, pair = mhc.mhc_mega_boundary(_random_rows(rows, hidden, device), residual, pre, post,
                                                comb, norm_weight, 1e-6, out_format=fmt)
             _require(_pairs_equal(pair, ref.quantize(x, fmt)), f"mhc_mega_boundary {fmt.value} T={rows}")
-    return (f"wo_a_einsum G={groups} (bf16 and FP8 weights), mhc_mega_boundary H={hidden}: "
-            f"{len(ActFormat)} formats bitwise")
+    return f"wo_a_einsum G={groups}, mhc_mega_boundary H={hidden}: {len(ActFormat)} formats bitwise"
 
 
 def check_attention(device, quick) -> str:

@@ -8,9 +8,13 @@ return_bf16=True)``
 * Or ``wo_a`` e4m3 ``[G, R, D]`` (the checkpoint's FP8 wo_a, ``[G*R, D]`` viewed per group) with
   ``weight_scale`` fp32 ``[G, ceil(R/b), ceil(D/b)]`` (its ``b x b`` block scales viewed the same
   way, ``b = weight_block``: 32 for DSv4.1, or 128): each weight tile is dequantized in registers
-  to ``bf16(w * scale)``, exact for DSv4.1's power-of-two scales, so the result is bitwise that of
-  the same launch on a bf16 copy dequantized that way (``reference.dequantize_wo_a``), and the
-  launch streams half the weight bytes. K steps then hold whole blocks (``BLOCK_K >= b``).
+  to ``bf16(w * scale)``, exact for DSv4.1's power-of-two scales, the values of a bf16 copy
+  dequantized that way (``reference.dequantize_wo_a``), and the launch streams half the weight
+  bytes. The products are that copy's; compiled, the fp32 sums may be ordered differently from
+  the bf16-weight launch's (the compiler may permute K for an operand converted in registers:
+  measured on the H200 at 16-row tiles), so ``y`` can differ from it in the last bit, within the
+  same rounding bound. K steps hold whole blocks (``BLOCK_K >= b``). On the H200 this pays only
+  for G = 8 at T <= 16 (docs/benchmarks.md, producers): the model keeps wo_a in bf16.
 * ``y[t, g*R + r] = bf16(sum_d o[t, g, d] * wo_a[g, r, d])``: ``tl.dot`` on bf16 tiles with fp32
   accumulation, rounded to bf16 once in the epilogue. ``y`` is bf16 ``[T, G*R]`` (the flattened
   ``[T, G, R]`` that ``wo_b`` reads).

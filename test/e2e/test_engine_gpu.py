@@ -206,8 +206,7 @@ def test_producers_write_the_same_bf16_with_and_without_a_pair(setup, rows):
         "q_norm": lambda f: norm.rms_norm(randn_fixed["q"], layer.attn.q_norm.weight, c.rms_norm_eps,
                                           out_format=f),
         "silu_mul": lambda f: act.silu_mul(randn_fixed["gu"], limit=c.swiglu_limit, out_format=f),
-        "wo_a_einsum": lambda f: einsum.wo_a_einsum(randn_fixed["o"], layer.attn.wo_a,
-                                                    weight_scale=layer.attn.wo_a_scale_inv, out_format=f),
+        "wo_a_einsum": lambda f: einsum.wo_a_einsum(randn_fixed["o"], layer.attn.wo_a, out_format=f),
         "mhc_mega_boundary": lambda f: mhc.mhc_mega_boundary(
             randn_fixed["y"], residual, pre, post, comb, layer.ffn_norm.weight, c.rms_norm_eps,
             out_format=f)[:2],

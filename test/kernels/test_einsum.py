@@ -254,8 +254,11 @@ def _fp8_weight(groups, r, d, device, nan_at=None, block=32):
 
 
 def check_wo_a_fp8_weight(rows, groups, r, d, fmt, device, config=None, block=32):
-    """An FP8 wo_a gives bitwise the output of the same launch on its bf16 dequantization
-    (``reference.dequantize_wo_a``), bf16 and pair, and the pair is ``reference.quantize`` of it."""
+    """An FP8 wo_a: the output within the bound of the fp64 einsum on its bf16 dequantization
+    (``reference.dequantize_wo_a``), the pair ``reference.quantize`` of the launch's own bf16
+    output. On the interpreter (exact dots) also bitwise the same launch on the bf16 copy: the
+    dequantized values are the copy's; compiled, the sum order may differ (the module docstring)."""
+    bitwise = device.type == "cpu"
     o, _ = _inputs(rows, groups, r, d, device)
     w8, s = _fp8_weight(groups, r, d, device, block=block)
     wb = ref.dequantize_wo_a(w8, s, block)
@@ -263,15 +266,19 @@ def check_wo_a_fp8_weight(rows, groups, r, d, fmt, device, config=None, block=32
     kw = {"weight_block": block} if config is None else {"config": config, "weight_block": block}
     if fmt is None:
         y = einsum.wo_a_einsum(o, w8, weight_scale=s, out_bf16=_nan_bf16(rows, cols, device), **kw)
-        same = einsum.wo_a_einsum(o, wb, **{k: v for k, v in kw.items() if k == "config"})
-        assert torch.equal(y.view(torch.int16), same.view(torch.int16))
+        if bitwise:
+            same = einsum.wo_a_einsum(o, wb, **{k: v for k, v in kw.items() if k == "config"})
+            assert torch.equal(y.view(torch.int16), same.view(torch.int16))
     else:
         y, pair = einsum.wo_a_einsum(o, w8, weight_scale=s, out_format=fmt, out=poisoned_pair(rows, cols, fmt, device),
                                      out_bf16=_nan_bf16(rows, cols, device), **kw)
-        yb, pair_b = einsum.wo_a_einsum(o, wb, out_format=fmt, **{k: v for k, v in kw.items() if k == "config"})
-        assert torch.equal(y.view(torch.int16), yb.view(torch.int16))
-        assert_pairs_equal(pair, pair_b)
+        if bitwise:
+            yb, pair_b = einsum.wo_a_einsum(o, wb, out_format=fmt, **{k: v for k, v in kw.items() if k == "config"})
+            assert torch.equal(y.view(torch.int16), yb.view(torch.int16))
+            assert_pairs_equal(pair, pair_b)
         assert_pairs_equal(pair, ref.quantize(y, fmt))
+        only = einsum.wo_a_einsum(o, w8, weight_scale=s, out_format=fmt, return_bf16=False, **kw)
+        assert_pairs_equal(only, pair)
     assert rel_error(y, wo_a_einsum_fp(o, wb, torch.float64)) < REL_BOUND
     assert rel_error(y, ref.wo_a_einsum(o, w8, weight_scale=s, weight_block=block)) < REL_BOUND
 

@@ -40,7 +40,7 @@ from torch import nn
 from fp8chain_kernel import attention as attention_kernels
 from fp8chain_kernel import einsum as einsum_kernels
 from fp8chain_kernel.reference import apply_rope, attention_with_sinks, rope_cos_sin, rope_tables
-from fp8chain_kernel.formats import FP8_DTYPE, QuantizedActivation, cdiv, is_int
+from fp8chain_kernel.formats import QuantizedActivation, is_int
 
 from ..layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from ..layers.mhc import HyperConnection, at_start, expand_streams, run_sublayer
@@ -258,11 +258,6 @@ class DeepseekV41Config:
         if self.expert_dtype != "fp4":
             errors.append(f"expert_dtype {self.expert_dtype!r} is not supported (fp4)")
         bn, bk = self.weight_block_size
-        if bn != bk:
-            errors.append(f"weight_block_size {[bn, bk]} must be square (wo_a's scales are viewed per o-group)")
-        if self.o_lora_rank % bn:
-            errors.append(f"o_lora_rank={self.o_lora_rank} must be a multiple of the {bn}-row weight block "
-                          "(a wo_a scale block may not straddle two o-groups)")
         for name, (n, k) in self.fp8_linear_shapes().items():
             if k % 128:
                 errors.append(f"{name}: K={k} must be a multiple of 128 (FP8 activation groups)")
@@ -337,14 +332,8 @@ class MQALayer(nn.Module):
                                          bias=False, quant_config=quant_config,
                                          prefix=f"{prefix}.wq_b", tp_rank=tp_rank, tp_size=tp_size)
         self.kv_norm = RMSNorm(c.kv_dim, c.rms_norm_eps)  # its weight; applied inside rope_qkv
-        # wo_a as the checkpoint stores it, FP8 with square block scales, viewed per o-group: the
-        # einsum dequantizes it per tile, bitwise the products of a bf16 copy, at half the bytes
-        self.wo_a_block = c.weight_block_size[0]
-        self.wo_a = nn.Parameter(torch.zeros(c.o_groups, c.o_lora_rank, c.o_group_dim, dtype=FP8_DTYPE),
-                                 requires_grad=False)
-        self.wo_a_scale_inv = nn.Parameter(
-            torch.ones(c.o_groups, c.o_lora_rank // self.wo_a_block, cdiv(c.o_group_dim, self.wo_a_block)),
-            requires_grad=False)
+        self.wo_a = nn.Parameter(torch.zeros(c.o_groups, c.o_lora_rank, c.o_group_dim,
+                                             dtype=torch.bfloat16), requires_grad=False)
         self.wo_b = RowParallelLinear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False,
                                       quant_config=quant_config, prefix=f"{prefix}.wo_b",
                                       tp_rank=tp_rank, tp_size=tp_size)
@@ -406,9 +395,7 @@ class MQALayer(nn.Module):
 
         fmt = _chain_format(self.wo_b, self.chain)
         # chained, wo_b is the only reader of the einsum's output: the pair alone, no bf16 store
-        return self.wo_b(einsum_kernels.wo_a_einsum(o, self.wo_a, weight_scale=self.wo_a_scale_inv,
-                                                    weight_block=self.wo_a_block, out_format=fmt,
-                                                    return_bf16=fmt is None))
+        return self.wo_b(einsum_kernels.wo_a_einsum(o, self.wo_a, out_format=fmt, return_bf16=fmt is None))
 
 
 # --------------------------------------------------------------------------------------------
@@ -647,7 +634,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         """Load DSv4.1 checkpoint tensors (names: docs/model.md); returns the names loaded.
 
         Fused parameters are concatenated here (``wq_a`` + ``wkv`` -> ``wqkv_a``, shared
-        ``w1`` + ``w3`` -> ``gate_up``), ``wo_a`` is kept in FP8 viewed per o-group, MXFP4 experts are
+        ``w1`` + ``w3`` -> ``gate_up``), ``wo_a`` is dequantized to bf16, MXFP4 experts are
         stacked per layer; FP8 linears go through ``fp8chain.layers.loading.load_weights``,
         which also runs their ``process_weights_after_loading``. Values are copied into the
         existing parameters, so a reload is seen by captured CUDA graphs. Raises ``KeyError``
@@ -746,13 +733,15 @@ class DeepseekV41ForCausalLM(nn.Module):
         return loaded
 
     def _load_wo_a(self, attn: MQALayer, name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
-        """FP8 ``[G*R, D]`` + block scales ``[G*R/b, D/b]`` -> ``attn.wo_a`` ``[G, R, D]`` and
-        ``attn.wo_a_scale_inv`` ``[G, R/b, D/b]`` (copied in place, the checkpoint's bytes), after
-        the checks the FP8 linears' tensors get (``check_weights``)."""
+        """FP8 ``[G*R, D]`` + 32x32 scales -> bf16 ``[G, R, D]`` (dequantized once, in place),
+        after the checks the FP8 linears' tensors get (``check_weights``)."""
+        from fp8chain_kernel.reference import dequantize_weight
+
         check_weights(weight, scale, self.quant_config.block, self.quant_config.scale_fmt, name)
+        w = dequantize_weight(weight.to(attn.wo_a.device), scale.to(attn.wo_a.device),
+                              self.config.weight_block_size)
         with torch.no_grad():
-            attn.wo_a.copy_(weight.reshape(attn.wo_a.shape))
-            attn.wo_a_scale_inv.copy_(scale.reshape(attn.wo_a_scale_inv.shape))
+            attn.wo_a.copy_(w.view(attn.wo_a.shape).to(torch.bfloat16))
 
 
 #: Element types a checkpoint may store MXFP4 experts in (packed e2m1 pairs; e8m0 scale bits).
