@@ -3,8 +3,8 @@
 Producers (DSv4.1 shapes): ``rms_norm`` H=5120 (with the fused residual add) and q_norm H=1280,
 ``silu_mul`` I=2304 with the swiglu clamp, ``wo_a_einsum`` G=8 (TP1) and G=2 (TP4) with R=1024,
 D=4096 (bf16 weights; ``wo_a_g8_fp8w`` / ``wo_a_g2_fp8w``: the checkpoint's FP8 weights with their
-32x32 block scales, dequantized in the kernel, the same products), and the mHC boundary (``mhc.mhc_mega_boundary``, post + combine + RMSNorm) when it is
-importable. For each producer and T, four timings in one process (CUDA-graph replay, median):
+32x32 block scales, dequantized in the kernel, the same products), and the mHC boundary
+(``mhc.mhc_mega_boundary``, post + combine + RMSNorm) when it is importable. For each producer and T, four timings in one process (CUDA-graph replay, median):
 
 - ``bf16_us``: the bf16-only producer;
 - ``bf16_quant_us``: the bf16 producer followed by the standalone ``quant.quantize`` (two launches:
@@ -19,7 +19,8 @@ importable. For each producer and T, four timings in one process (CUDA-graph rep
   reference, which is a specification, not a competitor.
 
 ``--sweep-wo-a`` instead times candidate launch configs of the FP8-emitting ``wo_a_einsum`` (the
-``wo_a*`` producers ``--producers`` selects, bf16 or FP8 weights, the given T; ``--splits`` narrows them to one-group tiles)
+``wo_a*`` producers ``--producers`` selects, bf16 or FP8 weights, the given T; ``--splits`` narrows
+them to one-group tiles)
 against the table's choice, with the weights rotating through copies past L2
 (``harness.copies_past_l2``), and writes ``producers_wo_a_sweep.json`` (the source of
 ``einsum._launch_config``).
@@ -146,8 +147,7 @@ class Case:
             # o as the attention output's view: [T, 64 heads / (8/G), 512] seen as [T, G, 4096]
             o = torch.randn(t, g, d, device=device).bfloat16()
             if fp8_weights:
-                w8, ws = reference.random_fp8_weight(g * r, d, 32, device, log2_scale=-12)
-                wo_a, ws = w8.view(g, r, d), ws.view(g, r // 32, -1)
+                wo_a, ws = reference.random_fp8_wo_a(g, r, d, device=device, log2_scale=-12)
                 weight_bytes = wo_a.numel() + ws.numel() * 4
                 peer_weight = reference.dequantize_wo_a(wo_a, ws)
             else:
@@ -229,8 +229,7 @@ def run_wo_a_sweep(args) -> tuple[dict, list[dict]]:
         g, r, d = (8 if name.startswith("wo_a_g8") else 2), 1024, 4096
         fp8_weights = name.endswith("_fp8w")
         if fp8_weights:  # (e4m3 weight, its 32x32 block scales) per copy
-            weights = [(w.view(g, r, d), s.view(g, r // 32, -1)) for w, s in (
-                reference.random_fp8_weight(g * r, d, 32, DEVICE) for _ in range(harness.copies_past_l2(g * r * d)))]
+            weights = [reference.random_fp8_wo_a(g, r, d, device=DEVICE) for _ in range(harness.copies_past_l2(g * r * d))]
             weight_bytes = g * r * d + weights[0][1].numel() * 4
         else:
             weights = [((torch.randn(g, r, d, device=DEVICE) / d ** 0.5).bfloat16(), None)

@@ -183,7 +183,7 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
     # A tile never straddles two einsum groups when quantizing: BLOCK_N divides R.
     while cfg["BLOCK_N"] > min_n and r % cfg["BLOCK_N"]:
         cfg["BLOCK_N"] //= 2
-    cfg["BLOCK_K"] = max(min_k, min(cfg["BLOCK_K"], triton.next_power_of_2(d)))
+    cfg["BLOCK_K"] = _clamp_block_k(cfg["BLOCK_K"], d, min_k)
     while True:
         stage_bytes = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
         if cfg["num_stages"] * stage_bytes <= 192 * 1024 or cfg["num_stages"] <= 2:
@@ -194,6 +194,12 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
             cfg["num_stages"] -= 1
     cfg["SPLIT"] = split
     return cfg
+
+
+def _clamp_block_k(block_k: int, d: int, min_k: int) -> int:
+    """K step no wider than D needs (a power of two) and at least ``min_k`` (whole scale blocks of
+    an FP8 wo_a, else 16: the smallest dot)."""
+    return max(min_k, min(block_k, triton.next_power_of_2(d)))
 
 
 def _narrow_split(tiles: int, k_tiles: int, resident: int) -> int:
@@ -289,7 +295,7 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, weight_scale: torch.Tens
         cfg = _check_config(config, r, min_n)
         if cfg["BLOCK_K"] < min_k:
             raise ValueError(f"an FP8 wo_a needs BLOCK_K >= {min_k} (whole scale blocks), got {config!r}")
-        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(min_k, triton.next_power_of_2(d)))
+        cfg["BLOCK_K"] = _clamp_block_k(cfg["BLOCK_K"], d, min_k)
     else:
         cfg = _launch_config(rows, groups, r, d, min_n, sm_count(o.device, interpreter=H200_SMS), min_k)
     block_n = cfg["BLOCK_N"]

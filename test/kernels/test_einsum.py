@@ -244,13 +244,11 @@ def test_wo_a_decode_split_config():
 
 def _fp8_weight(groups, r, d, device, nan_at=None, block=32):
     """An e4m3 wo_a ``[G, R, D]`` with block scales in the checkpoint's form (powers of two for
-    32x32 blocks, arbitrary for 128x128; per group: R a multiple of the block), optionally with a
-    NaN code at ``nan_at``."""
-    parts = [ref.random_fp8_weight(r, d, block, device, log2_scale=-8) for _ in range(groups)]
-    w = torch.stack([w for w, _ in parts])
+    32x32 blocks, arbitrary for 128x128), optionally with a NaN code at ``nan_at``."""
+    w, s = ref.random_fp8_wo_a(groups, r, d, block, device, log2_scale=-8)
     if nan_at is not None:
         w.view(torch.uint8)[nan_at] = 0x7F
-    return w, torch.stack([s for _, s in parts])
+    return w, s
 
 
 def check_wo_a_fp8_weight(rows, groups, r, d, fmt, device, config=None, block=32):
@@ -263,17 +261,18 @@ def check_wo_a_fp8_weight(rows, groups, r, d, fmt, device, config=None, block=32
     w8, s = _fp8_weight(groups, r, d, device, block=block)
     wb = ref.dequantize_wo_a(w8, s, block)
     cols = groups * r
-    kw = {"weight_block": block} if config is None else {"config": config, "weight_block": block}
+    launch = {} if config is None else {"config": config}  # the same launch for both weights
+    kw = dict(launch, weight_block=block)
     if fmt is None:
         y = einsum.wo_a_einsum(o, w8, weight_scale=s, out_bf16=_nan_bf16(rows, cols, device), **kw)
         if bitwise:
-            same = einsum.wo_a_einsum(o, wb, **{k: v for k, v in kw.items() if k == "config"})
+            same = einsum.wo_a_einsum(o, wb, **launch)
             assert torch.equal(y.view(torch.int16), same.view(torch.int16))
     else:
         y, pair = einsum.wo_a_einsum(o, w8, weight_scale=s, out_format=fmt, out=poisoned_pair(rows, cols, fmt, device),
                                      out_bf16=_nan_bf16(rows, cols, device), **kw)
         if bitwise:
-            yb, pair_b = einsum.wo_a_einsum(o, wb, out_format=fmt, **{k: v for k, v in kw.items() if k == "config"})
+            yb, pair_b = einsum.wo_a_einsum(o, wb, out_format=fmt, **launch)
             assert torch.equal(y.view(torch.int16), yb.view(torch.int16))
             assert_pairs_equal(pair, pair_b)
         assert_pairs_equal(pair, ref.quantize(y, fmt))

@@ -15,9 +15,17 @@ import torch
 
 from ..formats import ActFormat
 from .norm import finish
-from .quant import dequantize_weight
+from .quant import dequantize_weight, random_fp8_weight
 
-__all__ = ["dequantize_wo_a", "wo_a_einsum"]
+__all__ = ["dequantize_wo_a", "random_fp8_wo_a", "wo_a_einsum"]
+
+def random_fp8_wo_a(groups: int, r: int, d: int, block: int = 32, device=None, log2_scale: int = -10):
+    """A random e4m3 wo_a ``[G, R, D]`` and its ``[G, R/b, ceil(D/b)]`` block scales as a checkpoint
+    stores them (``random_fp8_weight`` of the ``[G*R, D]`` matrix viewed per group; ``R`` a
+    multiple of the block ``b``), for tests and benchmarks."""
+    weight, scale = random_fp8_weight(groups * r, d, block, device, log2_scale)
+    return weight.view(groups, r, d), scale.view(groups, r // block, -1)
+
 
 def dequantize_wo_a(wo_a: torch.Tensor, weight_scale: torch.Tensor, weight_block: int = 32) -> torch.Tensor:
     """e4m3 ``[G, R, D]`` with fp32 ``[G, ceil(R/b), ceil(D/b)]`` block scales -> bf16 ``[G, R, D]``."""
