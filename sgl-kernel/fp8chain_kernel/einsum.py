@@ -97,11 +97,12 @@ def _wo_a_kernel(o_ptr, w_ptr, ws_ptr, y_ptr, data_ptr, scale_ptr, part_ptr, cou
               + offs_k[None, :] * stride_od)
     b_ptrs = (w_ptr + g.to(tl.int64) * stride_wg + offs_n.to(tl.int64)[:, None] * stride_wr
               + offs_k[None, :] * stride_wd)
-    # FP8 weights: the scales of the K step's WEIGHT_BLOCK-column groups, rows of WEIGHT_BLOCK
-    SUB: tl.constexpr = BLOCK_K // WEIGHT_BLOCK
-    offs_sub = pid_k * (K_TILES * SUB) + tl.arange(0, SUB)
-    ws_ptrs = (ws_ptr + g.to(tl.int64) * stride_wsg + (offs_n // WEIGHT_BLOCK).to(tl.int64)[:, None] * stride_wsr
-               + offs_sub[None, :] * stride_wsk)
+    if W_FP8:
+        # the scales of the K step's WEIGHT_BLOCK-column groups, rows of WEIGHT_BLOCK
+        SUB: tl.constexpr = BLOCK_K // WEIGHT_BLOCK
+        offs_sub = pid_k * (K_TILES * SUB) + tl.arange(0, SUB)
+        ws_ptrs = (ws_ptr + g.to(tl.int64) * stride_wsg
+                   + (offs_n // WEIGHT_BLOCK).to(tl.int64)[:, None] * stride_wsr + offs_sub[None, :] * stride_wsk)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # K_TILES (tiles per K slice) is a compile-time constant (D is fixed per model): the loop
     # bound must not be a runtime scalar on the Triton CPU interpreter under numpy 2.x.
@@ -310,7 +311,7 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, weight_scale: torch.Tens
         o if counters is None else counters, rows, groups, r, d,
         o.stride(0), o.stride(1), o.stride(2), wo_a.stride(0), wo_a.stride(1), wo_a.stride(2),
         *(ws.stride() if w_fp8 else (0, 0, 0)), a["y_stride"], *a["strides"],
-        W_FP8=w_fp8, WEIGHT_BLOCK=weight_block if w_fp8 else cfg["BLOCK_K"],
+        W_FP8=w_fp8, WEIGHT_BLOCK=weight_block if w_fp8 else 0,
         STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"], EVEN_K=d % (cfg["BLOCK_K"] * split) == 0, SPLIT=split,
         K_TILES=slice_tiles, EVEN_N=r % block_n == 0, **cfg, **a["consts"], **pdl_options(),
     )
