@@ -424,6 +424,25 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (64, 5120, 2304, 128): _C(64, 64, 128, 3, 4, 4),  # 10.4 us
     (256, 5120, 2304, 128): _C(64, 64, 128, 1, 4, 4),  # 15.1 us
     (1 << 30, 5120, 2304, 128): _C(128, 64, 128, 1, 4, 4),  # 79.7 us
+    # TP4 shards (32-groups), H200 sweep 2026-12-03 10:14 UTC (--shapes gate_up_tp4,wq_b_tp4,down_tp4
+    # --ms 64,16,8,4,256,2048 --stages 3,4, every mode; benchmark/results/gemm_sweep_tp4_shards_4a8accb.json):
+    # until then the heuristic ran them (in brackets). At M = 64 block-diagonal dots on 16- or 32-token
+    # tiles beat the dequantized 64-token tile: more programs for these narrow N / short K problems.
+    # gate_up_tp4 1152x5120 (M = 256: the heuristic's 30.5 us beat every candidate)
+    (4, 1152, 5120, 32): _C(64, 4, 128, 10, 4, 4, block_diag=True),  # 5.2 us (5.4)
+    (8, 1152, 5120, 32): _C(64, 8, 128, 10, 3, 4, block_diag=True),  # 5.5 us (6.4)
+    (16, 1152, 5120, 32): _C(64, 16, 128, 10, 4, 4, block_diag=True),  # 6.8 us (7.3)
+    (64, 1152, 5120, 32): _C(64, 16, 128, 5, 3, 4, block_diag=True),  # 10.2 us (13.7)
+    (1 << 30, 1152, 5120, 32): _C(128, 256, 64, 1, 3, 8, dequant=True),  # 127.1 us (128.9)
+    # wq_b_tp4 8192x1280
+    (4, 8192, 1280, 32): _C(64, 4, 256, 1, 4, 4, block_diag=True),  # 5.9 us (6.7)
+    (8, 8192, 1280, 32): _C(64, 8, 256, 1, 3, 4, block_diag=True),  # 6.3 us (7.5)
+    (16, 8192, 1280, 32): _C(64, 16, 256, 1, 3, 4, block_diag=True),  # 7.2 us (8.5)
+    (64, 8192, 1280, 32): _C(64, 32, 128, 1, 4, 4, block_diag=True),  # 10.8 us (12.8)
+    (256, 8192, 1280, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 23.0 us (31.7)
+    (1 << 30, 8192, 1280, 32): _C(128, 256, 64, 1, 3, 8, dequant=True),  # 130.5 us (163.6)
+    # down_tp4 5120x576
+    (1 << 30, 5120, 576, 32): _C(128, 256, 64, 1, 3, 8, dequant=True),  # 49.9 us (53.3)
 }
 
 _M_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 1 << 30)
