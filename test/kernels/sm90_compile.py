@@ -91,6 +91,11 @@ def record_launches() -> None:
         gemm.fp8_gemm(quant.quantize(bf16(tokens, k), gemm.input_format_for_block(group)),
                       torch.zeros(n, k, dtype=FP8_DTYPE), torch.ones(cdiv(n, group), k // group),
                       weight_block=group, config=cfg)
+    for (bucket, n, k, group), cfg in gemm.CONFIG_TABLE.items():  # the TP4 shards' table entries
+        if (n, k) in ((8192, 1280), (1152, 5120), (5120, 576)):
+            gemm.fp8_gemm(quant.quantize(bf16(min(bucket, 2048), k), gemm.input_format_for_block(group)),
+                          torch.zeros(n, k, dtype=FP8_DTYPE), torch.ones(cdiv(n, group), k // group),
+                          weight_block=group, config=cfg)
     gate_up = torch.zeros(4608, 5120, dtype=FP8_DTYPE)
     for fmt in (ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN):
         for rows in (1, 64, 2048):

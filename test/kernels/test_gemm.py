@@ -19,6 +19,11 @@ TOL = 5e-3
 
 # DSv4.1 dense FP8 linears (N, K): wqkv_a, wq_b, wo_b (TP1, TP4), shared gate_up, shared down.
 DSV41_SHAPES = [(1792, 5120), (32768, 1280), (5120, 8192), (5120, 2048), (4608, 5120), (5120, 2304)]
+# TP4 shards of wq_b, shared gate_up and shared down: table entries of their own, 32-groups only
+# (the down shard's K = 576 is no multiple of 128)
+TP4_SHARD_SHAPES = [(8192, 1280), (1152, 5120), (5120, 576)]
+GEMM_CASES = ([(fmt, block, n, k) for fmt, block in FORMATS for n, k in DSV41_SHAPES]
+              + [(G32, 32, n, k) for n, k in TP4_SHARD_SHAPES])
 GPU_MS = [1, 2, 3, 4, 16, 64, 127, 256, 2048]
 
 
@@ -320,8 +325,7 @@ def _gpu_weight(n, k, block):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,block", FORMATS, ids=["g32", "g128"])
-@pytest.mark.parametrize("n,k", DSV41_SHAPES, ids=[f"{n}x{k}" for n, k in DSV41_SHAPES])
+@pytest.mark.parametrize("fmt,block,n,k", GEMM_CASES, ids=[f"g{b}-{n}x{k}" for _, b, n, k in GEMM_CASES])
 def test_fp8_gemm_dsv41_shapes_gpu(fmt, block, n, k):
     w, s, w_ref = _gpu_weight(n, k, block)
     for m in GPU_MS:
@@ -447,7 +451,8 @@ def test_split_k_under_cuda_graph_replay_gpu():
 @pytest.mark.cpu
 def test_config_choice_by_group_and_m(device):
     """What the table and the heuristic pick: block-diagonal FP8 dots for FP8 tokens with 32-groups
-    at M <= 16, bf16-dequantized operands above (and always for W8A16), the FP8 dot for 128-groups."""
+    at M <= 16, bf16-dequantized operands above in the heuristic (the table may keep block-diagonal
+    dots up to M = 64), always dequantized for W8A16, the FP8 dot for 128-groups."""
     for (bucket, n, k, group), cfg in gemm.CONFIG_TABLE.items():
         assert not (cfg.dequant and cfg.block_diag)
         if group == 128:
