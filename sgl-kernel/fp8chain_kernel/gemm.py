@@ -441,7 +441,13 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (64, 8192, 1280, 32): _C(64, 32, 128, 1, 4, 4, block_diag=True),  # 10.8 us (12.8)
     (256, 8192, 1280, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 23.0 us (31.7)
     (1 << 30, 8192, 1280, 32): _C(128, 256, 64, 1, 3, 8, dequant=True),  # 130.5 us (163.6)
-    # down_tp4 5120x576
+    # down_tp4 5120x576 (K = 9 x 64: 64-column K steps, sweep 2026-12-03 11:54 UTC, --block-k 32,64,
+    # benchmark/results/gemm_sweep_down_tp4_9e1e28c.json; M <= 4: the GEMV's 4.4 us at M = 4; M = 256:
+    # no candidate)
+    (4, 5120, 576, 32): _C(64, 8, 64, 1, 4, 4, block_diag=True),  # 3.1 us (GEMV 4.4)
+    (8, 5120, 576, 32): _C(64, 8, 64, 1, 4, 4, block_diag=True),  # 3.0 us (6.4)
+    (16, 5120, 576, 32): _C(64, 16, 64, 1, 4, 4, block_diag=True),  # 3.8 us (6.4)
+    (64, 5120, 576, 32): _C(128, 32, 64, 1, 3, 4, block_diag=True),  # 5.1 us (8.1)
     (1 << 30, 5120, 576, 32): _C(128, 256, 64, 1, 3, 8, dequant=True),  # 49.9 us (53.3)
 }
 

@@ -53,8 +53,8 @@ class GemvConfig(NamedTuple):
 # gemv,block_diag, which times the candidates beside the tensor-core GEMM's; docs/gemm.md), the fastest
 # config with pipelined loads where one is within ~0.4 us of the fastest; a problem not listed runs the
 # GEMM: at two tokens wq_b and the shared gate_up (whose GEMM writes SiLU*mul in its epilogue, which
-# the GEMV does not: docs/gemm.md), at four tokens all but the TP4 down shard. us, GEMV against the
-# GEMM's best:
+# the GEMV does not: docs/gemm.md), at four tokens all (the TP4 down shard since its GEMM table
+# entry: 3.1 against 4.4 us). us, GEMV against the GEMM's best:
 GEMV_TABLE: dict[tuple[int, int, int, int], GemvConfig] = {
     (1, 1792, 5120, 32): GemvConfig(2, 1024, 2, 3),  # wqkv_a: 4.9 against 6.5
     (1, 32768, 1280, 32): GemvConfig(32, 256, 2, 3),  # wq_b: 12.8 against 13.4
@@ -72,7 +72,6 @@ GEMV_TABLE: dict[tuple[int, int, int, int], GemvConfig] = {
     (2, 8192, 1280, 32): GemvConfig(16, 256, 2, 3),  # wq_b, TP4 shard: 5.8 against 7.0
     (2, 1152, 5120, 32): GemvConfig(2, 1024, 2, 3),  # shared gate_up, TP4 shard: 4.5 against 5.1
     (2, 5120, 576, 32): GemvConfig(8, 256, 2, 1),  # shared down, TP4 shard: 3.0 (the GEMM: 6.2 at 974a552)
-    (4, 5120, 576, 32): GemvConfig(8, 256, 2, 3),  # shared down, TP4 shard: 4.3 (the GEMM: 6.3 at 974a552)
 }
 
 
