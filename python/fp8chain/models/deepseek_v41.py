@@ -39,7 +39,8 @@ from torch import nn
 
 from fp8chain_kernel import attention as attention_kernels
 from fp8chain_kernel import einsum as einsum_kernels
-from fp8chain_kernel.reference import apply_rope, attention_with_sinks, rope_cos_sin, rope_tables
+from fp8chain_kernel.reference import (apply_rope, attention_with_sinks, dequantize_weight, rope_cos_sin,
+                                       rope_tables)
 from fp8chain_kernel.formats import QuantizedActivation, is_int
 
 from ..layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -735,8 +736,6 @@ class DeepseekV41ForCausalLM(nn.Module):
     def _load_wo_a(self, attn: MQALayer, name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
         """FP8 ``[G*R, D]`` + 32x32 scales -> bf16 ``[G, R, D]`` (dequantized once, in place),
         after the checks the FP8 linears' tensors get (``check_weights``)."""
-        from fp8chain_kernel.reference import dequantize_weight
-
         check_weights(weight, scale, self.quant_config.block, self.quant_config.scale_fmt, name)
         w = dequantize_weight(weight.to(attn.wo_a.device), scale.to(attn.wo_a.device),
                               self.config.weight_block_size)
@@ -802,8 +801,6 @@ class DeepseekV41Reference:
     activation quantization, no bf16 rounding): what the FP8 model approximates."""
 
     def __init__(self, config: DeepseekV41Config, tensors: dict[str, torch.Tensor], device="cpu"):
-        from fp8chain_kernel.reference import dequantize_weight
-
         from ..layers.moe import dequantize_mxfp4
 
         self.config = config

@@ -19,6 +19,7 @@ from .quant import dequantize_weight, random_fp8_weight
 
 __all__ = ["dequantize_wo_a", "random_fp8_wo_a", "wo_a_einsum"]
 
+
 def random_fp8_wo_a(groups: int, r: int, d: int, block: int = 32, device=None, log2_scale: int = -10):
     """A random e4m3 wo_a ``[G, R, D]`` and its ``[G, R/b, ceil(D/b)]`` block scales as a checkpoint
     stores them (``random_fp8_weight`` of the ``[G*R, D]`` matrix viewed per group; ``R`` a
