@@ -38,17 +38,10 @@ from fp8chain_kernel import gemm, quant, reference  # noqa: E402
 from fp8chain_kernel.formats import ActFormat  # noqa: E402
 from fp8chain_kernel.gemv import MAX_GEMV_TOKENS, GemvConfig, select_gemv  # noqa: E402
 
-SHAPES = {
-    "wqkv_a": (1792, 5120),
-    "wq_b": (32768, 1280),
-    "wo_b": (5120, 8192),
-    "wo_b_tp4": (5120, 2048),
-    "gate_up": (4608, 5120),
-    "down": (5120, 2304),
-}
-# the other TP4 shards of the layer benchmark's TP4 shapes (wqkv_a is replicated)
-TP4_SHAPES = {"wq_b_tp4": (8192, 1280), "gate_up_tp4": (1152, 5120), "down_tp4": (5120, 576)}
-SHAPES.update(TP4_SHAPES)
+SHAPES = {**gemm.DSV41_TP1_LINEARS, **gemm.DSV41_TP4_SHARDS}
+# by default the TP1 linears and the TP4 shard of wo_b (the one with 128-group table entries); the
+# other shards run on request (--shapes), with --groups 32 (the down shard's K = 576)
+DEFAULT_SHAPES = [*gemm.DSV41_TP1_LINEARS, "wo_b_tp4"]
 MS = [1, 4, 16, 64, 256, 2048]
 QUICK_MS = [1, 16, 64, 2048]
 G32, G128 = ActFormat.SM90_G32_FP32_MN, ActFormat.SM90_G128_FP32_MN
@@ -56,7 +49,7 @@ G32, G128 = ActFormat.SM90_G32_FP32_MN, ActFormat.SM90_G128_FP32_MN
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help=f"M in {QUICK_MS}, fewer replays")
-    parser.add_argument("--shapes", default=",".join(s for s in SHAPES if s not in TP4_SHAPES),
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
                         help=f"comma-separated shape names, of {', '.join(SHAPES)}")
     parser.add_argument("--ms", default=None, help="comma-separated M values")
     parser.add_argument("--iters", type=positive_int, default=None, help="calls per captured graph")

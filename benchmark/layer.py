@@ -72,6 +72,7 @@ from fp8chain_kernel.formats import ActFormat, align4  # noqa: E402
 
 ROWS = [1, 4, 16, 64, 256]
 PREFILL = 2048
+TP4_RANKS = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,17 +80,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=non_negative_int, default=PREFILL, help="prefill tokens (0: skip)")
     parser.add_argument("--context", type=positive_int, default=1024, help="KV-cache length per token")
     parser.add_argument("--shapes", nargs="+", default=["tp1", "tp4"], choices=["tp1", "tp4"],
-                        help="TP1 dims, or one TP4 rank's attention shard (16 heads, 2 o-groups)")
+                        help="TP1 dims, or one TP4 rank's shard (16 heads, 2 o-groups, a quarter of the shared expert)")
     parser.add_argument("--no-peer", action="store_true", help="skip the torch.compile peer")
     parser.add_argument("--quick", action="store_true", help="M in {1, 16, 64}, no prefill, TP1 only")
     parser.add_argument("--iters", type=positive_int, default=20, help="steps per captured graph")
 
 
 def layer_config(shapes: str, tiny: bool = False) -> DeepseekV41Config:
+    """The layer's config; ``tp4``: the shapes one rank of four holds under tensor parallelism, on
+    a model of its own: 16 heads and 2 o-groups (wq_b [8192, 1280], wo_a [2, 1024, 4096], wo_b
+    [5120, 2048]) and a quarter of the shared expert's intermediate (gate_up [1152, 5120], down
+    [5120, 576] in Flash; SGLang shards the shared expert over the TP group by default)."""
+    preset = DeepseekV41Config.tiny if tiny else DeepseekV41Config.flash
     overrides = dict(n_routed_experts=8, num_experts_per_tok=2)  # routed experts not timed
     if shapes == "tp4":
-        overrides.update(num_attention_heads=16, o_groups=2)
-    return DeepseekV41Config.tiny(**overrides) if tiny else DeepseekV41Config.flash(**overrides)
+        overrides.update(num_attention_heads=16, o_groups=2,
+                         moe_intermediate_size=preset().moe_intermediate_size // TP4_RANKS)
+    return preset(**overrides)
 
 
 def build_layer(config: DeepseekV41Config, device) -> DeepseekV41DecoderLayer:

@@ -53,6 +53,7 @@ from .quant import check_activation, quantize
 __all__ = [
     "GemmConfig", "fp8_gemm", "fp8_gemm_silu_mul", "gemm_config", "silu_mul_epilogue_pays", "w8a16_gemm",
     "input_format_for_block", "check_block_scaled", "check_weight", "select_config", "CONFIG_TABLE",
+    "DSV41_TP1_LINEARS", "DSV41_TP4_SHARDS",
 ]
 
 
@@ -340,6 +341,13 @@ class GemmConfig(NamedTuple):
             return 0
         return self.scale_ahead if self.scale_ahead is not None else int(self.block_diag)
 
+
+# The DSv4.1-Flash dense FP8 linears, (N, K) by name, that this table and ``gemv.GEMV_TABLE`` were
+# swept on: TP1, and the shards one rank holds at TP4 (wqkv_a is replicated at every degree).
+DSV41_TP1_LINEARS = {"wqkv_a": (1792, 5120), "wq_b": (32768, 1280), "wo_b": (5120, 8192),
+                     "gate_up": (4608, 5120), "down": (5120, 2304)}
+DSV41_TP4_SHARDS = {"wq_b_tp4": (8192, 1280), "wo_b_tp4": (5120, 2048), "gate_up_tp4": (1152, 5120),
+                    "down_tp4": (5120, 576)}
 
 # Static table, (M bucket, N, K, group) -> config, filled from H200 sweeps (benchmark/gemm.py
 # --sweep, which verifies each candidate against the reference before timing it). M buckets: 4,

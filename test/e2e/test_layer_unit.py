@@ -21,6 +21,23 @@ def _layer_benchmark():
     return module
 
 
+def test_tp4_unit_holds_one_ranks_shards():
+    """The TP4 unit's FP8 linears are one TP4 rank's shards, the GEMM table's TP4 problems (the
+    shared expert included: SGLang shards it over the TP group), and TP1's are the TP1 linears."""
+    from fp8chain_kernel import gemm
+
+    bench = _layer_benchmark()
+    for shapes, want in (("tp1", gemm.DSV41_TP1_LINEARS), ("tp4", gemm.DSV41_TP4_SHARDS)):
+        linears = bench.layer_config(shapes).fp8_linear_shapes()
+        (gate, k), (up, _) = linears["ffn.shared_experts.w1"], linears["ffn.shared_experts.w3"]
+        held = {"wq_b": linears["attn.wq_b"], "wo_b": linears["attn.wo_b"], "gate_up": (gate + up, k),
+                "down": linears["ffn.shared_experts.w2"]}
+        if shapes == "tp1":  # wqkv_a is replicated: only TP1 lists it
+            held["wqkv_a"] = (linears["attn.wq_a"][0] + linears["attn.wkv"][0], linears["attn.wq_a"][1])
+        suffix = "_tp4" if shapes == "tp4" else ""
+        assert {name + suffix: shape for name, shape in held.items()} == want
+
+
 @pytest.mark.parametrize("shapes,rows,prefill", [("tp1", 1, False), ("tp4", 3, False), ("tp1", 6, True)])
 def test_unit_chain_on_equals_off(shapes, rows, prefill):
     bench = _layer_benchmark()

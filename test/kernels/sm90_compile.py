@@ -92,7 +92,7 @@ def record_launches() -> None:
                       torch.zeros(n, k, dtype=FP8_DTYPE), torch.ones(cdiv(n, group), k // group),
                       weight_block=group, config=cfg)
     for (bucket, n, k, group), cfg in gemm.CONFIG_TABLE.items():  # the TP4 shards' table entries
-        if (n, k) in ((8192, 1280), (1152, 5120), (5120, 576)):
+        if (n, k) in gemm.DSV41_TP4_SHARDS.values():
             gemm.fp8_gemm(quant.quantize(bf16(min(bucket, 2048), k), gemm.input_format_for_block(group)),
                           torch.zeros(n, k, dtype=FP8_DTYPE), torch.ones(cdiv(n, group), k // group),
                           weight_block=group, config=cfg)

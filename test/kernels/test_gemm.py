@@ -17,13 +17,11 @@ G32, G128 = ActFormat.SM90_G32_FP32_MN, ActFormat.SM90_G128_FP32_MN
 FORMATS = [(G32, 32), (G128, 128)]
 TOL = 5e-3
 
-# DSv4.1 dense FP8 linears (N, K): wqkv_a, wq_b, wo_b (TP1, TP4), shared gate_up, shared down.
-DSV41_SHAPES = [(1792, 5120), (32768, 1280), (5120, 8192), (5120, 2048), (4608, 5120), (5120, 2304)]
-# TP4 shards of wq_b, shared gate_up and shared down: table entries of their own, 32-groups only
-# (the down shard's K = 576 is no multiple of 128)
-TP4_SHARD_SHAPES = [(8192, 1280), (1152, 5120), (5120, 576)]
-GEMM_CASES = ([(fmt, block, n, k) for fmt, block in FORMATS for n, k in DSV41_SHAPES]
-              + [(G32, 32, n, k) for n, k in TP4_SHARD_SHAPES])
+# Every DSv4.1 dense FP8 linear, TP1 and TP4 shards, at each weight block that divides its K (the
+# down shard's K = 576 is no multiple of 128).
+DSV41_SHAPES = [*gemm.DSV41_TP1_LINEARS.values(), *gemm.DSV41_TP4_SHARDS.values()]
+GEMM_CASES = [(fmt, block, n, k) for fmt, block in FORMATS for n, k in DSV41_SHAPES if k % block == 0]
+G128_SHAPES = [(n, k) for n, k in DSV41_SHAPES if k % 128 == 0]
 GPU_MS = [1, 2, 3, 4, 16, 64, 127, 256, 2048]
 
 
@@ -386,7 +384,7 @@ def test_w8a16_dsv41_shapes_gpu(block, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", DSV41_SHAPES, ids=[f"{n}x{k}" for n, k in DSV41_SHAPES])
+@pytest.mark.parametrize("n,k", G128_SHAPES, ids=[f"{n}x{k}" for n, k in G128_SHAPES])
 def test_torch_blockwise_dsv41_shapes_gpu(n, k):
     from fp8chain_kernel import backends
 

@@ -70,8 +70,8 @@ def test_from_hf_style_dict_overrides_defaults():
 
 @pytest.mark.parametrize("bad", [
     dict(num_attention_heads=3),            # heads not a multiple of o_groups
-    dict(hidden_size=200),                  # K not a multiple of 128
-    dict(q_lora_rank=96),                   # wq_b K = 96
+    dict(hidden_size=200),                  # K not a multiple of the 32-column weight block
+    dict(q_lora_rank=80),                   # wq_b K = 80
     dict(moe_intermediate_size=80),
     dict(hc_mult=2),                        # the mHC kernels run 4 streams
     dict(num_experts_per_tok=9),
@@ -112,3 +112,11 @@ def test_from_dict_refuses_other_models_and_says_what_it_ignores(caplog):
         config = DeepseekV41Config.from_dict({**tiny, "rope_scaling": yarn})
     assert "rope_scaling" in caplog.text and config.extra["rope_scaling"] == yarn
     assert DeepseekV41Config.from_dict({**tiny, "swiglu_limit": None}).swiglu_limit is None
+
+
+def test_validation_takes_k_in_weight_blocks_not_128():
+    """A TP4 shard of the shared expert: down K = 2304 / 4 = 576, whole 32-column blocks (and
+    activation groups) though no multiple of 128."""
+    c = DeepseekV41Config.flash(moe_intermediate_size=576)
+    assert c.fp8_linear_shapes()["ffn.shared_experts.w2"] == (5120, 576)
+    assert DeepseekV41Config.tiny(q_lora_rank=96).fp8_linear_shapes()["attn.wq_b"][1] == 96
