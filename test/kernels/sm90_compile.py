@@ -87,15 +87,16 @@ def record_launches() -> None:
         scale = torch.ones(1792 // block, 5120 // block)
         for rows in (1, 64, 2048):
             gemm.fp8_gemm(quant.quantize(bf16(rows, 5120), fmt), weight, scale, weight_block=block)
-    for (tokens, n, k, group), cfg in gemv.GEMV_TABLE.items():  # every GEMV table launch
+    def table_launch(tokens, n, k, group, cfg):
         gemm.fp8_gemm(quant.quantize(bf16(tokens, k), gemm.input_format_for_block(group)),
                       torch.zeros(n, k, dtype=FP8_DTYPE), torch.ones(cdiv(n, group), k // group),
                       weight_block=group, config=cfg)
+
+    for (tokens, n, k, group), cfg in gemv.GEMV_TABLE.items():  # every GEMV table launch
+        table_launch(tokens, n, k, group, cfg)
     for (bucket, n, k, group), cfg in gemm.CONFIG_TABLE.items():  # the TP4 shards' table entries
         if (n, k) in gemm.DSV41_TP4_SHARDS.values():
-            gemm.fp8_gemm(quant.quantize(bf16(min(bucket, 2048), k), gemm.input_format_for_block(group)),
-                          torch.zeros(n, k, dtype=FP8_DTYPE), torch.ones(cdiv(n, group), k // group),
-                          weight_block=group, config=cfg)
+            table_launch(min(bucket, 2048), n, k, group, cfg)
     gate_up = torch.zeros(4608, 5120, dtype=FP8_DTYPE)
     for fmt in (ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN):
         for rows in (1, 64, 2048):
