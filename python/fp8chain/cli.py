@@ -20,11 +20,18 @@ BENCH_DIR = REPO_ROOT / "benchmark"
 BENCHMARKS = ["quant", "producers", "gemm", "attention", "layer"]
 
 
-def _use_interpreter_without_cuda() -> None:
-    """Kernels run on the Triton CPU interpreter when there is no GPU (set before they load)."""
+def _use_interpreter_for_cpu(argv: list[str] | None) -> None:
+    """Kernels run on the Triton CPU interpreter when there is no GPU, or when ``demo --device cpu``
+    asks for the CPU on a machine with one. Set before any kernel module loads (``build_parser``
+    loads the benchmarks, which import them): a kernel compiled for the GPU cannot run on CPU
+    tensors."""
     import torch
 
-    if not torch.cuda.is_available():
+    wanted = argparse.ArgumentParser(add_help=False)
+    wanted.add_argument("command", nargs="?")
+    wanted.add_argument("--device")
+    known, _ = wanted.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if not torch.cuda.is_available() or (known.command == "demo" and known.device == "cpu"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
@@ -186,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _use_interpreter_without_cuda()
+    _use_interpreter_for_cpu(argv)
     args = build_parser().parse_args(argv)
     command = {"demo": _cmd_demo, "bench": _cmd_bench, "verify": _cmd_verify, "info": _cmd_info}
     return command[args.command](args)

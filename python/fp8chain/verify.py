@@ -169,5 +169,7 @@ def run_checks(quick: bool = False) -> bool:
             detail, status, all_ok = f"kernel module missing: {exc}", "FAIL", False
         except AssertionError as exc:
             detail, status, all_ok = f"mismatch: {exc}", "FAIL", False
+        except Exception as exc:  # a launch, compile or input error: this check fails, the next still runs
+            detail, status, all_ok = f"error: {type(exc).__name__}: {exc}", "FAIL", False
         print(f"[{status}] {name:10s} {detail} ({time.perf_counter() - start:.1f} s)")
     return all_ok

@@ -39,6 +39,49 @@ def test_verify_passes_and_reports_a_broken_kernel(monkeypatch, capsys):
     assert "[FAIL] quantize" in capsys.readouterr().out
 
 
+def test_verify_reports_a_check_that_raises_and_runs_the_rest(monkeypatch, capsys):
+    ran = []
+
+    def raises(device, quick):
+        raise RuntimeError("launch failed")
+
+    def passes(device, quick):
+        ran.append(True)
+        return "fine"
+
+    monkeypatch.setattr(verify, "CHECKS", {"first": raises, "second": passes})
+    assert not verify.run_checks(quick=True)
+    out = capsys.readouterr().out
+    assert "[FAIL] first" in out and "RuntimeError: launch failed" in out
+    assert "[ok  ] second" in out and ran == [True]
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+@pytest.mark.parametrize("argv", [["demo", "--device", "cpu"], ["demo", "--device=cpu", "--layers", "1"], ["demo"],
+                                  ["info"], ["bench", "layer", "--rows", "1"]])
+def test_kernels_load_for_the_interpreter_where_they_run_on_cpu(monkeypatch, argv, gpu):
+    """Without a GPU every command, and with one `demo --device cpu`, runs the kernels on the
+    Triton interpreter: TRITON_INTERPRET=1 before any kernel module loads."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    cli._use_interpreter_for_cpu(argv)
+    import os
+
+    on_cpu = not gpu or (argv[0] == "demo" and any("cpu" in a for a in argv))
+    assert os.environ.get("TRITON_INTERPRET") == ("1" if on_cpu else None)
+
+
+def test_demo_on_cpu_refuses_kernels_loaded_for_the_gpu(monkeypatch):
+    import argparse
+
+    from fp8chain.runtime import demo
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as if the kernels had loaded without it
+    import fp8chain_kernel.quant  # noqa: F401
+    with pytest.raises(SystemExit, match="loaded for the GPU"):
+        demo.run_demo(argparse.Namespace(device="cpu", prompts=1, tokens=1, seed=0, layers=1, out=None, eager=False))
+
+
 def test_info_lists_backends(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out

@@ -75,10 +75,12 @@ def run_demo(args) -> int:
     """Run the demo; returns 0 when both arms generate identical tokens, else 1."""
     device = _resolve_device(getattr(args, "device", "auto"))
     if device == "cpu":
-        if "fp8chain_kernel.quant" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            print("warning: kernels were imported before TRITON_INTERPRET=1 was set; CPU runs "
-                  "need the Triton interpreter", file=sys.stderr)
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            if "fp8chain_kernel.quant" in sys.modules:  # compiled for the GPU: no launch on CPU tensors
+                raise SystemExit("demo --device cpu: the kernels were loaded for the GPU before "
+                                 "TRITON_INTERPRET=1 was set; run it in a process started with "
+                                 "TRITON_INTERPRET=1 (the fp8chain command sets it itself)")
+            os.environ["TRITON_INTERPRET"] = "1"
     from fp8chain.models.checkpoint import write_random_checkpoint
     from fp8chain.models.deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
     from fp8chain.runtime.engine import Engine
