@@ -179,6 +179,38 @@ def test_reload_keeps_storage_and_rejects_bad_names(written, tiny):
         model.load_weights(partial)
 
 
+def test_a_load_that_fails_part_way_leaves_the_model_refusing_to_run():
+    """A failed load that had already copied tensors in (here: all but the head) leaves parameters
+    of two checkpoints: forward and the engine refuse until a load succeeds. A load refused before
+    its first write (an unknown first name) leaves the model as it was."""
+    from fp8chain.models.deepseek_v41 import DeepseekV41ForCausalLM
+    from fp8chain.runtime.engine import Engine
+
+    config = DeepseekV41Config.tiny(num_hidden_layers=1)
+    first = dict(random_checkpoint_tensors(config, seed=1))
+    model = DeepseekV41ForCausalLM(config)
+    model.load_weights(first.items())
+    engine = Engine(model, max_batch=1, max_len=8)
+    before = engine.prefill([[1, 2, 3]])
+
+    with pytest.raises(KeyError):
+        model.load_weights([("nonsense.weight", torch.zeros(1)), *first.items()])
+    assert model.weights_error is None and torch.equal(engine.prefill([[1, 2, 3]]), before)
+
+    second = [(n, t) for n, t in random_checkpoint_tensors(config, seed=2) if n != "head.weight"]
+    with pytest.raises(ValueError, match="missing 1 tensors"):
+        model.load_weights(second)
+    for run in (lambda: engine.prefill([[1, 2, 3]]), lambda: engine.generate([[1, 2]], 2),
+                lambda: engine.decode(torch.tensor([1]), torch.tensor([3])),
+                lambda: model(torch.tensor([1]), torch.tensor([0]), torch.tensor([0]),
+                              model.make_kv_cache(1, 8))):
+        with pytest.raises(RuntimeError, match="parts of two checkpoints"):
+            run()
+
+    model.load_weights(first.items())
+    assert model.weights_error is None and torch.equal(engine.prefill([[1, 2, 3]]), before)
+
+
 def _copy_checkpoint(src, dst):
     import shutil
 

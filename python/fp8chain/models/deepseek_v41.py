@@ -517,6 +517,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.chain = chain
         self.set_chain(chain)
         self.quantize_counter = QuantizeCounter(self)
+        # why the model may not run: a load_weights that failed after it had written parameters
+        self.weights_error: str | None = None
 
     @classmethod
     def from_pretrained(cls, path, *, device=None, chain: bool = True) -> "DeepseekV41ForCausalLM":
@@ -568,8 +570,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         made the indices itself (the runtime ``Engine``: its validated prompts and the steps of
         ``generate``). While a CUDA graph is captured it is skipped too (capture forbids host
         syncs), so graph replays are not checked: the ``Engine`` validates what it feeds them.
-        Dtypes, shapes and devices are always checked (no host read).
+        Dtypes, shapes and devices are always checked (no host read). A model whose last
+        ``load_weights`` failed part-way refuses to run (``check_weights_loaded``).
         """
+        self.check_weights_loaded()
         self._check_inputs(input_ids, positions, slots, kv_caches)
         if check_indices and not _capturing_graph(input_ids.device):
             self._check_index_values(input_ids, positions, slots, kv_caches)
@@ -631,6 +635,13 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     # ---- weights ---------------------------------------------------------------------
 
+    def check_weights_loaded(self) -> None:
+        """Raise ``RuntimeError`` while the parameters hold parts of two checkpoints: the last
+        ``load_weights`` failed after it had copied some tensors in (a later one that succeeds
+        clears this). Checked by ``forward`` and before every graph replay of the ``Engine``."""
+        if self.weights_error is not None:
+            raise RuntimeError(self.weights_error)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load DSv4.1 checkpoint tensors (names: docs/model.md); returns the names loaded.
 
@@ -638,9 +649,30 @@ class DeepseekV41ForCausalLM(nn.Module):
         ``w1`` + ``w3`` -> ``gate_up``), ``wo_a`` is dequantized to bf16, MXFP4 experts are
         stacked per layer; FP8 linears go through ``fp8chain.layers.loading.load_weights``,
         which also runs their ``process_weights_after_loading``. Values are copied into the
-        existing parameters, so a reload is seen by captured CUDA graphs. Raises ``KeyError``
-        for an unknown name and ``ValueError`` for a missing one.
+        existing parameters as the tensors stream in (no second copy of the checkpoint is held),
+        so a reload is seen by captured CUDA graphs. Raises ``KeyError`` for an unknown name and
+        ``ValueError`` for a missing one or a bad value; once a tensor has been copied in, a
+        failure also leaves the model refusing to run until a load succeeds
+        (``check_weights_loaded``): it would otherwise compute with parts of two checkpoints.
         """
+        written = False
+
+        def started() -> None:
+            nonlocal written
+            written = True
+
+        try:
+            loaded = self._load_weights(weights, started)
+        except BaseException as exc:
+            if written:
+                self.weights_error = (f"the last load_weights failed after writing parameters ({type(exc).__name__}: "
+                                      f"{exc}); they hold parts of two checkpoints until a load_weights succeeds")
+            raise
+        self.weights_error = None
+        return loaded
+
+    def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], started) -> set[str]:
+        """``load_weights``' work; calls ``started()`` before its first write into the model."""
         from ..layers import loading
         from .checkpoint import checkpoint_layout
 
@@ -658,6 +690,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"{target}: checkpoint shape {tuple(tensor.shape)} != "
                                  f"parameter shape {tuple(param.shape)}")
+            started()
             with torch.no_grad():
                 param.copy_(tensor.to(param.dtype) if tensor.dtype != param.dtype else tensor)
 
@@ -700,7 +733,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             elif (q := re.fullmatch(r"attn\.wo_a\.(weight|weight_scale_inv)", rest)):
                 parts = stash(f"{pfx}.attn.wo_a", q.group(1), tensor, ("weight", "weight_scale_inv"))
                 if parts is not None:
-                    self._load_wo_a(self.layers[i].attn, f"{pfx}.attn.wo_a", *parts)
+                    self._load_wo_a(self.layers[i].attn, f"{pfx}.attn.wo_a", *parts, started)
             elif (q := re.fullmatch(r"ffn\.shared_experts\.(w1|w3)\.(weight|weight_scale_inv)", rest)):
                 key = f"{pfx}.ffn.shared_experts.gate_up.{q.group(2)}"
                 parts = stash(key, q.group(1), tensor, ("w1", "w3"))
@@ -720,6 +753,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                           ("w2", "scale"): experts.w2_scale[e]}[(w, kind)]
                 if tuple(target.shape) != tuple(value.shape):
                     raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(target.shape)}")
+                started()
                 with torch.no_grad():
                     target.copy_(value)
             else:  # pragma: no cover - checkpoint_layout and this table are written together
@@ -728,17 +762,20 @@ class DeepseekV41ForCausalLM(nn.Module):
         if missing or pending:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. "
                              f"{sorted(missing)[:5]} (incomplete fused groups: {sorted(pending)[:5]})")
+        started()
         loading.load_weights(self, linear_items)
         for layer in self.layers:
             layer.ffn.experts.process_weights_after_loading()
         return loaded
 
-    def _load_wo_a(self, attn: MQALayer, name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    def _load_wo_a(self, attn: MQALayer, name: str, weight: torch.Tensor, scale: torch.Tensor, started) -> None:
         """FP8 ``[G*R, D]`` + 32x32 scales -> bf16 ``[G, R, D]`` (dequantized once, in place),
-        after the checks the FP8 linears' tensors get (``check_weights``)."""
+        after the checks the FP8 linears' tensors get (``check_weights``); ``started()`` before
+        the write."""
         check_weights(weight, scale, self.quant_config.block, self.quant_config.scale_fmt, name)
         w = dequantize_weight(weight.to(attn.wo_a.device), scale.to(attn.wo_a.device),
                               self.config.weight_block_size)
+        started()
         with torch.no_grad():
             attn.wo_a.copy_(w.view(attn.wo_a.shape).to(torch.bfloat16))
 
