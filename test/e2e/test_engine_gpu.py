@@ -251,6 +251,29 @@ def test_reload_under_captured_graphs(setup):
     assert again.tokens == [t[:12] for t in setup["runs"][True].tokens]
 
 
+def test_graph_replay_refuses_a_half_loaded_model(setup):
+    """A load that fails after writing (the head missing) leaves the captured decode graphs
+    refusing to replay, not replaying on parameters of two checkpoints; a good load restores
+    the original tokens."""
+    from fp8chain.models.checkpoint import random_checkpoint_tensors
+
+    model, engine, prompts = setup["model"], setup["engine"], setup["prompts"]
+    runner = engine.graph_runner()
+    assert engine.replays_graphs(1)
+    try:
+        with pytest.raises(ValueError, match="missing 1 tensors"):
+            model.load_weights((n, t.cuda()) for n, t in random_checkpoint_tensors(setup["config"], SEED + 2)
+                               if n != "head.weight")
+        one = torch.tensor([1], device="cuda")
+        with pytest.raises(RuntimeError, match="parts of two checkpoints"):
+            engine.decode(one, one, check_indices=False)
+        assert engine.graph_runner() is runner
+    finally:
+        _, tensors = load_checkpoint(setup["path"])
+        model.load_weights((n, t.cuda()) for n, t in tensors)
+    assert engine.generate(prompts, 12).tokens == [t[:12] for t in setup["runs"][True].tokens]
+
+
 def test_forward_refuses_out_of_range_indices_on_the_gpu(setup):
     """Eager forward on CUDA tensors reads the index ranges back once and refuses before any
     launch (a graph replay does not check: the engine feeds it)."""

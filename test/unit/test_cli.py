@@ -73,11 +73,12 @@ def test_kernels_load_for_the_interpreter_where_they_run_on_cpu(monkeypatch, arg
 
 def test_demo_on_cpu_refuses_kernels_loaded_for_the_gpu(monkeypatch):
     import argparse
+    import importlib
 
     from fp8chain.runtime import demo
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as if the kernels had loaded without it
-    import fp8chain_kernel.quant  # noqa: F401
+    importlib.import_module("fp8chain_kernel.quant")
     with pytest.raises(SystemExit, match="loaded for the GPU"):
         demo.run_demo(argparse.Namespace(device="cpu", prompts=1, tokens=1, seed=0, layers=1, out=None, eager=False))
 
