@@ -95,6 +95,11 @@ def test_validation_rejects_unsupported_structures(bad):
     (dict(rms_norm_eps=-1e-6), "rms_norm_eps must be a positive number"),
     (dict(quantization_config=None), "quantization_config must be a dict"),
     (dict(quantization_config={"weight_block_size": [32]}), "weight_block_size is two positive ints"),
+    # what the FP8 linears read, refused with the config rather than when the model is built
+    (dict(quantization_config={**DeepseekV41Config.tiny().quantization_config, "weight_block_size": [64, 64]}),
+     r"weight_block_size must be \[32, 32\] or \[128, 128\]"),
+    (dict(quantization_config={**DeepseekV41Config.tiny().quantization_config, "quant_method": "awq"}),
+     "quantization_config: "),
 ])
 def test_from_dict_names_values_of_the_wrong_kind(bad, named):
     with pytest.raises(ValueError, match=named):

@@ -241,6 +241,10 @@ class DeepseekV41Config:
         errors = self._value_errors()
         if errors:  # the structural checks below do arithmetic on these values
             raise ValueError("invalid DeepseekV41Config: " + "; ".join(errors))
+        try:  # what the FP8 linears will read: refused here rather than when the model is built
+            Fp8Config.from_config(self.quantization_config)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"invalid DeepseekV41Config: quantization_config: {exc}") from None
         if self.num_attention_heads % self.o_groups:
             errors.append(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                           f"o_groups={self.o_groups}")
