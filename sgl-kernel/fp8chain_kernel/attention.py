@@ -347,6 +347,8 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 def _check_index(idx: torch.Tensor, name: str, tokens: int) -> None:
     if idx.dtype not in INDEX_DTYPES or tuple(idx.shape) != (tokens,):
         raise TypeError(f"{name} must be an int32/int64 [{tokens}] tensor, got {idx.dtype} {tuple(idx.shape)}")
+    if tokens > 1 and idx.stride(0) != 1:  # the kernels read token t at idx_ptr + t
+        raise ValueError(f"{name} must be contiguous, got stride {idx.stride(0)}")
 
 
 def _check_cache(kv_cache: torch.Tensor, dim: int) -> None:
@@ -367,6 +369,8 @@ def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_tab
             or (q.numel() and q.stride(1) != 1):
         raise TypeError(f"q must be bfloat16 [{tokens}, heads*{dim}] with unit column stride, got "
                         f"{q.dtype} {tuple(q.shape)}")
+    if dim == 0 or q.shape[1] == 0:  # the launch that writes the kv cache runs beside the heads'
+        raise ValueError(f"q and kv need columns: q {tuple(q.shape)}, kv {tuple(kv.shape)}")
     _check_cache(kv_cache, dim)
     _check_index(slots, "slots", tokens)
     _check_index(positions, "positions", tokens)
@@ -380,9 +384,9 @@ def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_tab
     check_no_overlap([("kv_cache", kv_cache)], [("q", q), ("kv", kv), ("kv_weight", kv_weight), ("slots", slots),
                                                 ("positions", positions), ("cos_table", cos_table),
                                                 ("sin_table", sin_table)])
-    heads = q.shape[1] // dim if dim else 0
+    heads = q.shape[1] // dim
     out = torch.empty((tokens, heads, dim), dtype=torch.bfloat16, device=q.device)
-    if tokens == 0 or heads == 0:
+    if tokens == 0:
         return out
     _rope_qkv_kernel[(tokens, triton.cdiv(heads, _ROPE_HEADS) + 1)](
         q, kv, kv_weight if kv_weight is not None else kv, cos_table, sin_table, out, kv_cache, slots, positions,
@@ -417,6 +421,8 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     _check_index(positions, "positions", tokens)
     if sink.dtype != torch.float32 or tuple(sink.shape) != (heads,):
         raise TypeError(f"sink must be float32 [{heads}], got {sink.dtype} {tuple(sink.shape)}")
+    if heads > 1 and sink.stride(0) != 1:  # read at sink_ptr + head
+        raise ValueError(f"sink must be contiguous, got stride {sink.stride(0)}")
     _check_device(q.device, kv_cache=kv_cache, slots=slots, positions=positions, sink=sink)
     half = _check_tables(cos_table, sin_table, dim, kv_cache.shape[1], q.device)
     if dim % 2:

@@ -554,6 +554,8 @@ def check_weight(weight: torch.Tensor, weight_scale: torch.Tensor, weight_block:
         raise ValueError(f"weight on {weight.device} but weight_scale on {weight_scale.device}")
     if k % weight_block:
         raise ValueError(f"K={k} must be a multiple of the {weight_block}-column group")
+    if k == 0:  # the kernels prefetch the first K block's scales unconditionally
+        raise ValueError("K=0: the weight has no columns to multiply")
     return n, k
 
 
@@ -774,8 +776,8 @@ def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     check_activation(x, "x")
     if x.dtype != torch.bfloat16:
         raise TypeError(f"w8a16_gemm reads bfloat16 activations, got {x.dtype}")
-    if weight_block not in (32, 128):
-        raise ValueError(f"weight_block must be 32 or 128, got {weight_block}")
+    if not is_int(weight_block) or weight_block not in (32, 128):
+        raise ValueError(f"weight_block must be the int 32 or 128, got {weight_block!r}")
     n, k = check_weight(weight, weight_scale, weight_block)
     m, kx = x.shape
     if kx != k:

@@ -258,6 +258,19 @@ def test_zero_tokens_and_bad_input():
         mqa_attention(q[..., :127], kv_cache[..., :127].contiguous(), slots, positions, sink, scale, cos, sin)
     with pytest.raises(TypeError, match="q must be bfloat16"):
         rope_qkv(q.float().reshape(2, -1), kv_cache[0, :2], cos, sin, kv_cache, slots, positions, 1e-6)
+    # index and sink views with a stride: the kernels read element t at base + t
+    strided = lambda t: torch.stack([t, t], dim=1)[:, 0]  # noqa: E731
+    kv = kv_cache[0, :2].clone()
+    for name, args in (("slots", (strided(slots), positions, sink)), ("positions", (slots, strided(positions), sink)),
+                       ("sink", (slots, positions, strided(sink)))):
+        with pytest.raises(ValueError, match=f"{name} must be contiguous"):
+            mqa_attention(q, kv_cache, *args, scale, cos, sin)
+        if name != "sink":
+            with pytest.raises(ValueError, match=f"{name} must be contiguous"):
+                rope_qkv(q.reshape(2, -1), kv, cos, sin, kv_cache, *args[:2], 1e-6)
+    # no query head: the launch that writes the kv cache would not run
+    with pytest.raises(ValueError, match="need columns"):
+        rope_qkv(q.reshape(2, -1)[:, :0], kv, cos, sin, kv_cache, slots, positions, 1e-6)
 
 
 @pytest.mark.gpu

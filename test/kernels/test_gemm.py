@@ -165,6 +165,16 @@ def test_bad_weights_and_out_are_rejected(device):
         gemm.fp8_gemm(pair, w, s, weight_block=32, out=torch.empty(2, 127, dtype=torch.bfloat16, device=device))
     with pytest.raises(ValueError, match="K="):
         gemm.fp8_gemm(ref.quantize(make_activation(2, 128, device), G32), w, s, weight_block=32)
+    # K = 0: refused before a launch (the kernels prefetch the first K block's scales)
+    w0, s0 = w[:, :0], s[:, :0]
+    for call in (lambda: gemm.fp8_gemm(ref.quantize(make_activation(2, 0, device), G32), w0, s0, weight_block=32),
+                 lambda: gemm.fp8_gemm_silu_mul(ref.quantize(make_activation(2, 0, device), G32), w0, s0,
+                                                weight_block=32),
+                 lambda: gemm.w8a16_gemm(make_activation(2, 0, device), w0, s0, weight_block=32)):
+        with pytest.raises(ValueError, match="K=0"):
+            call()
+    with pytest.raises(ValueError, match="the int 32 or 128"):
+        gemm.w8a16_gemm(make_activation(2, 256, device), w, s, weight_block=32.0)
     both_modes = gemm.GemmConfig(64, 16, 128, 1, 2, 4, 8, dequant=True, block_diag=True)
     with pytest.raises(ValueError, match="block_diag"):
         gemm.fp8_gemm(pair, w, s, weight_block=32, config=both_modes)
