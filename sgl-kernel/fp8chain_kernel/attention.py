@@ -41,6 +41,7 @@ import triton.language as tl
 from .formats import check_distinct_elements, check_no_overlap, is_int
 from .fp8_tile import dot_bf16, interpreting, rms_rstd, round_bf16
 from .launch import H200_SMS, await_producer, pdl_options, sm_count
+from .norm import check_eps
 
 __all__ = ["INDEX_DTYPES", "rope_qkv", "mqa_attention", "key_splits"]
 
@@ -374,6 +375,7 @@ def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_tab
     _check_cache(kv_cache, dim)
     _check_index(slots, "slots", tokens)
     _check_index(positions, "positions", tokens)
+    check_eps(eps)
     _check_device(q.device, kv=kv, kv_cache=kv_cache, slots=slots, positions=positions)
     half = _check_tables(cos_table, sin_table, dim, kv_cache.shape[1], q.device)
     if kv_weight is not None and (kv_weight.dtype != torch.bfloat16 or tuple(kv_weight.shape) != (dim,)

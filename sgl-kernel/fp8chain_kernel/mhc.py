@@ -57,7 +57,7 @@ from .formats import (ActFormat, QuantizedActivation, cdiv, check_disjoint, chec
 from .fp8_tile import format_constexprs, fp8_offsets, interpreting, round_bf16, store_pair_tile
 from .launch import (ARRIVAL_SLOTS, H200_SMS, arrival_counters, arrive_last, await_arrivals, await_producer,
                      compiled_for_gpu, pdl_options, rearm, sm_count, zeroed_workspace)
-from .norm import check_rows, produced
+from .norm import check_eps, check_rows, produced
 from .quant import prepare_out
 
 __all__ = ["HC", "mhc_stats", "mhc_post", "mhc_combine_norm", "mhc_mega_boundary", "row_barrier_off_reason"]
@@ -677,6 +677,8 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
         raise ValueError(f"fn must have unit stride along 4H, got strides {fn.stride()}")
     _check_tensor(scale, "scale", (torch.float32,), (3,), device)
     _check_tensor(base, "base", (torch.float32,), (NMIX,), device)
+    check_eps(rms_eps, "rms_eps")
+    check_eps(hc_eps, "hc_eps")
     if not is_int(sinkhorn_iters) or sinkhorn_iters < 1:
         raise ValueError(f"sinkhorn_iters must be a positive int, got {sinkhorn_iters!r}")
     if max_splits is not None and (not is_int(max_splits) or max_splits < 1):
@@ -754,6 +756,7 @@ def mhc_combine_norm(residual: torch.Tensor, pre: torch.Tensor, norm_weight: tor
     device = residual.device
     _check_mixes(rows, device, pre=pre)
     _check_weight(norm_weight, cols, device)
+    check_eps(norm_eps, "norm_eps")
     fmt = _resolve_format(out_format, out, return_bf16)
     pair = prepare_out(out, rows, cols, fmt, device) if fmt is not None else None
     store_x = return_bf16 or out_bf16 is not None
@@ -789,6 +792,7 @@ def mhc_mega_boundary(y: torch.Tensor, residual: torch.Tensor, pre: torch.Tensor
     _check_rowmajor(y, "y")
     _check_mixes(rows, device, pre=pre, post=post, comb=comb)
     _check_weight(norm_weight, cols, device)
+    check_eps(norm_eps, "norm_eps")
     fmt = _resolve_format(out_format, out, return_bf16)
     pair = prepare_out(out, rows, cols, fmt, device) if fmt is not None else None
     new_residual = _prepare_residual_out(out_residual, rows, cols, device, "out_residual")

@@ -57,6 +57,13 @@ def check_tensor(t, name: str, dtype: torch.dtype, dim: int) -> None:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
 
 
+def check_eps(eps, name: str = "eps") -> None:
+    """An epsilon the kernels add under a square root or a division: a non-negative number
+    (a bool, a string, a tensor or a negative value raise ``ValueError``)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"{name} must be a non-negative number, got {eps!r}")
+
+
 def check_rows(t: torch.Tensor, name: str, shape: tuple[int, int], device) -> None:
     """A bf16 2-D ``shape`` matrix the launch writes: unit column stride, one location per
     element, on ``device``."""
@@ -226,8 +233,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
         raise ValueError(f"rows of H = {cols} are wider than one program's tile ({MAX_TILE_ELEMS} values)")
     if residual is not None:
         check_rows(residual, "residual", (rows, cols), x.device)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    check_eps(eps)
     if config is None:
         block_m, block_h, num_warps = _launch_config(rows, cols)
     else:  # whole rows per program, as the rule's, at least 128 wide

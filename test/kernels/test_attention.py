@@ -268,6 +268,8 @@ def test_zero_tokens_and_bad_input():
         if name != "sink":
             with pytest.raises(ValueError, match=f"{name} must be contiguous"):
                 rope_qkv(q.reshape(2, -1), kv, cos, sin, kv_cache, *args[:2], 1e-6)
+    with pytest.raises(ValueError, match="eps must be a non-negative number"):
+        rope_qkv(q.reshape(2, -1), kv, cos, sin, kv_cache, slots, positions, -1.0)
     # no query head: the launch that writes the kv cache would not run
     with pytest.raises(ValueError, match="need columns"):
         rope_qkv(q.reshape(2, -1)[:, :0], kv, cos, sin, kv_cache, slots, positions, 1e-6)

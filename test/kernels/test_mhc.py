@@ -672,6 +672,14 @@ def test_validation_errors():
             mhc.mhc_stats(residual, fn, scale, base, sinkhorn_iters=iters)
     with pytest.raises(TypeError, match="residual"):
         mhc.mhc_stats(residual.float(), fn, scale, base)
+    for eps in (-1e-6, "1e-6", True, torch.tensor(1e-6)):
+        with pytest.raises(ValueError, match="norm_eps must be a non-negative number"):
+            mega(y, residual, pre, post, comb, weight, eps)
+        with pytest.raises(ValueError, match="norm_eps must be a non-negative number"):
+            mhc.mhc_combine_norm(residual, pre, weight, eps)
+        for name in ("rms_eps", "hc_eps"):
+            with pytest.raises(ValueError, match=f"{name} must be a non-negative number"):
+                mhc.mhc_stats(residual, fn, scale, base, **{name: eps})
 
 
 # ------------------------------------------------------------- shifted ordering, 2 sublayers
