@@ -161,6 +161,28 @@ def test_deep_gemm_relays_out_scales_of_a_captured_buffer(fake_deep_gemm):
 
 
 @pytest.mark.parametrize("fake_deep_gemm", [(9, 0)], indirect=True)
+def test_deep_gemm_refuses_an_out_it_would_write_wrongly(fake_deep_gemm):
+    """DeepGEMM writes ``out`` through its pointer: a strided, expanded or overlapping buffer is
+    refused before the call (the Triton backend's checks)."""
+    _, calls, _ = fake_deep_gemm
+    m, n, k = 4, 64, 256
+    w, s = _weights(n, k, 32)
+    pair = ref.quantize(_activation(m, k), G32)
+    backend = backends.get_backend("deep_gemm")
+    before = len(calls)
+    with pytest.raises(ValueError, match="unit column stride"):
+        backend.gemm(pair, w, s, {}, out=torch.empty(n, m, dtype=torch.bfloat16).t())
+    with pytest.raises(ValueError, match="one location per element"):
+        backend.gemm(pair, w, s, {}, out=torch.empty(1, n, dtype=torch.bfloat16).expand(m, n))
+    shared = torch.empty(pair.data.numel() * 2, dtype=torch.uint8)
+    a = pair._replace(data=shared[:pair.data.numel()].view(torch.float8_e4m3fn).view(m, k))
+    a.data.copy_(pair.data)
+    with pytest.raises(ValueError, match="overlaps"):
+        backend.gemm(a, w, s, {}, out=shared.view(torch.bfloat16)[:m * n].view(m, n))
+    assert len(calls) == before
+
+
+@pytest.mark.parametrize("fake_deep_gemm", [(9, 0)], indirect=True)
 def test_fake_catches_k_major_scales(fake_deep_gemm):
     """The fake is not a rubber stamp: K-major activation scales (the common mistake) fail."""
     n, k, m = 64, 256, 8
