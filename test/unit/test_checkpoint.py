@@ -248,6 +248,10 @@ def test_loader_names_a_corrupt_index_or_shard(written, tmp_path):
     (path / INDEX_FILE).write_text(json.dumps({"metadata": {}}))
     with pytest.raises(ValueError, match="weight_map"):
         load_checkpoint(path)
+    for shard in (3, None, ""):
+        (path / INDEX_FILE).write_text(json.dumps({"weight_map": {**_shards(written), "embed.weight": shard}}))
+        with pytest.raises(ValueError, match="not a shard file name"):
+            load_checkpoint(path)
     (path / INDEX_FILE).write_text(index)
     shard = sorted(set(_shards(path).values()))[0]
     (path / shard).write_bytes(b"not a safetensors file")

@@ -201,6 +201,9 @@ def load_checkpoint(path) -> tuple[DeepseekV41Config, Iterator[tuple[str, torch.
                 weight_map = json.load(f)["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError(f"weight_map is a {type(weight_map).__name__}")
+            odd = [v for v in weight_map.values() if not isinstance(v, str) or not v][:1]
+            if odd:
+                raise TypeError(f"weight_map maps a tensor to {odd[0]!r}, not a shard file name")
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{index_path}: not a safetensors index with a weight_map ({exc})") from None
         files = sorted(set(weight_map.values()))
