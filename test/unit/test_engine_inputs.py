@@ -43,6 +43,19 @@ def test_generate_refuses_negative_token_counts(model):
     with pytest.raises(ValueError, match="empty"):
         engine.generate([[]], 0)
     assert engine.generate([[1, 2]], 0).tokens == [[]]
+    for count in (2.0, True, "2"):
+        with pytest.raises(ValueError, match="max_new_tokens must be a non-negative int"):
+            engine.generate([[1, 2]], count)
+
+
+def test_generate_takes_numpy_integers(loaded):
+    """Token ids and the token count as numpy integers (as a tokenizer may hand them over)."""
+    import numpy as np
+
+    engine = Engine(loaded, max_batch=1, max_len=16)
+    want = engine.generate([[1, 2]], 3).tokens
+    assert engine.generate([np.array([1, 2], dtype=np.int64).tolist()], np.int64(3)).tokens == want
+    assert engine.generate([list(np.array([1, 2], dtype=np.int32))], np.int32(3)).tokens == want
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -35,7 +35,7 @@ class GenerationResult:
     logits: list[torch.Tensor] | None = None  # per step fp32 [B, V] (``return_logits=True``)
 
 
-def _token_id(value) -> bool:
+def _integer(value) -> bool:
     """An integer (numpy's too), not a bool or a float."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -158,7 +158,7 @@ class Engine:
         """Greedy ``max_new_tokens`` tokens for each prompt (step ``s`` logits kept on request)."""
         b = len(prompts)
         self._check_prompts(prompts)
-        if not is_int(max_new_tokens) or max_new_tokens < 0:
+        if not _integer(max_new_tokens) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
         longest = max(len(p) for p in prompts)
         if longest + max_new_tokens > self.max_len:
@@ -202,6 +202,6 @@ class Engine:
                 raise ValueError(f"prompt {i} is empty")
             if len(prompt) > self.max_len:
                 raise ValueError(f"prompt {i} has {len(prompt)} tokens; this engine's max_len is {self.max_len}")
-            bad = next((t for t in prompt if not _token_id(t) or not 0 <= t < vocab), None)
+            bad = next((t for t in prompt if not _integer(t) or not 0 <= t < vocab), None)
             if bad is not None:
                 raise ValueError(f"prompt {i} holds {bad!r}: token ids are ints in [0, {vocab})")
