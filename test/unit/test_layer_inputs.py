@@ -67,11 +67,15 @@ def test_input_not_ending_in_k_is_a_value_error(make_layer, shape):
         make_layer()(torch.zeros(shape, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("quantized", [False, True], ids=["unquantized", "fp8"])
 @pytest.mark.parametrize("dtype", [FP8_DTYPE, torch.int32])
-def test_unquantized_layer_refuses_a_non_dense_params_dtype(dtype):
-    with pytest.raises(TypeError, match=f"model.lm_head: an unquantized layer holds bfloat16 or float32 "
-                                        f"weights, got params_dtype={dtype}"):
-        ReplicatedLinear(K, N, prefix="model.lm_head", params_dtype=dtype)
+def test_a_non_dense_params_dtype_is_refused(dtype, quantized):
+    """An unquantized layer's weights and any layer's bias are held in params_dtype: an FP8 layer's
+    int32 bias would truncate the checkpoint's bias (0.75 -> 0) without a word."""
+    config = Fp8Config(weight_block_size=(32, 32), scale_fmt="ue8m0") if quantized else None
+    with pytest.raises(TypeError, match=re.escape(f"model.lm_head: params_dtype (an unquantized layer's weights, "
+                                                  f"the bias) must be bfloat16 or float32, got params_dtype={dtype}")):
+        ReplicatedLinear(K, N, prefix="model.lm_head", params_dtype=dtype, bias=True, quant_config=config)
 
 
 # ---- the SGLang hook --------------------------------------------------------------------------

@@ -47,6 +47,23 @@ def test_column_parallel_shards_n(tp_size, block):
         assert ptrs == {name: p.data_ptr() for name, p in layer.named_parameters()}
 
 
+def test_replicated_layer_under_tp_holds_any_k():
+    """A replicated FP8 layer is whole on every rank: K need not split into whole blocks per rank
+    (it does for RowParallel), and every rank computes what one rank alone would."""
+    n, k, block = 64, 40, 32
+    config = Fp8Config(weight_block_size=(block, block), scale_fmt="ue8m0")
+    w, s = _fp8_weight(n, k), _pow2_scales(n // block, -(-k // block))
+    x = torch.randn(3, k).to(torch.bfloat16)
+    outs = []
+    for tp_size in (1, 2):
+        layer = ReplicatedLinear(k, n, quant_config=config, tp_rank=tp_size - 1, tp_size=tp_size)
+        load_weights(layer, [("weight", w), ("weight_scale_inv", s)])
+        outs.append(layer(x))
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="per-rank size 20 is not a multiple"):
+        RowParallelLinear(k, n, quant_config=config, tp_rank=0, tp_size=2)
+
+
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_row_parallel_shards_k(tp_size):
     n, k, block = 128, 128 * tp_size, 32

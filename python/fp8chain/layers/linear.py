@@ -78,9 +78,6 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def create_weights(self, layer, input_size_per_partition, output_size_per_partition,
                        params_dtype, device=None):
-        if params_dtype not in _DENSE_DTYPES:
-            raise TypeError(f"{layer.display_name}: an unquantized layer holds bfloat16 or float32 "
-                            f"weights, got params_dtype={params_dtype}")
         weight = nn.Parameter(
             torch.zeros(output_size_per_partition, input_size_per_partition, dtype=params_dtype,
                         device=device), requires_grad=False)
@@ -123,6 +120,9 @@ class LinearBase(nn.Module):
         super().__init__()
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise ValueError(f"invalid tensor-parallel rank {tp_rank} of size {tp_size}")
+        if params_dtype not in _DENSE_DTYPES:  # an unquantized layer's weights, any layer's bias
+            raise TypeError(f"{prefix or type(self).__name__}: params_dtype (an unquantized layer's weights, the "
+                            f"bias) must be bfloat16 or float32, got params_dtype={params_dtype}")
         self.input_size = input_size
         self.output_size = output_size
         self.prefix = prefix

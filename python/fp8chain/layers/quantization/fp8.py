@@ -129,7 +129,7 @@ class Fp8LinearMethod(LinearMethodBase):
                        params_dtype, device=None):
         b = self.quant_config.block
         n, k = output_size_per_partition, input_size_per_partition
-        if layer.tp_size > 1:
+        if layer.tp_size > 1 and layer.weight_shard_dim is not None:  # a replicated layer holds it whole
             sharded = n if layer.weight_shard_dim == 0 else k
             if sharded % b:
                 raise ValueError(f"{layer.display_name}: per-rank size {sharded} is not a multiple "
