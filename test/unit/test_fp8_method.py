@@ -236,6 +236,34 @@ def test_refused_when_backend_cannot_derive(monkeypatch, caplog):
     assert rel_error(layer(x), want) < 5e-3
 
 
+def test_a_refused_reload_keeps_the_request_and_poisons_stale_derived_scales(monkeypatch, caplog):
+    """Loads A, B, A where Blackwell DeepGEMM cannot pack B's scales (not powers of two): B is
+    served bf16 on the torch fallback, A again as a fresh load of A is (the request is not lost);
+    after B the packed scales derived for A, which a graph captured under A would still read,
+    are UE8M0 NaN rather than A's."""
+    _deepgemm_sm100(monkeypatch)
+    cfg = Fp8Config(weight_block_size=(32, 32))
+    a = checkpoint(128, 256, 32)
+    b = {"weight": a["weight"], "weight_scale_inv": a["weight_scale_inv"] * 1.25}
+    layer, _ = make_layer(128, 256, cfg=cfg, request=True, ckpt=a)
+    fresh = (layer.input_format, layer.gemm_backend, layer.weight_scale_inv_deepgemm.clone())
+    assert fresh[0] is ActFormat.SM100_G32_UE8M0_PACKED_MN
+    packed = layer.weight_scale_inv_deepgemm
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        load_weights(layer, b.items())
+    assert layer.input_format is None and layer.gemm_backend is None and layer.derived_weight_names == ()
+    assert layer.fp8chain_refused_request and not layer.deepgemm_mxfp8_input
+    assert (packed == -1).all()  # every byte 0xFF
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    want = gemm_reference(ref.quantize(x, ActFormat.SM100_G32_UE8M0_PACKED_MN), b, 32)
+    assert rel_error(layer(x), want) < 5e-3
+    load_weights(layer, a.items())
+    assert (layer.input_format, layer.gemm_backend) == fresh[:2] and layer.deepgemm_mxfp8_input
+    assert not layer.fp8chain_refused_request
+    assert layer.weight_scale_inv_deepgemm.data_ptr() == packed.data_ptr()
+    assert torch.equal(layer.weight_scale_inv_deepgemm, fresh[2])
+
+
 def test_get_quantization_config():
     hf = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32],
                                   "scale_fmt": "ue8m0"}}

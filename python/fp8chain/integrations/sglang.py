@@ -32,7 +32,7 @@ import torch
 
 from fp8chain_kernel.formats import QuantizedActivation
 
-from ..layers.quantization.fp8 import check_pair_input, check_weights, consumer_gemm, prepare_consumer
+from ..layers.quantization.fp8 import check_pair_input, check_weights, consumer_gemm, input_requested, prepare_consumer
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def _block_size(method) -> int | None:
 
 def after_process_weights(result, method, layer, *args, **kwargs):
     """AFTER hook of ``Fp8LinearMethod.process_weights_after_loading``: see the module docstring."""
-    if not getattr(layer, "deepgemm_mxfp8_input", False):
+    if not input_requested(layer):
         return None
     name = _layer_name(layer)
     if _upstream_serves_request(layer.weight.device):

@@ -215,6 +215,12 @@ def check_weights(weight: torch.Tensor, scale: torch.Tensor, block: int, scale_f
                          f"not {need}; first at {idx}: {scale[tuple(idx)].item()!r}")
 
 
+def input_requested(layer) -> bool:
+    """Whether ``layer`` asks for a pre-quantized input: its ``deepgemm_mxfp8_input`` flag, or a
+    request an earlier processing refused (``prepare_consumer``)."""
+    return bool(getattr(layer, "deepgemm_mxfp8_input", False) or getattr(layer, "fp8chain_refused_request", False))
+
+
 def prepare_consumer(layer, block: int, prefer: str | None = None, name: str | None = None) -> None:
     """Make ``layer`` (any module with ``weight`` e4m3 ``[N, K]``, ``weight_scale_inv`` fp32 block
     scales and a ``deepgemm_mxfp8_input`` request flag) an FP8 consumer: select the backend for
@@ -225,10 +231,17 @@ def prepare_consumer(layer, block: int, prefer: str | None = None, name: str | N
     * ``act_format``: the activation format bf16 input is quantized into;
     * ``derived_weight_names``: the derived parameters handed to the backend;
     * ``input_format`` and ``deepgemm_mxfp8_input``: the pair format if the request was made and a
-      backend honours it, else None / False (with a logged reason).
+      backend honours it, else None / False (with a logged reason);
+    * ``fp8chain_refused_request``: whether a request was refused. A refused request is made
+      again at the next processing (a reload), so a load that cannot be served does not withdraw
+      it for the weights after it: loads A, B (refused), A end as a fresh load of A does.
+
+    Derived tensors of an earlier load that this one does not derive again are poisoned (NaN,
+    or all bits set: UE8M0 NaN), so that a CUDA graph captured before, which still calls the
+    old backend with them, computes NaN instead of numbers from stale scales.
     """
     name = name or getattr(layer, "display_name", type(layer).__name__)
-    requested = bool(getattr(layer, "deepgemm_mxfp8_input", False))
+    requested = input_requested(layer)
     n, k = layer.weight.shape
     backend, fmt, derived, reason = None, None, {}, None
     try:
@@ -246,15 +259,25 @@ def prepare_consumer(layer, block: int, prefer: str | None = None, name: str | N
     for key, tensor in derived.items():
         copy_or_rebind_param(layer, key, tensor)
         names.append(key)
+    for stale in set(getattr(layer, "derived_weight_names", ())) - set(names):
+        _poison(getattr(layer, stale))
     layer.gemm_backend = backend
     layer.act_format = fmt
     layer.derived_weight_names = tuple(names)
     honoured = requested and backend is not None
     layer.deepgemm_mxfp8_input = honoured
+    layer.fp8chain_refused_request = requested and not honoured
     layer.input_format = fmt if honoured else None
     if backend is None:
         logger.warning("%s: %s; %susing the torch fallback GEMM", name, reason,
                        "keeping bf16 input, " if requested else "")
+
+
+def _poison(tensor: torch.Tensor) -> None:
+    """Fill a derived weight tensor nothing reads any more (``prepare_consumer``): NaN for floats,
+    all bits set for integers (packed UE8M0 scales: 255, its NaN)."""
+    with torch.no_grad():
+        tensor.fill_(float("nan") if tensor.is_floating_point() else -1)
 
 
 def check_pair_input(layer, pair: QuantizedActivation, name: str) -> None:
