@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
 from fp8chain.argtypes import positive_int  # noqa: E402
 from fp8chain.bench import harness  # noqa: E402
 from fp8chain_kernel import act, einsum, norm, quant, reference  # noqa: E402
-from fp8chain_kernel.formats import ActFormat, empty_pair  # noqa: E402
+from fp8chain_kernel.formats import ActFormat, cdiv, empty_pair  # noqa: E402
 
 ROWS = [1, 4, 16, 64, 256, 2048]
 QUICK_ROWS = [1, 64, 2048]
@@ -105,9 +105,10 @@ def peer_function(name: str, fmt: ActFormat):
 
 
 class Case:
-    """One producer at one T: the three arms as closures over preallocated buffers, the peer, and
-    the bytes each arm must move (``in_bytes`` read + written besides the output). ``config``: a
-    launch config for the row-tiled producers (``--sweep-launch``)."""
+    """One producer at one T: the three arms as closures over preallocated buffers, the peer's
+    argument sets (``peer_arg_sets``: one per weight copy, which wo_a's arms rotate through past
+    L2), and the bytes each arm must move (``in_bytes`` read + written besides the output).
+    ``config``: a launch config for the row-tiled producers (``--sweep-launch``)."""
 
     def __init__(self, name, rows, fmt, device, config=None):
         self.name, self.rows, self.fmt = name, rows, fmt
@@ -127,7 +128,7 @@ class Case:
             self.fp8 = lambda: norm.rms_norm(x, w, EPS, residual=res, out_format=fmt, out=pair,
                                              out_bf16=y if self.fp8_bf16 else None, return_bf16=self.fp8_bf16,
                                              config=config)
-            self.peer_args = (x, w, res)
+            self.peer_arg_sets = [(x, w, res)]
         elif name == "silu_mul":
             i = 2304
             self.shape, cols = f"I={i}", i
@@ -139,30 +140,33 @@ class Case:
             self.bf16 = lambda: act.silu_mul(gu, limit=SWIGLU_LIMIT, out_bf16=y, config=config)
             self.fp8 = lambda: act.silu_mul(gu, limit=SWIGLU_LIMIT, out_format=fmt, out=pair, return_bf16=False,
                                             config=config)
-            self.peer_args = (gu,)
+            self.peer_arg_sets = [(gu,)]
         elif name.startswith("wo_a"):
             g, r, d = (8 if name.startswith("wo_a_g8") else 2), 1024, 4096
             fp8_weights = name.endswith("_fp8w")  # the checkpoint's FP8 wo_a, dequantized in the kernel
             self.shape, cols = f"G={g} R={r} D={d}" + (" FP8 weights" if fp8_weights else ""), g * r
             # o as the attention output's view: [T, 64 heads / (8/G), 512] seen as [T, G, 4096]
             o = torch.randn(t, g, d, device=device).bfloat16()
+            # every arm rotates through weight copies past L2, as a decode step streams wo_a from HBM
             if fp8_weights:
-                wo_a, ws = reference.random_fp8_wo_a(g, r, d, device=device, log2_scale=-12)
-                weight_bytes = wo_a.numel() + ws.numel() * 4
-                peer_weight = reference.dequantize_wo_a(wo_a, ws)
+                weight_bytes = g * r * d + cdiv(g * r, 32) * cdiv(d, 32) * 4
+                weights = [reference.random_fp8_wo_a(g, r, d, device=device, log2_scale=-12)
+                           for _ in range(harness.copies_past_l2(weight_bytes))]
+                peer_weights = [reference.dequantize_wo_a(w, ws) for w, ws in weights]
             else:
-                wo_a, ws = (torch.randn(g, r, d, device=device) / d ** 0.5).bfloat16(), None
-                weight_bytes = wo_a.numel() * 2
-                peer_weight = wo_a
+                weight_bytes = g * r * d * 2
+                weights = [((torch.randn(g, r, d, device=device) / d ** 0.5).bfloat16(), None)
+                           for _ in range(harness.copies_past_l2(weight_bytes))]
+                peer_weights = [w for w, _ in weights]
             self.fp8_bf16 = False
             self.in_bytes = t * g * d * 2 + weight_bytes
             self.flops = 2 * t * g * r * d
             y = torch.empty(t, cols, device=device, dtype=torch.bfloat16)
             pair = empty_pair(t, cols, fmt, device)
-            self.bf16 = lambda: einsum.wo_a_einsum(o, wo_a, weight_scale=ws, out_bf16=y)
-            self.fp8 = lambda: einsum.wo_a_einsum(o, wo_a, weight_scale=ws, out_format=fmt, out=pair,
-                                                  return_bf16=False)
-            self.peer_args = (o, peer_weight)
+            self.bf16 = harness.rotating(lambda w, ws: einsum.wo_a_einsum(o, w, weight_scale=ws, out_bf16=y), weights)
+            self.fp8 = harness.rotating(lambda w, ws: einsum.wo_a_einsum(
+                o, w, weight_scale=ws, out_format=fmt, out=pair, return_bf16=False), weights)
+            self.peer_arg_sets = [(o, w) for w in peer_weights]
         elif name == "mhc_boundary":
             from fp8chain_kernel import mhc  # lazily: the boundary kernel may not exist yet
             h = 5120
@@ -182,7 +186,7 @@ class Case:
                                                       out_bf16=y)
             self.fp8 = lambda: mhc.mhc_mega_boundary(yin, res, pre, post, comb, w, EPS, out_format=fmt, out=pair,
                                                      out_residual=new_res, out_bf16=y)
-            self.peer_args = (yin, res, pre, post, comb, w)
+            self.peer_arg_sets = [(yin, res, pre, post, comb, w)]
         else:
             raise ValueError(name)
         self.cols = cols
@@ -279,6 +283,7 @@ def launch_candidates(name: str, rows: int) -> list[dict]:
 
 def run_launch_sweep(args) -> tuple[dict, list[dict]]:
     meta = harness.bench_meta()
+    meta["copy_bandwidth_TBps"] = harness.copy_bandwidth() / 1e12  # the report's device line
     fmt = ActFormat(args.formats[0])
     records = []
     cases = [(p, t) for p in args.producers if p in LAUNCH_SWEEP for t in (QUICK_ROWS if args.quick else args.rows)]
@@ -332,9 +337,11 @@ def run(args) -> tuple[dict, list[dict]]:
         case = Case(name, rows, fmt, DEVICE)
         rec = {"case": f"{name} {case.shape}", "producer": name, "shape": case.shape, "format": fmt.value,
                "T": rows, "fp8_returns_bf16": case.fp8_bf16}
-        # the arms' differences are fractions of a microsecond: their replays alternate
-        graphs = {arm: harness.capture_graph(getattr(case, arm), args.iters) for arm in ("bf16", "bf16_quant", "fp8")}
-        for arm, us in harness.replay_times_us(graphs, args.iters).items():
+        # the arms' differences are fractions of a microsecond: their replays alternate; a graph
+        # reads every weight copy the arms rotate through (wo_a)
+        iters = max(args.iters, getattr(case.fp8, "period", 1))
+        graphs = {arm: harness.capture_graph(getattr(case, arm), iters) for arm in ("bf16", "bf16_quant", "fp8")}
+        for arm, us in harness.replay_times_us(graphs, iters).items():
             rec[f"{arm}_us"] = us
         del graphs
         rec["compiled_peer_us"] = None
@@ -356,9 +363,9 @@ def run(args) -> tuple[dict, list[dict]]:
             key = (name, fmt)
             if key not in peers:  # one compile per producer (dynamic T), not one per T
                 peers[key] = torch.compile(peer_function(name, fmt), dynamic=True)
-            peer, peer_args = peers[key], Case(name, rows, fmt, DEVICE).peer_args
+            peer_call = harness.rotating(peers[key], Case(name, rows, fmt, DEVICE).peer_arg_sets)
             try:
-                rec["compiled_peer_us"] = harness.graph_time_us(lambda: peer(*peer_args), iters=args.iters)
+                rec["compiled_peer_us"] = harness.graph_time_us(peer_call, iters=args.iters)
                 rec["fp8_over_peer"] = rec["fp8_us"] / rec["compiled_peer_us"]
             except Exception as exc:  # a compile failure must not lose the other figures
                 print(f"note: compiled peer failed for {name} T={rows}: {type(exc).__name__}: {exc}")

@@ -8,11 +8,15 @@ pytestmark = pytest.mark.cpu
 
 
 def test_copies_past_l2():
-    """Copies add up to at least L2_DEFEAT_BYTES, capped at ``most``, never fewer than one."""
+    """Copies add up to at least L2_DEFEAT_BYTES (past the H200's 50 MB L2 even for the smallest
+    DSv4.1 shard), capped at ``most``, never fewer than one."""
     assert harness.copies_past_l2(64 << 20) == 3  # wo_a G=8: 3 x 64 MiB
-    assert harness.copies_past_l2(9 << 20) == 8  # small weights: the cap
-    assert harness.copies_past_l2(9 << 20, most=32) == 18
+    assert harness.copies_past_l2(5120 * 576) == 57  # the TP4 down shard: 57 x 2.9 MB
+    assert harness.copies_past_l2(9 << 20) == 18
+    assert harness.copies_past_l2(9 << 20, most=8) == 8
     assert harness.copies_past_l2(1 << 30) == 1
+    for nbytes in (5120 * 576, 1152 * 5120, 8192 * 1280, 5120 * 2048):  # every TP4 shard
+        assert harness.copies_past_l2(nbytes) * nbytes >= harness.L2_DEFEAT_BYTES
 
 
 def test_rotating_calls_each_item_in_turn():
@@ -20,6 +24,7 @@ def test_rotating_calls_each_item_in_turn():
     call = harness.rotating(lambda a, b: seen.append((a, b)) or a + b, [(1, 2), (3, 4), (5, 6)])
     assert [call() for _ in range(4)] == [3, 7, 11, 3]
     assert seen == [(1, 2), (3, 4), (5, 6), (1, 2)]
+    assert call.period == 3
 
 
 def test_no_timing_after_the_profiler(monkeypatch):
