@@ -42,6 +42,9 @@ Arms, timed in one process with CUDA-graph replay (median):
   tensor cores (the references' fp64 stats and fp32 attention products are specifications);
 - ``floor``: weight bytes of the unit / copy bandwidth measured in the same run.
 Launches and quantize launches per step come from torch.profiler, after every case is timed.
+Successive steps of a graph take copies of the layer in turn (``weight_copies``: three of a TP4
+rank's 60 MB, one of TP1's 200 MB), so each step streams its weights from HBM, as serving does
+with 42 other layers between two steps of one layer; the compiled peer reads the first copy.
 """
 
 from __future__ import annotations
@@ -99,6 +102,18 @@ def layer_config(shapes: str, tiny: bool = False) -> DeepseekV41Config:
     return preset(**overrides)
 
 
+def weight_copies(layer: DeepseekV41DecoderLayer) -> int:
+    """Copies of the layer the timed steps take in turn (``harness.copies_past_l2`` of its weight
+    bytes): one at TP1 (200 MB of weights), three of a TP4 rank's 60 MB."""
+    return harness.copies_past_l2(weight_bytes(layer))
+
+
+def build_layers(config: DeepseekV41Config, device) -> list[DeepseekV41DecoderLayer]:
+    """``weight_copies`` copies of the layer, random weights each."""
+    first = build_layer(config, device)
+    return [first] + [build_layer(config, device) for _ in range(weight_copies(first) - 1)]
+
+
 def build_layer(config: DeepseekV41Config, device) -> DeepseekV41DecoderLayer:
     """The decoder layer with random weights in the checkpoint's format, processed for serving."""
     quant_config = Fp8Config.from_config(config.quantization_config)
@@ -122,12 +137,19 @@ def build_layer(config: DeepseekV41Config, device) -> DeepseekV41DecoderLayer:
 class LayerUnit:
     """Static inputs and the fp8chain step of one decode/prefill shape."""
 
-    def __init__(self, layer: DeepseekV41DecoderLayer, config: DeepseekV41Config, rows: int,
+    def __init__(self, layers: list[DeepseekV41DecoderLayer], config: DeepseekV41Config, rows: int,
                  context: int, device, prefill: bool = False):
         """Decode: ``rows`` sequences, each at position ``context - 1`` of its own cache slot.
         Prefill: one sequence of ``rows`` tokens at positions ``0 .. rows - 1`` (causal: token t
-        attends to the keys of tokens 0..t, written by the step itself)."""
-        self.layer, self.config = layer, config
+        attends to the keys of tokens 0..t, written by the step itself).
+
+        ``layers``: copies of the layer (``build_layers``) that successive steps take in turn, so
+        that a graph of many steps streams the weights from HBM, as serving does with 42 other
+        layers between two steps of one layer (one copy where the weights exceed L2 anyway).
+        ``layer`` is the first copy."""
+        self.layers, self.config = list(layers), config
+        self.layer = self.layers[0]
+        self._turn = 0
         h, hc = config.hidden_size, config.hc_mult
         self.residual = torch.randn(rows, hc, h, device=device).bfloat16()
         self.x = torch.randn(rows, h, device=device).bfloat16()
@@ -148,7 +170,7 @@ class LayerUnit:
         one buffer per arm, so a graph captured for one arm still reads its own pair while the
         other arm is set)."""
         self.chain = on
-        for module in self.layer.modules():
+        for module in (m for layer in self.layers for m in layer.modules()):
             if hasattr(module, "chain"):
                 module.chain = on
         fmt = _chain_format(self.layer.attn.wqkv_a, on)
@@ -157,7 +179,9 @@ class LayerUnit:
         self.x_pair = self._x_pairs.get(on)
 
     def step(self):
-        layer, chain, overlap = self.layer, self.chain, self.layer.overlap_stats
+        layer, chain = self.layers[self._turn], self.chain
+        self._turn = (self._turn + 1) % len(self.layers)
+        overlap = layer.overlap_stats
         residual, x, pair = run_sublayer(
             layer.hc_attn,
             lambda fork: layer.attn(self.x, self.x_pair, self.positions, self.slots, self.kv_cache, fork),
@@ -167,8 +191,9 @@ class LayerUnit:
 
 
 @contextlib.contextmanager
-def precomputed_stats(layer: DeepseekV41DecoderLayer, residual: torch.Tensor):
-    """Both sublayers take their mHC mixes computed once here instead of launching the stats."""
+def precomputed_stats(layers: list[DeepseekV41DecoderLayer], residual: torch.Tensor):
+    """Both sublayers of every layer copy take their mHC mixes computed once here instead of
+    launching the stats."""
     def frozen(mixes):
         def stats(residual, side_stream=None):
             if side_stream is not None:  # the step still forks and joins the side stream
@@ -176,7 +201,7 @@ def precomputed_stats(layer: DeepseekV41DecoderLayer, residual: torch.Tensor):
             return mixes
         return stats
 
-    hcs = (layer.hc_attn, layer.hc_ffn)
+    hcs = [hc for layer in layers for hc in (layer.hc_attn, layer.hc_ffn)]
     for hc in hcs:
         hc.stats = frozen(hc.stats(residual))
     try:
@@ -187,23 +212,28 @@ def precomputed_stats(layer: DeepseekV41DecoderLayer, residual: torch.Tensor):
 
 
 @contextlib.contextmanager
-def stats_at_sublayer_start(layer: DeepseekV41DecoderLayer):
+def stats_at_sublayer_start(layers: list[DeepseekV41DecoderLayer]):
     """The attention sublayer forks its mHC stats before wqkv_a at every token count."""
-    saved, layer.attn.stats_beside_core_tokens = layer.attn.stats_beside_core_tokens, 0
+    saved = [layer.attn.stats_beside_core_tokens for layer in layers]
+    for layer in layers:
+        layer.attn.stats_beside_core_tokens = 0
     try:
         yield
     finally:
-        layer.attn.stats_beside_core_tokens = saved
+        for layer, tokens in zip(layers, saved):
+            layer.attn.stats_beside_core_tokens = tokens
 
 
 @contextlib.contextmanager
-def stats_in_line(layer: DeepseekV41DecoderLayer):
+def stats_in_line(layers: list[DeepseekV41DecoderLayer]):
     """Both sublayers compute their mHC stats on the main stream, in line with the sublayer."""
-    layer.overlap_stats = False
+    for layer in layers:
+        layer.overlap_stats = False
     try:
         yield
     finally:
-        layer.overlap_stats = True
+        for layer in layers:
+            layer.overlap_stats = True
 
 
 @contextlib.contextmanager
@@ -325,13 +355,15 @@ def _time_arms(unit: LayerUnit, record: dict, variant: str, iters: int, diagnost
         unit.set_chain(on)
         graphs[f"{arm}{variant}"] = harness.capture_graph(unit.step, iters)
     if diagnostics:
-        shared = unit.layer.ffn.shared_experts
+        shared = [layer.ffn.shared_experts for layer in unit.layers]
         unit.set_chain(True)
-        shared.fuse_silu_mul = False
+        for expert in shared:
+            expert.fuse_silu_mul = False
         try:
             graphs["chained_silu_launch"] = harness.capture_graph(unit.step, iters)
         finally:
-            shared.fuse_silu_mul = True
+            for expert in shared:
+                expert.fuse_silu_mul = True
         unit.set_chain(False)
         with quantize_launches_removed():
             graphs["unchained_no_quantize"] = harness.capture_graph(unit.step, iters)
@@ -343,16 +375,17 @@ def _time_best_stats_splits(unit: LayerUnit, record: dict, iters: int) -> None:
     """``record["{arm}_best_stats_us"]``: each arm's fastest step over the (attention, FFN) pairs
     of ``STATS_SPLIT_CAPS`` for the mHC stats' K splits, all graphs replayed in turn, and the
     pair in ``record["{arm}_best_stats_splits"]`` (None: ``mhc_stats``' default)."""
-    layer = unit.layer
     graphs = {}
     try:
         for caps in itertools.product(STATS_SPLIT_CAPS, repeat=2):
-            layer.hc_attn.max_stats_splits, layer.hc_ffn.max_stats_splits = caps
+            for layer in unit.layers:
+                layer.hc_attn.max_stats_splits, layer.hc_ffn.max_stats_splits = caps
             for arm, on in ARMS:
                 unit.set_chain(on)
                 graphs[(arm, caps)] = harness.capture_graph(unit.step, iters)
     finally:
-        layer.hc_attn.max_stats_splits = layer.hc_ffn.max_stats_splits = None
+        for layer in unit.layers:
+            layer.hc_attn.max_stats_splits = layer.hc_ffn.max_stats_splits = None
     times = harness.replay_times_us(graphs, iters, rounds=7)
     for arm, _ in ARMS:
         key = min((k for k in times if k[0] == arm), key=times.get)
@@ -378,24 +411,25 @@ def run(args) -> tuple[dict, list[dict]]:
     for shapes, rows in harness.progress(cases, "layer"):
         config = layer_config(shapes)
         if shapes not in layers:
-            layers[shapes] = build_layer(config, "cuda")
-            try:
-                peers[shapes] = None if args.no_peer else CompiledPeer(layers[shapes], config, "cuda")
+            layers[shapes] = build_layers(config, "cuda")
+            try:  # the peer reads the first copy's weights (its own FP8 g128 copies of them)
+                peers[shapes] = None if args.no_peer else CompiledPeer(layers[shapes][0], config, "cuda")
             except RuntimeError as exc:
                 print(f"no compiled peer: {exc}", file=sys.stderr)
                 peers[shapes] = None
-        layer, peer = layers[shapes], peers[shapes]
+        copies, peer = layers[shapes], peers[shapes]
+        layer = copies[0]
         is_prefill = bool(prefill) and rows == prefill
-        unit = LayerUnit(layer, config, rows, args.context, "cuda", prefill=is_prefill)
+        unit = LayerUnit(copies, config, rows, args.context, "cuda", prefill=is_prefill)
         record = {"shapes": shapes, "M": rows, "phase": "prefill" if is_prefill else "decode"}
         with torch.no_grad():
             _time_arms(unit, record, "", args.iters, diagnostics=True)
             _time_best_stats_splits(unit, record, args.iters)
-            with stats_at_sublayer_start(layer):
+            with stats_at_sublayer_start(copies):
                 _time_arms(unit, record, "_stats_at_start", args.iters)
-            with stats_in_line(layer):
+            with stats_in_line(copies):
                 _time_arms(unit, record, "_serial_stats", args.iters)
-            with precomputed_stats(layer, unit.residual):
+            with precomputed_stats(copies, unit.residual):
                 _time_arms(unit, record, "_no_stats", args.iters)
             if launch.enabled():
                 with launch.programmatic_launches(False):
@@ -411,6 +445,7 @@ def run(args) -> tuple[dict, list[dict]]:
                     print(f"compiled peer failed at {shapes} M={rows}: {record['compiled_peer_error']}",
                           file=sys.stderr)
         record["floor_us"] = weight_bytes(layer) / bandwidth * 1e6
+        record["weight_copies"] = len(copies)
         for variant, ratio in (("", "chained_over_unchained"), ("_best_stats", "best_stats_chained_over_unchained"),
                                ("_stats_at_start", "stats_at_start_chained_over_unchained"),
                                ("_serial_stats", "serial_chained_over_unchained"),

@@ -43,8 +43,42 @@ def test_unit_chain_on_equals_off(shapes, rows, prefill):
     bench = _layer_benchmark()
     config = bench.layer_config(shapes, tiny=True)
     layer = bench.build_layer(config, "cpu")
-    assert_unit_chain_on_equals_off(bench.LayerUnit(layer, config, rows, 16, "cpu", prefill=prefill))
+    assert_unit_chain_on_equals_off(bench.LayerUnit([layer], config, rows, 16, "cpu", prefill=prefill))
     assert bench.weight_bytes(layer) > 0
+
+
+def test_unit_steps_take_the_weight_copies_in_turn():
+    """Successive steps read successive copies of the layer (a TP4 rank's weights would stay in
+    L2 from one step to the next otherwise); copies built from one seed give the same step."""
+    bench = _layer_benchmark()
+    config = bench.layer_config("tp1", tiny=True)
+    copies = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        copies.append(bench.build_layer(config, "cpu"))
+    unit = bench.LayerUnit(copies, config, 2, 16, "cpu")
+    assert unit.layer is copies[0]
+    turns = []
+    for _ in range(3):
+        turns.append(unit._turn)
+        with torch.no_grad():
+            unit.step()
+    assert turns == [0, 1, 0]
+    assert_unit_chain_on_equals_off(unit)  # copy 1 chained, copy 0 unchained
+
+
+def test_weight_copies_stream_past_l2():
+    """One copy of the TP1 unit (200 MB of weights), three of the TP4 one (60 MB), counted on
+    modules without storage."""
+    from fp8chain.layers.quantization.fp8 import Fp8Config
+    from fp8chain.models.deepseek_v41 import DeepseekV41DecoderLayer
+
+    bench = _layer_benchmark()
+    for shapes, copies in (("tp1", 1), ("tp4", 3)):
+        config = bench.layer_config(shapes)
+        with torch.device("meta"):
+            layer = DeepseekV41DecoderLayer(config, 0, Fp8Config.from_config(config.quantization_config))
+        assert bench.weight_copies(layer) == copies, shapes
 
 
 def test_unit_stats_split_cap():
@@ -54,7 +88,7 @@ def test_unit_stats_split_cap():
     bench = _layer_benchmark()
     config = bench.layer_config("tp1", tiny=True)
     layer = bench.build_layer(config, "cpu")
-    unit = bench.LayerUnit(layer, config, 2, 16, "cpu")
+    unit = bench.LayerUnit([layer], config, 2, 16, "cpu")
     kv_before = unit.kv_cache.clone()
 
     def step(on):
@@ -77,7 +111,7 @@ def test_prefill_unit_is_causal():
     bench = _layer_benchmark()
     config = bench.layer_config("tp1", tiny=True)
     layer = bench.build_layer(config, "cpu")
-    unit = bench.LayerUnit(layer, config, 5, 16, "cpu", prefill=True)
+    unit = bench.LayerUnit([layer], config, 5, 16, "cpu", prefill=True)
     assert unit.positions.tolist() == [0, 1, 2, 3, 4] and unit.slots.tolist() == [0] * 5
     assert tuple(unit.kv_cache.shape) == (1, 5, config.head_dim)
     with torch.no_grad():
@@ -99,11 +133,11 @@ def test_precomputed_stats_arm_freezes_the_mixes_and_restores_them():
     bench = _layer_benchmark()
     config = bench.layer_config("tp1", tiny=True)
     layer = bench.build_layer(config, "cpu")
-    unit = bench.LayerUnit(layer, config, 3, 16, "cpu")
+    unit = bench.LayerUnit([layer], config, 3, 16, "cpu")
     with torch.no_grad():
         kv_before = unit.kv_cache.clone()
         want = unit.step()
-        with bench.precomputed_stats(layer, unit.residual):
+        with bench.precomputed_stats([layer], unit.residual):
             frozen = layer.hc_attn.stats(torch.randn_like(unit.residual))
             assert all(torch.equal(a, b) for a, b in zip(frozen, layer.hc_attn.__class__.stats(
                 layer.hc_attn, unit.residual)))
@@ -123,7 +157,7 @@ def test_no_quantize_arm_quantizes_once_per_shape_and_restores(monkeypatch):
     bench = _layer_benchmark()
     config = bench.layer_config("tp1", tiny=True)
     layer = bench.build_layer(config, "cpu")
-    unit = bench.LayerUnit(layer, config, 3, 16, "cpu")
+    unit = bench.LayerUnit([layer], config, 3, 16, "cpu")
     unit.set_chain(False)
     calls = []
     real = bench.quant.quantize
@@ -183,15 +217,15 @@ def test_attention_stats_fork_beside_the_core_at_few_tokens():
     layer = bench.build_layer(config, "cpu")
     limit = layer.attn.stats_beside_core_tokens
     assert limit >= 1
-    few = bench.LayerUnit(layer, config, limit, 16, "cpu")
+    few = bench.LayerUnit([layer], config, limit, 16, "cpu")
     assert _fork_order(layer, few) == ["wqkv_a", "stats", "attend", "stats"]
-    many = bench.LayerUnit(layer, config, limit + 1, 16, "cpu")
+    many = bench.LayerUnit([layer], config, limit + 1, 16, "cpu")
     assert _fork_order(layer, many) == ["stats", "wqkv_a", "attend", "stats"]
     kv_before = few.kv_cache.clone()
     with torch.no_grad():
         beside_core = few.step()
         few.kv_cache.copy_(kv_before)
-        with bench.stats_at_sublayer_start(layer):
+        with bench.stats_at_sublayer_start([layer]):
             assert _fork_order(layer, few) == ["stats", "wqkv_a", "attend", "stats"]
             few.kv_cache.copy_(kv_before)
             at_start = few.step()
@@ -204,7 +238,7 @@ def test_stats_in_line_arm_restores_the_side_stream_on_error():
     layer = bench.build_layer(bench.layer_config("tp1", tiny=True), "cpu")
     assert layer.overlap_stats
     with pytest.raises(KeyError):
-        with bench.stats_in_line(layer):
+        with bench.stats_in_line([layer]):
             assert not layer.overlap_stats
             raise KeyError("a failing arm")
     assert layer.overlap_stats
@@ -269,7 +303,7 @@ def test_chained_producer_writes_the_pair_only(monkeypatch, module_name, kernels
     layer = bench.build_layer(config, "cpu")
     if switch:
         monkeypatch.setattr(layer.ffn.shared_experts, switch, False)
-    unit = bench.LayerUnit(layer, config, 3, 16, "cpu")
+    unit = bench.LayerUnit([layer], config, 3, 16, "cpu")
     kernels = getattr(importlib.import_module(module_name), kernels_attr)
     producer, results = getattr(kernels, kernel), []
     monkeypatch.setattr(kernels, kernel,

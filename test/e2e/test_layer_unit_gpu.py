@@ -17,7 +17,7 @@ def test_flash_unit_chain_on_equals_off_gpu(shapes):
     config = bench.layer_config(shapes)
     layer = bench.build_layer(config, "cuda")
     for rows in (1, 3, 4, 5):
-        assert_unit_chain_on_equals_off(bench.LayerUnit(layer, config, rows, 256, "cuda"))
+        assert_unit_chain_on_equals_off(bench.LayerUnit([layer], config, rows, 256, "cuda"))
 
 
 def test_flash_unit_stats_fork_changes_no_bit_gpu():
@@ -33,14 +33,14 @@ def test_flash_unit_stats_fork_changes_no_bit_gpu():
     layer = bench.build_layer(config, "cuda")
 
     for rows in (1, 4):
-        unit = bench.LayerUnit(layer, config, rows, 256, "cuda")
+        unit = bench.LayerUnit([layer], config, rows, 256, "cuda")
         assert rows <= layer.attn.stats_beside_core_tokens
         results = {}
         with torch.no_grad():
             unit.set_chain(True)
             variants = (("beside_core", contextlib.nullcontext),
-                        ("at_start", lambda: bench.stats_at_sublayer_start(layer)),
-                        ("in_line", lambda: bench.stats_in_line(layer)))
+                        ("at_start", lambda: bench.stats_at_sublayer_start([layer])),
+                        ("in_line", lambda: bench.stats_in_line([layer])))
             for name, variant in variants:
                 with variant():
                     out = {}
