@@ -107,6 +107,11 @@ def test_mxfp4_encoding_roundtrip():
     err = (dequantize_mxfp4(p, s) - x).abs()
     step = (s.to(torch.int32) - 127).float().exp2().repeat_interleave(32, dim=1)
     assert (err <= step + 1e-6).all()  # largest e2m1 gap is 2 (between 4 and 6): half is 1 * scale
+    # every UE8M0 byte 0..254 is 2^(byte - 127), byte 0 (2^-127, an fp32 subnormal) included
+    ones = torch.full((255, 16), 0x22, dtype=torch.uint8)  # e2m1 code 2 = 1.0 in both nibbles
+    exps = torch.arange(255, dtype=torch.uint8)[:, None]
+    got = dequantize_mxfp4(ones, exps)[:, 0].double()
+    assert torch.equal(got, torch.exp2(torch.arange(255, dtype=torch.float64) - 127))
 
 
 def test_fp8_blockwise_encoding():

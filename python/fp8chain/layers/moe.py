@@ -63,7 +63,8 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor,
                          f"scales are bytes 0..254), first at {nan.nonzero()[0].tolist()}")
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], k)
     values = _e2m1_table(packed.device)[codes.long()]
-    pow2 = ((sbytes.to(torch.int32) << 23).view(torch.float32))  # 2^(e-127), exact
+    # 2^(e-127), exact: the exponent field for bytes 1..254; byte 0 is 2^-127, fp32's subnormal 0x00400000
+    pow2 = torch.where(sbytes == 0, 0x00400000, sbytes.to(torch.int32) << 23).view(torch.float32)
     values = values * pow2.repeat_interleave(MXFP4_GROUP, dim=-1)
     return values.to(dtype)
 
