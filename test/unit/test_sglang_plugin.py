@@ -133,6 +133,32 @@ def test_blackwell_is_left_to_upstream(monkeypatch):
     assert layer.deepgemm_mxfp8_input is True and not hasattr(layer, "input_format")
 
 
+@pytest.mark.parametrize("capability,hip,serves", [((9, 0), None, True), ((8, 0), None, False),
+                                                  ((8, 9), None, False), ((9, 0), "6.2", False)])
+def test_fp8chain_takes_requests_on_hopper_only(monkeypatch, capability, hip, serves):
+    """Before Hopper (upstream may have repacked the weights for Marlin) and on ROCm (e4m3fnuz)
+    the hook leaves the layer to upstream: it refuses the request without reading the weights."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    reason = plugin._why_not_fp8chain(torch.device("cuda", 0))
+    assert (reason is None) is serves
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert plugin._why_not_fp8chain(torch.device("cpu")) is None  # the interpreter (these tests)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "without the Triton interpreter" in plugin._why_not_fp8chain(torch.device("cpu"))
+
+
+def test_a_device_fp8chain_does_not_serve_keeps_upstreams_weights(monkeypatch, caplog):
+    marlin_packed = torch.zeros(128 // 8, 64, dtype=torch.int32)  # not an e4m3 [N, K] weight
+    layer = UpstreamLinear(marlin_packed, torch.ones(2, 4))
+    monkeypatch.setattr(plugin, "_why_not_fp8chain", lambda device: "sm_80 (test)")
+    with caplog.at_level(logging.WARNING, logger="fp8chain.integrations.sglang"):
+        plugin.after_process_weights(None, upstream_method(), layer)  # no TypeError: not read
+    assert layer.deepgemm_mxfp8_input is False and layer.input_format is None
+    assert "no fp8chain consumer on sm_80 (test); keeping bf16 input" in caplog.text
+    assert layer.weight.dtype == torch.int32 and layer.weight.data_ptr() == marlin_packed.data_ptr()
+
+
 def test_reprocessing_after_a_reload_keeps_derived_storage():
     weight, scale = ref.random_fp8_weight(128, 256, 32)
     layer = UpstreamLinear(weight, scale)

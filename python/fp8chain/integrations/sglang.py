@@ -9,12 +9,13 @@ process, calls each plugin's function, then applies the hooks it registered
 
 * after ``process_weights_after_loading(layer)``: a layer whose model asked for a pre-quantized
   input (``LinearBase.deepgemm_mxfp8_input = True``, as DSv4.1's attention sets on ``wqkv_a``,
-  ``wq_b`` and ``wo_b``) on a GPU where upstream has no such path (anything before Blackwell)
-  becomes an fp8chain consumer (``prepare_consumer``): backend chosen for the arch and shape,
+  ``wq_b`` and ``wo_b``) on Hopper, where upstream has no such path, becomes an fp8chain consumer (``prepare_consumer``): backend chosen for the arch and shape,
   derived weight tensors written in place, ``layer.input_format`` set; or the request is
   refused (flag False, reason logged) and the layer keeps upstream's bf16 path. Before that, its
   weight and scales pass the checks fp8chain's own ``Fp8LinearMethod`` runs (``check_weights``),
-  which raise at load rather than at the first forward.
+  which raise at load rather than at the first forward. Before Hopper and on ROCm the request is
+  refused without reading the weights (upstream may have repacked them: Marlin, e4m3fnuz);
+  Blackwell and later are upstream's.
 * around ``apply(layer, x, bias=None)``: a ``QuantizedActivation`` goes to that backend's GEMM,
   never re-quantized (a pair in another format, or for a layer that did not ask for one, raises
   ``TypeError``); any other input runs upstream's ``apply`` unchanged.
@@ -31,6 +32,7 @@ import logging
 import torch
 
 from fp8chain_kernel.formats import QuantizedActivation
+from fp8chain_kernel.fp8_tile import interpreting
 
 from ..layers.quantization.fp8 import check_pair_input, check_weights, consumer_gemm, input_requested, prepare_consumer
 
@@ -54,7 +56,24 @@ def install() -> None:
 
 def _upstream_serves_request(device: torch.device) -> bool:
     """Blackwell and later: upstream's own producers and DeepGEMM path handle the request."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 10
+
+
+def _why_not_fp8chain(device: torch.device) -> str | None:
+    """Why fp8chain's consumers do not take a request on ``device`` (None: they do: NVIDIA Hopper,
+    or the CPU under the Triton interpreter). Elsewhere upstream's block-FP8 method may already
+    have rewritten the weights (Marlin repacking before Ada, e4m3fnuz on ROCm), so the hook must
+    not read them as e4m3."""
+    if device.type == "cpu":
+        return None if interpreting() else "the CPU without the Triton interpreter"
+    if device.type != "cuda":
+        return f"a {device.type} device"
+    if torch.version.hip is not None:
+        return "ROCm (fp8chain's FP8 consumers are NVIDIA Hopper kernels)"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"sm_{major}{minor} (fp8chain's FP8 consumers run on Hopper, sm_90)"
+    return None
 
 
 def _layer_name(layer) -> str:
@@ -74,6 +93,12 @@ def after_process_weights(result, method, layer, *args, **kwargs):
         return None
     name = _layer_name(layer)
     if _upstream_serves_request(layer.weight.device):
+        return None
+    reason = _why_not_fp8chain(layer.weight.device)
+    if reason is not None:  # upstream's weights and bf16 path stay as they are
+        logger.warning("%s: no fp8chain consumer on %s; keeping bf16 input", name, reason)
+        layer.deepgemm_mxfp8_input = False
+        layer.input_format = None
         return None
     block = _block_size(method)
     if block is None or layer.weight.dim() != 2:
