@@ -9,8 +9,9 @@ process, calls each plugin's function, then applies the hooks it registered
 
 * after ``process_weights_after_loading(layer)``: a layer whose model asked for a pre-quantized
   input (``LinearBase.deepgemm_mxfp8_input = True``, as DSv4.1's attention sets on ``wqkv_a``,
-  ``wq_b`` and ``wo_b``) on Hopper, where upstream has no such path, becomes an fp8chain consumer (``prepare_consumer``): backend chosen for the arch and shape,
-  derived weight tensors written in place, ``layer.input_format`` set; or the request is
+  ``wq_b`` and ``wo_b``) on Hopper, where upstream has no such path, becomes an fp8chain
+  consumer (``prepare_consumer``): backend chosen for the arch and shape, derived weight tensors
+  written in place, ``layer.input_format`` set; or the request is
   refused (flag False, reason logged) and the layer keeps upstream's bf16 path. Before that, its
   weight and scales pass the checks fp8chain's own ``Fp8LinearMethod`` runs (``check_weights``),
   which raise at load rather than at the first forward. Before Hopper and on ROCm the request is
