@@ -87,7 +87,7 @@ def assert_bitwise(got: torch.Tensor, want: torch.Tensor) -> None:
     assert bad.numel() == 0, f"{bad.shape[0]} elements differ, first at {bad[:5].tolist()}"
 
 
-def check_boundary_outputs(y, residual, pre, post, comb, weight, new_residual, x, pair, fmt):
+def check_boundary_outputs(y, residual, pre, post, comb, weight, new_residual, x, pair, fmt, eps=EPS):
     """R' within 1 ulp of fp32, x within 1 ulp of the norm of the kernel's own R', pair exact."""
     if y is not None:
         assert_close_bf16(new_residual, ref_mhc.mhc_post_fp32(y, residual, post, comb), ulps=1.0)
@@ -96,7 +96,7 @@ def check_boundary_outputs(y, residual, pre, post, comb, weight, new_residual, x
     else:
         source = residual
     if x is not None:
-        want = ref_mhc.mhc_norm_fp32(ref_mhc.mhc_combine(source, pre), weight, EPS)
+        want = ref_mhc.mhc_norm_fp32(ref_mhc.mhc_combine(source, pre), weight, eps)
         assert_close_bf16(x, want, ulps=1.0)
     if fmt is not None:
         assert pair is not None and pair.fmt is ActFormat(fmt)
@@ -299,6 +299,24 @@ def test_combine_norm(kind, t):
     assert_pairs_equal(only, reference.quantize(x, FORMATS[0]))
     want = reference.mhc_combine_norm(residual, pre, weight, EPS, out_format=FORMATS[0])
     assert_close_bf16(x, want[0].float(), ulps=1.0)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("t", [1, 3, 70])  # split rows (last-arrival on the interpreter) and whole-row programs
+def test_boundary_norm_eps_comparable_to_the_mean_square(t):
+    """Residuals whose combined rows have a mean square about norm_eps: where the eps enters the
+    RMSNorm (inside the square root, added to the mean square) decides x here."""
+    h = 256
+    residual, y, weight, pre, post, comb = make_inputs(t, h, "cpu")
+    eps = 1e-2
+    residual, y = (residual.float() * 0.05).bfloat16(), (y.float() * 0.05).bfloat16()
+    new_r, x, pair = mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, eps,
+                                           out_format=ActFormat.SM90_G32_FP32_MN)
+    check_boundary_outputs(y, residual, pre, post, comb, weight, new_r, x, pair, ActFormat.SM90_G32_FP32_MN, eps)
+    ms = ref_mhc.mhc_combine(new_r, pre).float().pow(2).mean(dim=1)
+    assert (ms > eps / 10).all() and (ms < eps * 10).all()  # eps is of the mean square's order
+    x2 = mhc.mhc_combine_norm(residual, pre, weight, eps)
+    check_boundary_outputs(None, residual, pre, None, None, weight, None, x2, None, None, eps)
 
 
 @pytest.mark.parametrize("kind", [pytest.param("cpu", marks=cpu), pytest.param("gpu", marks=gpu)])

@@ -42,28 +42,40 @@ def _nan_bf16(rows, cols, device):
     return torch.full((rows, cols), float("nan"), dtype=torch.bfloat16, device=device)
 
 
-def check_rms_norm(rows, cols, fmt, device, residual):
+def check_rms_norm(rows, cols, fmt, device, residual, eps=EPS, magnitude=None):
+    """``magnitude``: every row at this scale (default: rows of 2^-6 .. 2^5)."""
     x, w, r = _inputs(rows, cols, device, residual)
+    if magnitude is not None:
+        x = (x.float() / x.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-30) * magnitude).bfloat16()
     r_kernel = r.clone() if residual else None
     out = poisoned_pair(rows, cols, fmt, device)
-    y, pair = norm.rms_norm(x, w, EPS, residual=r_kernel, out_format=fmt, out=out,
+    y, pair = norm.rms_norm(x, w, eps, residual=r_kernel, out_format=fmt, out=out,
                             out_bf16=_nan_bf16(rows, cols, device))
     assert pair is out
     h = add_residual(x, r) if residual else x
     if residual:
         assert torch.equal(r_kernel, h), "residual not updated to bf16(x + residual)"
-    assert_close_bf16(y, rms_norm_fp32(h, w, EPS), ulps=1.0)
+    assert_close_bf16(y, rms_norm_fp32(h, w, eps), ulps=1.0)
     assert_pairs_equal(pair, ref.quantize(y, fmt))
     # FP8 only: same bytes, no bf16 written; the residual update still happens.
     r_only = r.clone() if residual else None
-    only = norm.rms_norm(x, w, EPS, residual=r_only, out_format=fmt, out=poisoned_pair(rows, cols, fmt, device),
+    only = norm.rms_norm(x, w, eps, residual=r_only, out_format=fmt, out=poisoned_pair(rows, cols, fmt, device),
                          return_bf16=False)
     assert_pairs_equal(only, pair)
     if residual:
         assert torch.equal(r_only, h)
     # bf16 only: another compiled variant with the same layout and reduction order, so bitwise
     # equal (the unchained model must see the very values the chained one quantizes)
-    assert torch.equal(norm.rms_norm(h, w, EPS), y)
+    assert torch.equal(norm.rms_norm(h, w, eps), y)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("eps", [1e-2, 1e-5])
+def test_rms_norm_cpu_eps_comparable_to_the_mean_square(eps, device):
+    """Rows whose mean square is about eps: where eps enters (inside the square root, added to
+    the mean square) decides the output here, not a last-bit difference."""
+    check_rms_norm(5, 256, ActFormat.SM90_G32_FP32_MN, device, residual=False, eps=eps,
+                   magnitude=(3 * eps) ** 0.5)
 
 
 @pytest.mark.cpu

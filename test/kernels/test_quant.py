@@ -34,8 +34,9 @@ def _cast_kernel(x_ptr, out_ptr, n, EXACT_CAST: tl.constexpr, BLOCK: tl.constexp
 
 @pytest.mark.cpu
 def test_cast_to_e4m3_matches_torch_on_every_region():
-    """The cast used under the interpreter == torch's RNE saturating cast, incl. ties,
-    subnormals, carries into the exponent, NaN and +-inf (inputs pre-clamped as kernels do)."""
+    """The cast used under the interpreter == torch's RNE cast with saturation, incl. ties,
+    subnormals, carries into the exponent, NaN, values past 448 and +-inf (the kernel gets them
+    as they are; torch's cast, which does not saturate, gets them clamped to +-448)."""
     n = 1 << 16
     bits = torch.randint(0, 2**31 - 1, (n,), dtype=torch.int64)
     # Aim at fp8's range: exponents 2^-12 .. 2^9, random mantissas, both signs.
@@ -45,11 +46,11 @@ def test_cast_to_e4m3_matches_torch_on_every_region():
     ties = torch.arange(0, 256, dtype=torch.uint8).view(FP8_DTYPE).float()
     ties = (ties[:-1] + ties[1:]) / 2  # exact midpoints between neighbouring fp8 codes
     special = torch.tensor([0.0, -0.0, 448.0, -448.0, 2.0**-9, 2.0**-10, 3 * 2.0**-10,
-                            2.0**-6, 2.0**-6 - 2.0**-10, 1e-30, float("nan"), float("inf"), -float("inf")])
-    x = torch.cat([values, ties[torch.isfinite(ties)], special]).clamp(-448, 448).contiguous()
-    x = torch.where(torch.isnan(torch.cat([values, ties[torch.isfinite(ties)], special])), float("nan"), x)
-    want = x.to(FP8_DTYPE).view(torch.uint8)
-    got = torch.empty_like(want).view(FP8_DTYPE)
+                            2.0**-6, 2.0**-6 - 2.0**-10, 1e-30, float("nan"), float("inf"), -float("inf"),
+                            460.0, 464.0, -465.0, 480.0, 1e10, -3e38])
+    x = torch.cat([values, ties[torch.isfinite(ties)], special]).contiguous()
+    want = torch.where(torch.isnan(x), x, x.clamp(-448, 448)).to(FP8_DTYPE).view(torch.uint8)
+    got = torch.full_like(want, 0x55).view(FP8_DTYPE)  # poisoned: an unwritten code fails
     _cast_kernel[(triton.cdiv(x.numel(), 1024),)](x, got, x.numel(), EXACT_CAST=True, BLOCK=1024)
     got = got.view(torch.uint8)
     assert torch.equal(got, want), f"{(got != want).sum()} codes differ"
