@@ -89,6 +89,45 @@ def test_quantize_launches_saved(setup):
     assert setup["runs"][False].quantizes == 5 * layers * forwards
 
 
+class _CountingKernel:
+    """Stands in for a Triton kernel: counts the launches, then launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.launches += 1
+            return launch(*args, **kwargs)
+
+        return run
+
+
+def test_standalone_quantize_kernel_launches_per_step(setup, monkeypatch):
+    """The quantize kernel's own launches in one decode step, whoever makes them: none chained
+    (a producer that quantized its output with a second launch would show here, where the
+    per-linear counter above would not), one per FP8 linear unchained."""
+    from fp8chain_kernel import quant
+
+    model, config = setup["model"], setup["config"]
+    counter = _CountingKernel(quant._quantize_kernel)
+    monkeypatch.setattr(quant, "_quantize_kernel", counter)
+    engine = Engine(model, max_batch=2, max_len=8)
+    engine.prefill([[1, 2, 3], [4, 5]])
+    launches = {}
+    try:
+        for chain in (True, False):
+            model.set_chain(chain)
+            counter.launches = 0
+            engine.decode(torch.tensor([6, 7]), torch.tensor([3, 2]))
+            launches[chain] = counter.launches
+    finally:
+        model.set_chain(True)
+    assert launches == {True: 0, False: 5 * config.num_hidden_layers}
+
+
 def test_logits_match_fp32_reference(setup):
     """Decode logits vs the fp32 reference with its own routing: top-1 agreement and median."""
     _, tensors = load_state_dict(setup["path"])
