@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
 from fp8chain.argtypes import positive_int  # noqa: E402
 from fp8chain.bench import harness  # noqa: E402
 from fp8chain_kernel import act, einsum, norm, quant, reference  # noqa: E402
-from fp8chain_kernel.formats import ActFormat, cdiv, empty_pair  # noqa: E402
+from fp8chain_kernel.formats import ActFormat, empty_pair  # noqa: E402
 
 ROWS = [1, 4, 16, 64, 256, 2048]
 QUICK_ROWS = [1, 64, 2048]
@@ -149,15 +149,13 @@ class Case:
             o = torch.randn(t, g, d, device=device).bfloat16()
             # every arm rotates through weight copies past L2, as a decode step streams wo_a from HBM
             if fp8_weights:
-                weight_bytes = g * r * d + cdiv(g * r, 32) * cdiv(d, 32) * 4
-                weights = [reference.random_fp8_wo_a(g, r, d, device=device, log2_scale=-12)
-                           for _ in range(harness.copies_past_l2(weight_bytes))]
-                peer_weights = [reference.dequantize_wo_a(w, ws) for w, ws in weights]
+                make = lambda: reference.random_fp8_wo_a(g, r, d, device=device, log2_scale=-12)  # noqa: E731
             else:
-                weight_bytes = g * r * d * 2
-                weights = [((torch.randn(g, r, d, device=device) / d ** 0.5).bfloat16(), None)
-                           for _ in range(harness.copies_past_l2(weight_bytes))]
-                peer_weights = [w for w, _ in weights]
+                make = lambda: ((torch.randn(g, r, d, device=device) / d ** 0.5).bfloat16(), None)  # noqa: E731
+            weights = [make()]
+            weight_bytes = sum(t.numel() * t.element_size() for t in weights[0] if t is not None)
+            weights += [make() for _ in range(harness.copies_past_l2(weight_bytes) - 1)]
+            peer_weights = [reference.dequantize_wo_a(w, ws) if fp8_weights else w for w, ws in weights]
             self.fp8_bf16 = False
             self.in_bytes = t * g * d * 2 + weight_bytes
             self.flops = 2 * t * g * r * d
@@ -339,7 +337,7 @@ def run(args) -> tuple[dict, list[dict]]:
                "T": rows, "fp8_returns_bf16": case.fp8_bf16}
         # the arms' differences are fractions of a microsecond: their replays alternate; a graph
         # reads every weight copy the arms rotate through (wo_a)
-        iters = max(args.iters, getattr(case.fp8, "period", 1))
+        iters = harness.graph_calls(case.fp8, args.iters)
         graphs = {arm: harness.capture_graph(getattr(case, arm), iters) for arm in ("bf16", "bf16_quant", "fp8")}
         for arm, us in harness.replay_times_us(graphs, iters).items():
             rec[f"{arm}_us"] = us

@@ -86,8 +86,14 @@ def graph_time_us(fn: Callable[[], object], iters: int = 100, repeats: int = 7) 
     """Median microseconds per call of ``fn``, from ``repeats`` replays of a CUDA graph of
     ``iters`` calls (``capture_graph``); at least one call per item of a ``rotating`` ``fn``, so
     that the graph reads every weight copy."""
-    iters = max(iters, getattr(fn, "period", 1))
+    iters = graph_calls(fn, iters)
     return replay_times_us({"fn": capture_graph(fn, iters)}, iters, repeats)["fn"]
+
+
+def graph_calls(fn: Callable[[], object], iters: int) -> int:
+    """Calls of ``fn`` per captured graph: ``iters``, or one per weight copy of a ``rotating``
+    ``fn`` where it has more (a graph of fewer calls would leave copies unread)."""
+    return max(iters, getattr(fn, "period", 1))
 
 
 L2_DEFEAT_BYTES = 160 << 20  # weight copies that a benchmark rotates through add up to this

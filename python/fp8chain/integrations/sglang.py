@@ -88,6 +88,13 @@ def _block_size(method) -> int | None:
     return int(block[0])
 
 
+def _refuse(layer, name: str, why: str) -> None:
+    """The request is not taken: one WARNING line, the flag back to False, bf16 input."""
+    logger.warning("%s: no fp8chain consumer %s; keeping bf16 input", name, why)
+    layer.deepgemm_mxfp8_input = False
+    layer.input_format = None
+
+
 def after_process_weights(result, method, layer, *args, **kwargs):
     """AFTER hook of ``Fp8LinearMethod.process_weights_after_loading``: see the module docstring."""
     if not input_requested(layer):
@@ -97,17 +104,11 @@ def after_process_weights(result, method, layer, *args, **kwargs):
         return None
     reason = _why_not_fp8chain(layer.weight.device)
     if reason is not None:  # upstream's weights and bf16 path stay as they are
-        logger.warning("%s: no fp8chain consumer on %s; keeping bf16 input", name, reason)
-        layer.deepgemm_mxfp8_input = False
-        layer.input_format = None
-        return None
+        return _refuse(layer, name, f"on {reason}")
     block = _block_size(method)
     if block is None or layer.weight.dim() != 2:
-        logger.warning("%s: no fp8chain consumer for weight block %s; keeping bf16 input", name,
-                       getattr(getattr(method, "quant_config", None), "weight_block_size", None))
-        layer.deepgemm_mxfp8_input = False
-        layer.input_format = None
-        return None
+        return _refuse(layer, name, "for weight block "
+                       f"{getattr(getattr(method, 'quant_config', None), 'weight_block_size', None)}")
     # the checks fp8chain's own Fp8LinearMethod runs: a corrupt checkpoint fails here, at load,
     # not at the first forward (possibly inside graph capture)
     check_weights(layer.weight, layer.weight_scale_inv, block, getattr(method.quant_config, "scale_fmt", None), name)
