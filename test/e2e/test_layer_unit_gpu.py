@@ -55,3 +55,41 @@ def test_flash_unit_stats_fork_changes_no_bit_gpu():
                 results[name] = replays[0]
         for name, got in results.items():
             assert all(torch.equal(a, b) for a, b in zip(got, results["beside_core"])), (name, rows)
+
+
+def test_flash_unit_prefetch_changes_no_bit_gpu():
+    """TP1 unit in captured graphs with every L2 prefetch point (``layers.prefetch``) gives the
+    bits it gives without, replay after replay, chained and unchained, and each step launches
+    the prefetch kernel at each point."""
+    import torch
+
+    from fp8chain.bench import harness
+    from fp8chain.layers.prefetch import PREFETCH_POINTS
+    from fp8chain_kernel.prefetch import prefetch_supported
+
+    if not prefetch_supported(torch.device("cuda")):
+        pytest.skip("L2 bulk prefetch needs compute capability >= 9.0")
+    bench = _load_benchmark("layer")
+    config = bench.layer_config("tp1")
+    layer = bench.build_layer(config, "cuda")
+    unit = bench.LayerUnit([layer], config, 3, 256, "cuda")
+    with torch.no_grad():
+        for chain in (True, False):
+            unit.set_chain(chain)
+            results = {}
+            for points in ((), PREFETCH_POINTS):
+                layer.set_prefetch_points(points)
+                out = {}
+                graph = harness.capture_graph(lambda: out.update(step=unit.step()), iters=1)
+                replays = []
+                for _ in range(5):
+                    graph.replay()
+                    replays.append([t.clone() for t in out["step"][:2]])
+                torch.cuda.synchronize()
+                for r in replays[1:]:
+                    assert all(torch.equal(a, b) for a, b in zip(r, replays[0])), (chain, points)
+                results[points] = replays[0]
+            assert all(torch.equal(a, b) for a, b in zip(results[()], results[PREFETCH_POINTS])), chain
+            launches = harness.launch_counts(harness.kernel_profile(unit.step))
+            assert launches.get("_l2_prefetch_kernel") == len(PREFETCH_POINTS) + 1, launches
+            layer.set_prefetch_points(())
