@@ -65,7 +65,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
 from fp8chain.argtypes import positive_int, non_negative_int  # noqa: E402
 from fp8chain.bench import harness  # noqa: E402
 from fp8chain.layers.mhc import at_start, run_sublayer  # noqa: E402
-from fp8chain.layers.prefetch import join_prefetches  # noqa: E402
 from fp8chain.layers.quantization import fp8 as fp8_method  # noqa: E402
 from fp8chain.layers.quantization.fp8 import Fp8Config  # noqa: E402
 from fp8chain.models.deepseek_v41 import (  # noqa: E402
@@ -186,13 +185,9 @@ class LayerUnit:
         residual, x, pair = run_sublayer(
             layer.hc_attn,
             lambda fork: layer.attn(self.x, self.x_pair, self.positions, self.slots, self.kv_cache, fork),
-            self.residual, layer.ffn_norm, _chain_format(layer.ffn.input_linear, chain), overlap,
-            layer.boundary_prefetch(layer.ffn.input_linear))
-        out = run_sublayer(layer.hc_ffn, at_start(lambda: layer.ffn.shared_experts(x, pair)), residual,
-                           layer.attn_norm, _chain_format(layer.attn.wqkv_a, chain), overlap,
-                           layer.boundary_prefetch(self.layers[self._turn].attn.wqkv_a))
-        join_prefetches(self.residual.device)
-        return out
+            self.residual, layer.ffn_norm, _chain_format(layer.ffn.input_linear, chain), overlap)
+        return run_sublayer(layer.hc_ffn, at_start(lambda: layer.ffn.shared_experts(x, pair)), residual,
+                            layer.attn_norm, _chain_format(layer.attn.wqkv_a, chain), overlap)
 
 
 @contextlib.contextmanager

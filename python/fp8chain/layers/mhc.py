@@ -19,7 +19,6 @@ from fp8chain_kernel.formats import QuantizedActivation
 from fp8chain_kernel.fp8_tile import interpreting
 
 from .norm import RMSNorm
-from .prefetch import join_prefetches, prefetch_weight
 
 __all__ = ["HyperConnection", "MHCStats", "at_start", "mhc_boundary", "run_sublayer", "stats_stream",
            "expand_streams"]
@@ -110,7 +109,7 @@ def stats_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 
 def run_sublayer(hc: HyperConnection, sublayer, residual: torch.Tensor, next_norm: RMSNorm,
-                 out_format=None, overlap_stats: bool = True, prefetch: torch.Tensor | None = None):
+                 out_format=None, overlap_stats: bool = True):
     """One sublayer between mHC boundaries: its stats (from the ``residual`` entering it), the
     sublayer ``y = sublayer(fork_stats)``, then the boundary after it (see ``mhc_boundary``).
 
@@ -118,8 +117,6 @@ def run_sublayer(hc: HyperConnection, sublayer, residual: torch.Tensor, next_nor
     with no better place). With ``overlap_stats`` they run on ``stats_stream`` from there, beside
     the rest of the sublayer (they are off its FP8 path), and the boundary waits for them;
     without, they run in line at that point. The results are the same bits either way.
-    Weight prefetches forked so far (``layers.prefetch``) are joined there too; ``prefetch``
-    (the next sublayer's first weight) is then prefetched beside the boundary.
     """
     side = stats_stream(residual.device) if overlap_stats else None
     forked: list[MHCStats] = []
@@ -136,11 +133,8 @@ def run_sublayer(hc: HyperConnection, sublayer, residual: torch.Tensor, next_nor
         # unjoined side stream, and later work on the current stream could race the stats.
         if side is not None and forked:
             torch.cuda.current_stream(residual.device).wait_stream(side)
-        join_prefetches(residual.device)
     if not forked:
         raise RuntimeError("the sublayer never forked its mHC stats (call fork_stats once)")
-    if prefetch is not None:
-        prefetch_weight(prefetch)
     return mhc_boundary(y, residual, forked[0], next_norm, out_format)
 
 

@@ -17,7 +17,6 @@ from fp8chain_kernel import act as act_kernels
 from fp8chain_kernel.formats import QuantizedActivation, is_int
 
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .prefetch import prefetch_weight
 from .quantization.fp8 import consumer_gemm_silu_mul
 
 __all__ = [
@@ -174,11 +173,8 @@ class SharedExpert(nn.Module):
         self.gate_up.deepgemm_mxfp8_input = True
         self.down.deepgemm_mxfp8_input = True
         self.fuse_silu_mul = True
-        self.prefetch_points = frozenset()  # of "down" (``layers.prefetch``)
 
     def forward(self, x: torch.Tensor, x_pair: QuantizedActivation | None = None) -> torch.Tensor:
-        if "down" in self.prefetch_points:
-            prefetch_weight(self.down.weight)
         fmt = self.down.input_format if self.chain else None
         if fmt is not None and x_pair is not None and self.fuse_silu_mul:
             h_pair = consumer_gemm_silu_mul(self.gate_up, x_pair, self.swiglu_limit, fmt)

@@ -45,7 +45,6 @@ from fp8chain_kernel.formats import QuantizedActivation, is_int
 
 from ..layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from ..layers.mhc import HyperConnection, at_start, expand_streams, run_sublayer
-from ..layers.prefetch import check_points, join_prefetches, prefetch_weight
 from ..layers.moe import RoutedExpertsReference, SharedExpert, TopKRouter
 from ..layers.norm import RMSNorm
 from ..layers.quantization.fp8 import Fp8Config, check_weights
@@ -331,7 +330,6 @@ class MQALayer(nn.Module):
         self.chain = True
         self.keep_indexer_inputs = False
         self.stats_beside_core_tokens = STATS_BESIDE_CORE_TOKENS
-        self.prefetch_points = frozenset()  # of "wq_b", "wo_a" (``layers.prefetch``)
         self.wqkv_a = ReplicatedLinear(c.hidden_size, c.q_lora_rank + c.kv_dim, bias=False,
                                        quant_config=quant_config, prefix=f"{prefix}.wqkv_a")
         self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
@@ -390,8 +388,6 @@ class MQALayer(nn.Module):
         beside_core = x.shape[0] <= self.stats_beside_core_tokens
         if fork_stats is not None and not beside_core:
             fork_stats()
-        if "wq_b" in self.prefetch_points:
-            prefetch_weight(self.wq_b.weight)
         qkv = self.wqkv_a(x_pair if (self.chain and x_pair is not None) else x)
         q_lora, kv = qkv[:, :self.q_lora_rank], qkv[:, self.q_lora_rank:]
         q_lora, q_pair = self.q_norm(q_lora, _chain_format(self.wq_b, self.chain))
@@ -400,8 +396,6 @@ class MQALayer(nn.Module):
         q = self.wq_b(q_pair if q_pair is not None else q_lora)
         if fork_stats is not None and beside_core:
             fork_stats()
-        if "wo_a" in self.prefetch_points:
-            prefetch_weight(self.wo_a)
         o = self.attend(q, kv, positions, slots, kv_cache)
 
         fmt = _chain_format(self.wo_b, self.chain)
@@ -458,7 +452,6 @@ class DeepseekV41DecoderLayer(nn.Module):
         self.layer_idx = layer_idx
         self.chain = True
         self.overlap_stats = True  # mHC stats on a side stream beside each sublayer (CUDA)
-        self.prefetch_points = frozenset()  # of "boundary" (``layers.prefetch``)
         hc = dict(hc_mult=c.hc_mult, rms_eps=c.rms_norm_eps, hc_eps=c.hc_eps,
                   sinkhorn_iters=c.hc_sinkhorn_iters)
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -475,23 +468,11 @@ class DeepseekV41DecoderLayer(nn.Module):
         normalizes with ``next_norm`` and writes the format ``next_linear`` reads."""
         residual, x, x_pair = run_sublayer(
             self.hc_attn, lambda fork: self.attn(x, x_pair, positions, slots, kv_cache, fork), residual,
-            self.ffn_norm, _chain_format(self.ffn.input_linear, self.chain), self.overlap_stats,
-            self.boundary_prefetch(self.ffn.input_linear))
+            self.ffn_norm, _chain_format(self.ffn.input_linear, self.chain), self.overlap_stats)
         residual, x, x_pair = run_sublayer(
             self.hc_ffn, at_start(lambda: self.ffn(x, x_pair)), residual, next_norm,
-            _chain_format(next_linear, self.chain), self.overlap_stats, self.boundary_prefetch(next_linear))
+            _chain_format(next_linear, self.chain), self.overlap_stats)
         return x, x_pair, residual
-
-    def set_prefetch_points(self, points) -> None:
-        """Where this layer prefetches weights into L2 (``layers.prefetch.PREFETCH_POINTS``)."""
-        points = check_points(points)
-        self.prefetch_points = points & {"boundary"}
-        self.attn.prefetch_points = points & {"wq_b", "wo_a"}
-        self.ffn.shared_experts.prefetch_points = points & {"down"}
-
-    def boundary_prefetch(self, linear) -> torch.Tensor | None:
-        """The weight to prefetch beside the boundary that feeds ``linear`` (None: none)."""
-        return linear.weight if linear is not None and "boundary" in self.prefetch_points else None
 
 
 class LMHead(nn.Module):
@@ -564,12 +545,6 @@ class DeepseekV41ForCausalLM(nn.Module):
             if hasattr(module, "chain"):
                 module.chain = on
 
-    def set_prefetch_points(self, points) -> None:
-        """Where every layer prefetches weights into L2 (``layers.prefetch.PREFETCH_POINTS``)."""
-        points = check_points(points)
-        for layer in self.layers:
-            layer.set_prefetch_points(points)
-
     def fp8_linears(self) -> dict[str, nn.Module]:
         """Every FP8 dense linear by module name."""
         kinds = (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)
@@ -618,7 +593,6 @@ class DeepseekV41ForCausalLM(nn.Module):
                 next_norm, next_linear = self.norm, None
             x, x_pair, residual = layer(x, x_pair, residual, positions, slots, kv_caches[i],
                                         next_norm, next_linear)
-        join_prefetches(input_ids.device)
         if logits_indices is not None:
             x = x[logits_indices]
         return self.head(x)
