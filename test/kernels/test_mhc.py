@@ -304,10 +304,19 @@ def test_combine_norm(kind, t):
 @pytest.mark.cpu
 @pytest.mark.parametrize("t", [1, 3, 70])  # split rows (last-arrival on the interpreter) and whole-row programs
 def test_boundary_norm_eps_comparable_to_the_mean_square(t):
+    check_boundary_norm_eps(t, 256, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 3, 16, 127, 2048])  # row barrier, last arrival, whole rows
+def test_boundary_norm_eps_comparable_to_the_mean_square_gpu(t):
+    check_boundary_norm_eps(t, 5120, "cuda")
+
+
+def check_boundary_norm_eps(t, h, device):
     """Residuals whose combined rows have a mean square about norm_eps: where the eps enters the
     RMSNorm (inside the square root, added to the mean square) decides x here."""
-    h = 256
-    residual, y, weight, pre, post, comb = make_inputs(t, h, "cpu")
+    residual, y, weight, pre, post, comb = make_inputs(t, h, device)
     eps = 1e-2
     residual, y = (residual.float() * 0.05).bfloat16(), (y.float() * 0.05).bfloat16()
     new_r, x, pair = mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, eps,

@@ -78,6 +78,17 @@ def test_rms_norm_cpu_eps_comparable_to_the_mean_square(eps, device):
                    magnitude=(3 * eps) ** 0.5)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 64, 2048])
+@pytest.mark.parametrize("cols", [5120, 1280])
+@pytest.mark.parametrize("eps", [1e-2, 1e-5])
+def test_rms_norm_eps_comparable_to_the_mean_square_gpu(rows, cols, eps):
+    """The compiled kernels at DSv4.1 widths (the sublayer input, q_norm), eps of the rows' mean
+    square's order."""
+    check_rms_norm(rows, cols, ActFormat.SM100_G32_UE8M0_PACKED_MN, torch.device("cuda"), residual=False, eps=eps,
+                   magnitude=(3 * eps) ** 0.5)
+
+
 @pytest.mark.cpu
 @pytest.mark.parametrize("rows", CPU_T)
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
