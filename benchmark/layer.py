@@ -41,6 +41,9 @@ Arms, timed in one process with CUDA-graph replay (median):
   as a serving implementation would: the mHC stats in fp32, the attention's products on bf16
   tensor cores (the references' fp64 stats and fp32 attention products are specifications);
 - ``floor``: weight bytes of the unit / copy bandwidth measured in the same run.
+With ``--captures N`` the chained and unchained steps are each captured in N graphs, all replayed
+in turn, and ``{arm}_captures_us`` lists their times (``{arm}_us`` is the first): whether a step's
+time depends on the graph it was captured in (docs/benchmarks.md, the M = 2 gap).
 Launches and quantize launches per step come from torch.profiler, after every case is timed.
 Successive steps of a graph take copies of the layer in turn (``weight_copies``: three of a TP4
 rank's 60 MB, one of TP1's 200 MB), so each step streams its weights from HBM, as serving does
@@ -87,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-peer", action="store_true", help="skip the torch.compile peer")
     parser.add_argument("--quick", action="store_true", help="M in {1, 16, 64}, no prefill, TP1 only")
     parser.add_argument("--iters", type=positive_int, default=20, help="steps per captured graph")
+    parser.add_argument("--captures", type=positive_int, default=1,
+                        help="graphs captured of the chained and unchained step each, all replayed in turn: "
+                             "{arm}_captures_us lists them (a step's time can depend on the graph it was "
+                             "captured in); {arm}_us stays the first")
 
 
 def layer_config(shapes: str, tiny: bool = False) -> DeepseekV41Config:
@@ -345,30 +352,39 @@ ARMS = (("chained", True), ("unchained", False))
 STATS_SPLIT_CAPS = (None, 32)
 
 
-def _time_arms(unit: LayerUnit, record: dict, variant: str, iters: int, diagnostics: bool = False) -> None:
+def _time_arms(unit: LayerUnit, record: dict, variant: str, iters: int, diagnostics: bool = False,
+               captures: int = 1) -> None:
     """``record["{arm}{variant}_us"]`` for both arms of ``unit`` as the layer is now configured
     (with ``diagnostics`` also ``chained_silu_launch_us``, the chained step with the shared
     expert's SiLU*mul as its own launch, and ``unchained_no_quantize_us``): one graph per arm,
-    their replays alternated (``harness.replay_times_us``)."""
+    their replays alternated (``harness.replay_times_us``). With ``captures`` > 1 each arm is
+    captured that many times, every graph timed, ``record["{arm}{variant}_captures_us"]`` the
+    list in capture order (the first is ``{arm}{variant}_us``)."""
     graphs = {}
     for arm, on in ARMS:
         unit.set_chain(on)
-        graphs[f"{arm}{variant}"] = harness.capture_graph(unit.step, iters)
+        for capture in range(captures):
+            graphs[(f"{arm}{variant}", capture)] = harness.capture_graph(unit.step, iters)
     if diagnostics:
         shared = [layer.ffn.shared_experts for layer in unit.layers]
         unit.set_chain(True)
         for expert in shared:
             expert.fuse_silu_mul = False
         try:
-            graphs["chained_silu_launch"] = harness.capture_graph(unit.step, iters)
+            graphs[("chained_silu_launch", 0)] = harness.capture_graph(unit.step, iters)
         finally:
             for expert in shared:
                 expert.fuse_silu_mul = True
         unit.set_chain(False)
         with quantize_launches_removed():
-            graphs["unchained_no_quantize"] = harness.capture_graph(unit.step, iters)
-    for name, us in harness.replay_times_us(graphs, iters, rounds=7).items():
-        record[f"{name}_us"] = us
+            graphs[("unchained_no_quantize", 0)] = harness.capture_graph(unit.step, iters)
+    times = harness.replay_times_us(graphs, iters, rounds=7)
+    for (name, capture), us in times.items():
+        if capture == 0:
+            record[f"{name}_us"] = us
+    if captures > 1:
+        for arm, _ in ARMS:
+            record[f"{arm}{variant}_captures_us"] = [times[(f"{arm}{variant}", c)] for c in range(captures)]
 
 
 def _time_best_stats_splits(unit: LayerUnit, record: dict, iters: int) -> None:
@@ -423,7 +439,7 @@ def run(args) -> tuple[dict, list[dict]]:
         unit = LayerUnit(copies, config, rows, args.context, "cuda", prefill=is_prefill)
         record = {"shapes": shapes, "M": rows, "phase": "prefill" if is_prefill else "decode"}
         with torch.no_grad():
-            _time_arms(unit, record, "", args.iters, diagnostics=True)
+            _time_arms(unit, record, "", args.iters, diagnostics=True, captures=args.captures)
             _time_best_stats_splits(unit, record, args.iters)
             with stats_at_sublayer_start(copies):
                 _time_arms(unit, record, "_stats_at_start", args.iters)
@@ -497,7 +513,9 @@ def report(meta: dict, records: list[dict], results_dir=None) -> str:
     harness.plot_records("layer", decode, "M", ["chained_us", "unchained_us", "unchained_no_quantize_us",
                                                "unchained_best_stats_us", "compiled_peer_us", "floor_us"],
                          "us per decode step (attention + shared expert)", group="panel", results_dir=results_dir)
-    return f"{path}\n" + harness.markdown_table(records, COLUMNS) + "\n" + kernel_breakdown(records)
+    captured = [f"{arm}_captures_us" for arm, _ in ARMS if any(f"{arm}_captures_us" in r for r in records)]
+    columns = COLUMNS[:5] + captured + COLUMNS[5:]  # beside chained_us / unchained_us
+    return f"{path}\n" + harness.markdown_table(records, columns) + "\n" + kernel_breakdown(records)
 
 
 def kernel_breakdown(records: list[dict], top: int = 8) -> str:

@@ -41,11 +41,14 @@ def test_attention_run_times_then_profiles(monkeypatch, tmp_path, device):
 
 def test_layer_run_times_then_counts(monkeypatch, tmp_path, device):
     records = _run("layer", ["--rows", "1", "3", "--shapes", "tp4", "--prefill", "0", "--no-peer", "--context", "256",
-                             "--iters", "3"], monkeypatch, tmp_path)
+                             "--iters", "3", "--captures", "2"], monkeypatch, tmp_path)
     assert [r["M"] for r in records] == [1, 3]
     caps = _load_benchmark("layer").STATS_SPLIT_CAPS
     for r in records:
         assert r["chained_quantize_launches"] == 0 and r["unchained_quantize_launches"] == 5
+        for arm in ("chained", "unchained"):  # two graphs of each arm, the first the arm's own time
+            assert len(r[f"{arm}_captures_us"]) == 2 and r[f"{arm}_captures_us"][0] == r[f"{arm}_us"]
+            assert all(us > 0 for us in r[f"{arm}_captures_us"])
         assert r["chained_us"] > 0 and r["unchained_serial_stats_us"] > 0 and r["chained_kernels"]
         for arm in ("chained", "unchained"):
             assert r[f"{arm}_best_stats_us"] > 0

@@ -33,3 +33,14 @@ def test_no_timing_after_the_profiler(monkeypatch):
     monkeypatch.setattr(harness, "_profiler_used", True)
     with pytest.raises(harness.ProfiledProcessError, match="time first, profile last"):
         harness.replay_times_us({}, iters=1)
+
+
+def test_markdown_table_cells():
+    """Floats to 4 significant digits (0.8996 and 0.9004 apart), lists of floats joined, missing
+    and None as '-', other values as they print."""
+    records = [{"M": 1, "ratio": 0.89961, "captures": [95.41, 92.66], "caps": [None, 32]},
+               {"M": 2, "ratio": 0.90041, "caps": None}]
+    table = harness.markdown_table(records, ["M", "ratio", "captures", "caps"]).splitlines()
+    assert table[:2] == ["| M | ratio | captures | caps |", "|---|---|---|---|"]
+    assert table[2] == "| 1 | 0.8996 | 95.41 / 92.66 | [None, 32] |"
+    assert table[3] == "| 2 | 0.9004 | - | - |"

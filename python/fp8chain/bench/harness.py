@@ -270,13 +270,16 @@ def plot_records(name: str, records: list[dict], x: str, y_keys: Iterable[str], 
 
 
 def markdown_table(records: list[dict], columns: list[str]) -> str:
-    """A markdown table of ``columns`` (floats to 4 significant digits, None as '-')."""
+    """A markdown table of ``columns`` (floats to 4 significant digits, lists of floats joined by
+    ' / ', None as '-')."""
 
     def cell(value) -> str:
         if value is None:
             return "-"
         if isinstance(value, float):  # 4 digits: 0.8996 and 0.9004 read apart at the 0.90 line
             return f"{value:.4g}"
+        if isinstance(value, list) and value and all(isinstance(v, float) for v in value):
+            return " / ".join(cell(v) for v in value)
         return str(value)
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
