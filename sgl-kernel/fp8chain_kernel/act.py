@@ -78,11 +78,19 @@ def _launch_config(rows: int, cols: int) -> tuple[int, int, int]:
     return block_m, block_n, 4
 
 
+_FP32_TINY, _FP32_MAX = 2.0 ** -126, float(torch.finfo(torch.float32).max)
+
+
 def check_limit(limit) -> None:
-    """``swiglu_limit``: a positive number or None (ValueError otherwise)."""
+    """``swiglu_limit``: a positive number or None (ValueError otherwise), a normal fp32 value or
+    inf: Triton passes a float outside fp32's normal range to a kernel as fp64, which would run
+    the clamp and SiLU*mul in fp64."""
     if limit is not None:
         if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0:
             raise ValueError(f"limit must be a positive number or None, got {limit!r}")
+        if limit < _FP32_TINY or _FP32_MAX < limit < float("inf"):
+            raise ValueError(f"limit must be a normal fp32 number ({_FP32_TINY:.3g} .. {_FP32_MAX:.3g}) or inf, "
+                             f"got {limit!r}")
 
 
 def silu_mul(gate_up: torch.Tensor, *, limit: float | None = None, out_format: ActFormat | str | None = None,

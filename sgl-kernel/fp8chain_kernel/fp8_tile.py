@@ -13,8 +13,6 @@ saturate, NaN -> 0x7F), which matches torch byte for byte. See docs/formats.md.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
@@ -22,8 +20,9 @@ from .formats import ActFormat
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton kernels run on the CPU interpreter: ``TRITON_INTERPRET`` set to what Triton
+    reads as true (1, true, on, yes), as Triton itself decides it."""
+    return bool(triton.knobs.runtime.interpret)
 
 
 def format_constexprs(fmt: ActFormat) -> dict:

@@ -280,3 +280,32 @@ def test_wo_a_einsum_refuses_bool_or_odd_warp_counts():
     for warps in (True, 3):
         with pytest.raises(ValueError, match="num_warps|positive ints"):
             einsum.wo_a_einsum(o, wo_a, config={**base, "num_warps": warps})
+
+
+# ------------------------------------------------------------------------------------ swiglu limit
+
+
+def test_swiglu_limit_outside_fp32_refused():
+    """A limit Triton would pass as fp64 (below fp32's smallest normal, or finite past its max)
+    is refused on the host, by silu_mul and the gate_up GEMM's epilogue alike; inf and normal
+    values are taken."""
+    gate_up = bf16(2, 256)
+    for limit in (1e-39, 1e-45, 1e39):
+        with pytest.raises(ValueError, match="normal fp32"):
+            act.silu_mul(gate_up, limit=limit)
+        with pytest.raises(ValueError, match="normal fp32"):
+            act.check_limit(limit)
+    for limit in (2.0 ** -126, 7.0, float("inf")):
+        act.check_limit(limit)
+    want = ref.silu_mul(gate_up, limit=float("inf"))
+    assert torch.equal(act.silu_mul(gate_up, limit=float("inf")).view(torch.int16), want.view(torch.int16))
+
+
+def test_interpreter_detection_follows_triton(monkeypatch):
+    """``interpreting`` reads TRITON_INTERPRET as Triton does: "true" runs the interpreter as "1"
+    does, so the kernels' interpreter workarounds (exact e4m3 casts, fp32 dots) must be on."""
+    from fp8chain_kernel.fp8_tile import interpreting
+
+    for value, on in (("1", True), ("true", True), ("on", True), ("0", False), ("false", False)):
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert interpreting() is on, value

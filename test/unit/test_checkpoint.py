@@ -244,6 +244,27 @@ def test_loader_refuses_a_tensor_in_the_wrong_shard_or_in_two(written, tmp_path)
         dict(load_checkpoint(path)[1])
 
 
+def test_loader_refuses_an_index_entry_no_shard_holds(written, tmp_path):
+    """A truncated shard (a tensor the index maps to it is gone) or a stale index naming a tensor
+    no shard holds: the loader says so after reading the shards, rather than loading less."""
+    from safetensors.torch import load_file, save_file
+
+    path = _copy_checkpoint(written, tmp_path / "truncated")
+    weight_map = _shards(path)
+    name, fname = next(iter(sorted(weight_map.items())))
+    shard = load_file(path / fname)
+    del shard[name]
+    save_file(shard, path / fname)
+    with pytest.raises(ValueError, match=f"1 tensors of the index are in no shard \\(first: {name}"):
+        dict(load_checkpoint(path)[1])
+    path = _copy_checkpoint(written, tmp_path / "stale")
+    index = json.loads((path / INDEX_FILE).read_text())
+    index["weight_map"]["layers.0.attn.indexer.wq_b.weight"] = fname
+    (path / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="in no shard \\(first: layers.0.attn.indexer.wq_b.weight"):
+        dict(load_checkpoint(path)[1])
+
+
 def test_loader_names_a_corrupt_index_or_shard(written, tmp_path):
     path = _copy_checkpoint(written, tmp_path / "corrupt")
     index = (path / INDEX_FILE).read_text()

@@ -77,6 +77,7 @@ def test_from_hf_style_dict_overrides_defaults():
     dict(num_experts_per_tok=9),
     dict(qk_rope_head_dim=63),
     dict(scoring_func="softmax"),
+    dict(tie_word_embeddings=True),         # the model reads its own head.weight
 ])
 def test_validation_rejects_unsupported_structures(bad):
     with pytest.raises(ValueError):

@@ -81,6 +81,19 @@ def test_prefill_refuses_prompts_its_cache_cannot_hold(loaded):
     assert engine.prefill([[1, 2], list(range(8))]).shape == (2, 512)
 
 
+def test_generate_fills_the_cache_up_to_max_len(loaded):
+    """A prompt of n tokens and k new ones write n + k - 1 cache positions (the last token is never
+    fed back): up to max_len is served, one more refused; numpy sizes are taken like ints."""
+    import numpy as np
+
+    engine = Engine(loaded, max_batch=np.int64(1), max_len=np.int32(8))
+    assert (engine.max_batch, engine.max_len) == (1, 8)
+    assert [len(t) for t in engine.generate([list(range(8))], 1).tokens] == [1]
+    assert [len(t) for t in engine.generate([list(range(7))], 2).tokens] == [2]
+    with pytest.raises(ValueError, match="7 \\+ 3 new tokens need 9 cache positions > max_len 8"):
+        engine.generate([list(range(7))], 3)
+
+
 def test_decode_refuses_tokens_it_cannot_place(loaded):
     engine = Engine(loaded, max_batch=2, max_len=8)
     engine.prefill([[1, 2], [3]])

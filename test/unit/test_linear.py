@@ -125,6 +125,14 @@ def test_loader_errors():
         layer.weight_loader(layer.weight, _fp8_weight(96, 64))
     with pytest.raises(TypeError, match="cannot be loaded"):
         layer.weight_loader(layer.weight, torch.randn(64, 64).to(torch.bfloat16))
+    # UE8M0 scale bytes into the fp32 scales would read byte 128 (the scale 2.0) as 128.0
+    with pytest.raises(TypeError, match="uint8 cannot be loaded"):
+        layer.weight_loader(layer.weight_scale_inv, torch.full((4, 2), 128, dtype=torch.uint8))
+    unquantized = ReplicatedLinear(8, 8)
+    with pytest.raises(TypeError, match="int32 cannot be loaded"):
+        load_weights(unquantized, [("weight", torch.ones(8, 8, dtype=torch.int32))])
+    with pytest.raises(ValueError, match="given twice"):
+        load_weights(unquantized, [("weight", torch.ones(8, 8)), ("weight", 2 * torch.ones(8, 8))])
     with pytest.raises(ValueError, match="not divisible"):
         ColumnParallelLinear(64, 102, tp_rank=0, tp_size=4)
     with pytest.raises(ValueError, match="multiple of the 32x32"):

@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, QuantizedActivation
+from fp8chain_kernel.formats import ActFormat, QuantizedActivation
 
+from .loading import check_loadable_dtype
 from .parameter import set_param_attrs
 
 logger = logging.getLogger(__name__)
@@ -187,9 +188,7 @@ class LinearBase(nn.Module):
                 f"{param.shape[dim] * self.tp_size})"
             raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match "
                              f"parameter shape {tuple(param.shape)}{shard}")
-        if (param.dtype == FP8_DTYPE) != (loaded.dtype == FP8_DTYPE):
-            raise TypeError(f"{name}: checkpoint dtype {loaded.dtype} cannot be loaded into a "
-                            f"{param.dtype} parameter")
+        check_loadable_dtype(param, loaded, f"{name}: checkpoint")
         with torch.no_grad():
             param.data.copy_(loaded)
 

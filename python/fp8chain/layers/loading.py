@@ -17,17 +17,25 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["default_weight_loader", "load_weights", "process_weights_after_loading"]
+__all__ = ["check_loadable_dtype", "default_weight_loader", "load_weights", "process_weights_after_loading"]
+
+
+def check_loadable_dtype(param: nn.Parameter, loaded: torch.Tensor, what: str = "checkpoint") -> None:
+    """FP8 only into FP8, and integer tensors only into integer parameters: an int8 / uint8 tensor
+    copied into a float parameter (e.g. UE8M0 scale bytes into fp32 scales) would be read as
+    numbers (byte 128, the scale 2.0, would become 128.0)."""
+    fp8 = torch.float8_e4m3fn
+    if (param.dtype == fp8) != (loaded.dtype == fp8) or (
+            param.dtype.is_floating_point and not (loaded.dtype.is_floating_point or loaded.dtype.is_complex)):
+        raise TypeError(f"{what} dtype {loaded.dtype} cannot be loaded into a {param.dtype} parameter")
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    """Copy ``loaded`` into ``param`` in place; shapes must match, FP8 only into FP8."""
+    """Copy ``loaded`` into ``param`` in place; shapes must match (``check_loadable_dtype``)."""
     if tuple(loaded.shape) != tuple(param.shape):
         raise ValueError(f"checkpoint shape {tuple(loaded.shape)} does not match parameter shape "
                          f"{tuple(param.shape)}")
-    if (param.dtype == torch.float8_e4m3fn) != (loaded.dtype == torch.float8_e4m3fn):
-        raise TypeError(f"checkpoint dtype {loaded.dtype} cannot be loaded into a {param.dtype} "
-                        f"parameter")
+    check_loadable_dtype(param, loaded)
     with torch.no_grad():
         param.data.copy_(loaded)
 
@@ -60,6 +68,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     loaded: set[str] = set()
     skipped: list[str] = []
     for name, tensor in weights:
+        if name in loaded:  # the second copy would silently win
+            raise ValueError(f"checkpoint tensor {name!r} is given twice")
         param = params.get(name)
         if param is None:
             if strict:

@@ -225,6 +225,10 @@ def load_checkpoint(path) -> tuple[DeepseekV41Config, Iterator[tuple[str, torch.
                         yield name, f.get_tensor(name)
             except SafetensorError as exc:  # a corrupt shard (a missing one raises FileNotFoundError)
                 raise ValueError(f"{path / fname}: cannot read the shard ({exc})") from exc
+        absent = sorted(set(weight_map or ()) - set(seen))
+        if absent:  # a truncated shard or a stale index: the loader would never see these
+            raise ValueError(f"{len(absent)} tensors of the index are in no shard (first: {absent[0]}, "
+                             f"mapped to {weight_map[absent[0]]})")
 
     return config, tensors()
 

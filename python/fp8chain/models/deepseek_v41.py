@@ -262,6 +262,8 @@ class DeepseekV41Config:
             errors.append(f"scoring_func {self.scoring_func!r} is not supported (sqrtsoftplus)")
         if self.expert_dtype != "fp4":
             errors.append(f"expert_dtype {self.expert_dtype!r} is not supported (fp4)")
+        if self.tie_word_embeddings:  # DSv4.1 has its own head.weight; a tied one would be ignored
+            errors.append("tie_word_embeddings=True is not supported (the model reads head.weight)")
         bn, bk = self.weight_block_size
         # the FP8 activation groups are the weight block's K columns: the block rule covers them
         # (a TP4 shard of the shared down projection has K = 576, a multiple of 32 but not of 128)

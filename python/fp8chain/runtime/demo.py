@@ -73,9 +73,11 @@ def _gpu_quantize_launches(model, engine, rows: int) -> int:
 
 def run_demo(args) -> int:
     """Run the demo; returns 0 when both arms generate identical tokens, else 1."""
+    import triton
+
     device = _resolve_device(getattr(args, "device", "auto"))
     if device == "cpu":
-        if os.environ.get("TRITON_INTERPRET") != "1":
+        if not triton.knobs.runtime.interpret:  # Triton's own reading of TRITON_INTERPRET
             if "fp8chain_kernel.quant" in sys.modules:  # compiled for the GPU: no launch on CPU tensors
                 raise SystemExit("demo --device cpu: the kernels were loaded for the GPU before "
                                  "TRITON_INTERPRET=1 was set; run it in a process started with "

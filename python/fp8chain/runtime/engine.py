@@ -54,12 +54,12 @@ class Engine:
     def __init__(self, model, *, max_batch: int = 8, max_len: int = 256, cuda_graphs: bool = False,
                  graph_batch_sizes: Sequence[int] | None = None):
         for name, value in (("max_batch", max_batch), ("max_len", max_len)):
-            if not is_int(value) or value < 1:
+            if not _integer(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.model = model
         self.device = model.embed.weight.device
-        self.max_batch = max_batch
-        self.max_len = max_len
+        self.max_batch = int(max_batch)
+        self.max_len = int(max_len)
         self.scratch_slot = self.max_batch
         self.kv_caches = model.make_kv_cache(self.max_batch + 1, self.max_len, self.device)
         if cuda_graphs and self.device.type != "cuda":
@@ -161,8 +161,10 @@ class Engine:
         if not _integer(max_new_tokens) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
         longest = max(len(p) for p in prompts)
-        if longest + max_new_tokens > self.max_len:
-            raise ValueError(f"prompt {longest} + {max_new_tokens} new tokens > max_len {self.max_len}")
+        # the cache holds the prompt and every generated token but the last (it is never fed back)
+        if longest + max_new_tokens - 1 > self.max_len:
+            raise ValueError(f"prompt {longest} + {max_new_tokens} new tokens need {longest + max_new_tokens - 1} "
+                             f"cache positions > max_len {self.max_len}")
         graphs = self.replays_graphs(b)
         if max_new_tokens == 0:
             return GenerationResult([[] for _ in prompts], 0.0, 0.0, 0, graphs, self.chain)
