@@ -80,6 +80,24 @@ def test_forward_refuses_inputs_of_the_wrong_kind_or_shape(model):
         model(ids, positions, slots, [caches[0][0]])
 
 
+def test_forward_checks_the_logits_indices(model):
+    """``logits_indices`` pick token rows: int32/int64, 1-D, each in [0, T) (a negative one would
+    pick another token, a 0-d one drop the row dimension); refused before anything runs."""
+    ids, positions, slots, caches = _inputs(model)
+    before = caches[0].clone()
+    for bad, error, match in ((torch.tensor([0, -1]), ValueError, r"logits_indices must be in \[0, 3\) \(the tokens\)"),
+                              (torch.tensor([3]), ValueError, r"logits_indices must be in \[0, 3\)"),
+                              (torch.tensor(2), ValueError, r"logits_indices must be 1-D \[N\], got shape \(\)"),
+                              (torch.tensor([2.0]), TypeError, "logits_indices must be an int32/int64 tensor"),
+                              ([2], TypeError, "logits_indices must be an int32/int64 tensor, got list")):
+        with pytest.raises(error, match=match):
+            model(ids, positions, slots, caches, logits_indices=bad)
+    assert torch.equal(caches[0], before)  # refused before the forward wrote the cache
+    full = model(ids, positions, slots, caches)
+    picked = model(ids, positions, slots, model.make_kv_cache(SLOTS, LENGTH), logits_indices=torch.tensor([2, 0]))
+    assert torch.equal(picked, full[[2, 0]])
+
+
 def test_forward_accepts_the_last_id_position_and_slot(model):
     logits = model(*_inputs(model, ids=(511, 0), positions=(LENGTH - 1, 0), slots=(SLOTS - 1, 0)))
     assert logits.shape == (2, 512) and torch.isfinite(logits).all()

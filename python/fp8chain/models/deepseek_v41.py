@@ -580,9 +580,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         ``load_weights`` failed part-way refuses to run (``check_weights_loaded``).
         """
         self.check_weights_loaded()
-        self._check_inputs(input_ids, positions, slots, kv_caches)
+        self._check_inputs(input_ids, positions, slots, kv_caches, logits_indices)
         if check_indices and not _capturing_graph(input_ids.device):
-            self._check_index_values(input_ids, positions, slots, kv_caches)
+            self._check_index_values(input_ids, positions, slots, kv_caches, logits_indices)
         c = self.config
         residual = expand_streams(self.embed(input_ids), c.hc_mult)
         first = self.layers[0]
@@ -599,10 +599,13 @@ class DeepseekV41ForCausalLM(nn.Module):
             x = x[logits_indices]
         return self.head(x)
 
-    def _check_inputs(self, input_ids, positions, slots, kv_caches) -> None:
+    def _check_inputs(self, input_ids, positions, slots, kv_caches, logits_indices=None) -> None:
         """``forward``'s refusals of index dtypes, shapes and devices and of the caches' layout."""
         device = self.embed.weight.device
-        for name, t in (("input_ids", input_ids), ("positions", positions), ("slots", slots)):
+        indices = (("input_ids", input_ids), ("positions", positions), ("slots", slots))
+        if logits_indices is not None:
+            indices += (("logits_indices", logits_indices),)
+        for name, t in indices:
             if not isinstance(t, torch.Tensor) or t.dtype not in attention_kernels.INDEX_DTYPES:
                 got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
                 raise TypeError(f"{name} must be an int32/int64 tensor, got {got}")
@@ -610,6 +613,8 @@ class DeepseekV41ForCausalLM(nn.Module):
                 raise ValueError(f"{name} is on {t.device}, the model on {device}")
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be 1-D [T], got shape {tuple(input_ids.shape)}")
+        if logits_indices is not None and logits_indices.dim() != 1:
+            raise ValueError(f"logits_indices must be 1-D [N], got shape {tuple(logits_indices.shape)}")
         if positions.shape != input_ids.shape or slots.shape != input_ids.shape:
             raise ValueError(f"positions and slots must have input_ids' shape {tuple(input_ids.shape)}, got "
                              f"{tuple(positions.shape)} and {tuple(slots.shape)}")
@@ -625,14 +630,17 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise ValueError(f"kv_caches must be [S, L, head_dim] tensors of one shape (make_kv_cache), "
                              f"got {sorted(set(map(str, shapes)))}")
 
-    def _check_index_values(self, input_ids, positions, slots, kv_caches) -> None:
+    def _check_index_values(self, input_ids, positions, slots, kv_caches, logits_indices=None) -> None:
         """``forward``'s refusal of index values (one host read): an id out of range indexes the
         embedding out of bounds (a negative one wraps around), a position or slot out of range
-        writes outside the cache."""
+        writes outside the cache, a logits index out of range picks no token (a negative one
+        another token)."""
         num_slots, length = kv_caches[0].shape[:2]
         ranges = (("input_ids", input_ids, self.config.vocab_size, "the vocabulary"),
                   ("positions", positions, length, "the KV cache length"),
                   ("slots", slots, num_slots, "the KV cache slots"))
+        if logits_indices is not None and logits_indices.numel():
+            ranges += (("logits_indices", logits_indices, input_ids.shape[0], "the tokens"),)
         outside = torch.stack([((t < 0) | (t >= bound)).any() for _, t, bound, _ in ranges])
         if outside.any().item():  # the one host read
             raise ValueError("; ".join(
