@@ -265,7 +265,8 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, weight_scale: torch.Tens
                 out: QuantizedActivation | None = None, out_bf16: torch.Tensor | None = None,
                 return_bf16: bool = True, config: dict | None = None):
     """Grouped einsum ``o [T, G, D] x wo_a [G, R, D] -> [T, G*R]`` bf16 (+ FP8 pair), ``wo_a``
-    bf16 or e4m3 with ``weight_scale``; see the module docstring."""
+    bf16 or e4m3 with ``weight_scale``; see the module docstring. ``D = 0`` (with T and G*R not 0)
+    is refused with ``ValueError``: no DSv4.1 shape has it (the reference would return zeros)."""
     check_tensor(o, "o", torch.bfloat16, 3)
     w_fp8 = _check_weight(wo_a, weight_scale, weight_block)
     rows, groups, d = o.shape

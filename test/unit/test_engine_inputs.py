@@ -94,6 +94,15 @@ def test_generate_fills_the_cache_up_to_max_len(loaded):
         engine.generate([list(range(7))], 3)
 
 
+def test_engine_warns_past_the_trained_context(loaded, caplog):
+    trained = loaded.config.max_position_embeddings
+    with caplog.at_level("WARNING", logger="fp8chain.runtime.engine"):
+        Engine(loaded, max_batch=1, max_len=trained)
+        assert not caplog.records
+        Engine(loaded, max_batch=1, max_len=trained + 1)
+    assert f"max_len {trained + 1} exceeds the model's max_position_embeddings {trained}" in caplog.text
+
+
 def test_decode_refuses_tokens_it_cannot_place(loaded):
     engine = Engine(loaded, max_batch=2, max_len=8)
     engine.prefill([[1, 2], [3]])

@@ -12,6 +12,7 @@ are kept per chain state, since the captured kernels differ.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import numbers
 import time
 from typing import Callable, Sequence
@@ -20,6 +21,8 @@ import torch
 
 from fp8chain_kernel.attention import INDEX_DTYPES
 from fp8chain_kernel.formats import is_int
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "GenerationResult"]
 
@@ -60,6 +63,10 @@ class Engine:
         self.device = model.embed.weight.device
         self.max_batch = int(max_batch)
         self.max_len = int(max_len)
+        trained = model.config.max_position_embeddings
+        if self.max_len > trained:  # positions past it run on plain RoPE, outside what was trained
+            logger.warning("Engine max_len %d exceeds the model's max_position_embeddings %d",
+                           self.max_len, trained)
         self.scratch_slot = self.max_batch
         self.kv_caches = model.make_kv_cache(self.max_batch + 1, self.max_len, self.device)
         if cuda_graphs and self.device.type != "cuda":
