@@ -78,7 +78,7 @@ def _launch_config(rows: int, cols: int) -> tuple[int, int, int]:
     return block_m, block_n, 4
 
 
-_FP32_TINY, _FP32_MAX = 2.0 ** -126, float(torch.finfo(torch.float32).max)
+_FP32 = torch.finfo(torch.float32)
 
 
 def check_limit(limit) -> None:
@@ -88,8 +88,8 @@ def check_limit(limit) -> None:
     if limit is not None:
         if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0:
             raise ValueError(f"limit must be a positive number or None, got {limit!r}")
-        if limit < _FP32_TINY or _FP32_MAX < limit < float("inf"):
-            raise ValueError(f"limit must be a normal fp32 number ({_FP32_TINY:.3g} .. {_FP32_MAX:.3g}) or inf, "
+        if limit < _FP32.tiny or _FP32.max < limit < float("inf"):
+            raise ValueError(f"limit must be a normal fp32 number ({_FP32.tiny:.3g} .. {_FP32.max:.3g}) or inf, "
                              f"got {limit!r}")
 
 

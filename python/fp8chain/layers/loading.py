@@ -15,6 +15,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from fp8chain_kernel.formats import FP8_DTYPE
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["check_loadable_dtype", "default_weight_loader", "load_weights", "process_weights_after_loading"]
@@ -24,9 +26,8 @@ def check_loadable_dtype(param: nn.Parameter, loaded: torch.Tensor, what: str = 
     """FP8 only into FP8, and integer tensors only into integer parameters: an int8 / uint8 tensor
     copied into a float parameter (e.g. UE8M0 scale bytes into fp32 scales) would be read as
     numbers (byte 128, the scale 2.0, would become 128.0)."""
-    fp8 = torch.float8_e4m3fn
-    if (param.dtype == fp8) != (loaded.dtype == fp8) or (
-            param.dtype.is_floating_point and not (loaded.dtype.is_floating_point or loaded.dtype.is_complex)):
+    if (param.dtype == FP8_DTYPE) != (loaded.dtype == FP8_DTYPE) or (
+            param.dtype.is_floating_point and not loaded.dtype.is_floating_point):
         raise TypeError(f"{what} dtype {loaded.dtype} cannot be loaded into a {param.dtype} parameter")
 
 
