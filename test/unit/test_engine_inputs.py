@@ -64,6 +64,8 @@ def test_generate_takes_numpy_integers(loaded):
     (dict(max_batch=2.5), "max_batch must be a positive int"),
     (dict(max_batch=8, graph_batch_sizes=[16]), "graph_batch_sizes must be ints in 1..max_batch=8"),
     (dict(max_batch=8, graph_batch_sizes=[]), "graph_batch_sizes"),
+    (dict(max_batch=8, graph_batch_sizes=[True]), "graph_batch_sizes must be ints"),
+    (dict(max_batch=8, graph_batch_sizes=[2.0]), "graph_batch_sizes must be ints"),
 ])
 def test_engine_refuses_sizes_it_cannot_serve(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -86,8 +88,9 @@ def test_generate_fills_the_cache_up_to_max_len(loaded):
     fed back): up to max_len is served, one more refused; numpy sizes are taken like ints."""
     import numpy as np
 
-    engine = Engine(loaded, max_batch=np.int64(1), max_len=np.int32(8))
-    assert (engine.max_batch, engine.max_len) == (1, 8)
+    engine = Engine(loaded, max_batch=np.int64(1), max_len=np.int32(8), graph_batch_sizes=[np.int64(1)])
+    assert (engine.max_batch, engine.max_len, engine.graph_batch_sizes) == (1, 8, [1])
+    assert type(engine.graph_batch_sizes[0]) is int
     assert [len(t) for t in engine.generate([list(range(8))], 1).tokens] == [1]
     assert [len(t) for t in engine.generate([list(range(7))], 2).tokens] == [2]
     with pytest.raises(ValueError, match="7 \\+ 3 new tokens need 9 cache positions > max_len 8"):

@@ -20,7 +20,6 @@ from typing import Callable, Sequence
 import torch
 
 from fp8chain_kernel.attention import INDEX_DTYPES
-from fp8chain_kernel.formats import is_int
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +77,10 @@ class Engine:
                 graph_batch_sizes.append(b)
                 b *= 2
             graph_batch_sizes.append(self.max_batch)
-        elif not graph_batch_sizes or any(not is_int(b) or not 0 < b <= self.max_batch for b in graph_batch_sizes):
+        elif not graph_batch_sizes or any(not _integer(b) or not 0 < b <= self.max_batch for b in graph_batch_sizes):
             raise ValueError(f"graph_batch_sizes must be ints in 1..max_batch={self.max_batch}, "
                              f"got {graph_batch_sizes!r}")
-        self.graph_batch_sizes = sorted(set(graph_batch_sizes))
+        self.graph_batch_sizes = sorted({int(b) for b in graph_batch_sizes})
         self._runners: dict[bool, object] = {}
         #: called after every forward (prefill and each decode step) with ("prefill"|"decode", rows)
         self.step_hook: Callable[[str, int], None] | None = None
