@@ -27,9 +27,11 @@ Decode and prefill alike: each token reads only its own slot's keys up to its ow
 straight from the cache. The tables need a row per cache position (``L`` rows at least).
 What a launch writes (``out``, the cache in ``rope_qkv``) shares no memory with what it reads.
 
-Index contract: ``0 <= slots[t] < S`` and ``0 <= positions[t] < L``. The kernels do not check the
-values (that would take a device-to-host copy per call, which CUDA-graph capture forbids); an
-index out of range reads or writes outside the token's cache row. The references raise for one.
+Index contract: ``0 <= slots[t] < S`` and ``0 <= positions[t] < L``, and no two tokens of one
+``rope_qkv`` call at the same (slot, position). The kernels do not check the values (that would
+take a device-to-host copy per call, which CUDA-graph capture forbids); an index out of range
+reads or writes outside the token's cache row, two tokens at one row race for it. The references
+raise ``IndexError`` for either when run eagerly (``reference.check_cache_indices``).
 """
 
 from __future__ import annotations

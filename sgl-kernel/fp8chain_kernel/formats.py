@@ -34,6 +34,12 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def powers_of_two(scale: torch.Tensor) -> torch.Tensor:
+    """Elementwise: the fp32 ``scale`` is a positive, finite power of two (what a UE8M0 byte holds
+    exactly, and what scales a bf16 value without rounding)."""
+    return ((scale.contiguous().view(torch.int32) & 0x7FFFFF) == 0) & (scale > 0) & torch.isfinite(scale)
+
+
 def align4(rows: int) -> int:
     """Rows rounded up to 4: 16-byte alignment of a column of 4-byte scales (TMA)."""
     return cdiv(rows, 4) * 4

@@ -589,6 +589,12 @@ def _split_plan(tiles: int, k: int, cfg: GemmConfig, device):
 
 def _check_config(cfg: GemmConfig, k: int, group: int, a_fp8: bool) -> None:
     """A config the kernels can run for K in groups of ``group`` (ValueError otherwise)."""
+    counts = cfg[:7]  # block_n .. tile_group: a zero tile_group would divide by zero in the tile order
+    if any(not is_int(v) or v < 1 for v in counts) or any(v & (v - 1) for v in (*cfg[:3], cfg.warps)):
+        raise ValueError(f"GemmConfig needs positive ints for block_n .. tile_group, with block_n, block_m, "
+                         f"block_k and warps powers of two, got {cfg}")
+    if not isinstance(cfg.dequant, bool) or not isinstance(cfg.block_diag, bool):
+        raise ValueError(f"GemmConfig dequant and block_diag must be bools, got {cfg}")
     if k % cfg.block_k or cfg.block_k % group:
         raise ValueError(f"config block_k={cfg.block_k} must divide K={k} and be a multiple of {group}")
     if cfg.block_diag and (cfg.dequant or not a_fp8):
@@ -773,7 +779,9 @@ def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale
 def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *, weight_block: int,
                out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
     """bf16 ``[M, N]`` = x @ dequant(weight)^T with bf16 ``x`` (the FP8 weights are widened to bf16
-    in the kernel, each K block's partial product scaled by its weight scale in fp32)."""
+    in the kernel: each K block's partial product scaled by its weight scale in fp32, or, in the
+    dequantized mode the 32x32 blocks take, each weight scaled to bf16 before the product, exact
+    for their power-of-two scales)."""
     check_activation(x, "x")
     if x.dtype != torch.bfloat16:
         raise TypeError(f"w8a16_gemm reads bfloat16 activations, got {x.dtype}")

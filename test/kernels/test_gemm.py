@@ -181,6 +181,13 @@ def test_bad_weights_and_out_are_rejected(device):
     with pytest.raises(ValueError, match="block_diag"):
         gemm.w8a16_gemm(make_activation(2, 256, device), w, s, weight_block=32,
                         config=both_modes._replace(dequant=False))
+    # a zero tile_group divides by zero in the tile order (rows left unwritten); tiles are aranges
+    plain = gemm.GemmConfig(64, 16, 128, 1, 2, 4, 8)
+    for bad in (plain._replace(tile_group=0), plain._replace(split=0), plain._replace(block_n=48),
+                plain._replace(warps=3), plain._replace(stages=True), plain._replace(block_m=16.0),
+                plain._replace(dequant=1)):
+        with pytest.raises(ValueError, match="GemmConfig"):
+            gemm.fp8_gemm(pair, w, s, weight_block=32, config=bad)
 
 
 @pytest.mark.cpu

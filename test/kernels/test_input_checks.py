@@ -211,6 +211,34 @@ def test_attention_refuses_rope_tables_shorter_than_the_cache():
         attention.mqa_attention(bf16(2, 2, 128), cache, slots, positions, torch.zeros(2), 0.1, short_cos, short_sin)
 
 
+@pytest.mark.parametrize("slots,positions,match", [
+    ((0, -1), (0, 1), r"slots must be in \[0, 2\), got values in \[-1, 0\]"),
+    ((0, 1), (-1, 1), r"positions must be in \[0, 32\), got values in \[-1, 1\]"),
+    ((0, 2), (0, 1), r"slots must be in \[0, 2\)"),
+    ((0, 1), (0, 32), r"positions must be in \[0, 32\)"),
+], ids=["negative slot", "negative position", "slot past S", "position past L"])
+def test_attention_references_refuse_indices_outside_the_cache(slots, positions, match):
+    """The references are the specification of the index contract: a negative index would wrap
+    around (torch indexing) and read or write another row."""
+    cos, sin, cache, _, _ = attention_inputs()
+    slots, positions = torch.tensor(slots), torch.tensor(positions)
+    before = cache.clone()
+    with pytest.raises(IndexError, match=match):
+        ref.rope_qkv(bf16(2, 2 * 128), bf16(2, 128), cos, sin, cache, slots, positions, 1e-6)
+    assert torch.equal(cache, before)
+    with pytest.raises(IndexError, match=match):
+        ref.mqa_attention(bf16(2, 2, 128), cache, slots, positions, torch.zeros(2), 0.1, cos, sin)
+
+
+def test_attention_reference_refuses_two_tokens_writing_one_cache_row():
+    cos, sin, cache, _, _ = attention_inputs()
+    same = torch.tensor([1, 1]), torch.tensor([5, 5])
+    with pytest.raises(IndexError, match=r"two tokens write one \(slot, position\)"):
+        ref.rope_qkv(bf16(2, 2 * 128), bf16(2, 128), cos, sin, cache, *same, 1e-6)
+    # reading one row twice is fine
+    assert ref.mqa_attention(bf16(2, 2, 128), cache, *same, torch.zeros(2), 0.1, cos, sin).shape == (2, 2, 128)
+
+
 def test_attention_refuses_tensors_on_another_device():
     cos, sin, cache, slots, positions = attention_inputs()
     elsewhere = torch.empty(2, 128, dtype=torch.bfloat16, device="meta")

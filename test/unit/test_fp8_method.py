@@ -232,6 +232,26 @@ def test_refused_when_backend_cannot_derive(monkeypatch, caplog):
     assert rel_error(layer(x), want) < 5e-3
 
 
+def test_triton_refuses_32_blocks_without_power_of_two_scales(caplog):
+    """The Triton GEMM dequantizes 32x32 blocks to bf16 from 17 tokens on, exact only for
+    power-of-two scales: with others a token's output would depend on its batch's size. Such a
+    checkpoint (no ``scale_fmt: ue8m0``) is refused and served by the torch fallback, whose rows
+    do not depend on the batch."""
+    cfg = Fp8Config(weight_block_size=(32, 32))
+    ckpt = checkpoint(64, 128, 32, pow2=False)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        layer, _ = make_layer(64, 128, cfg=cfg, request=True, ckpt=ckpt)
+    assert layer.gemm_backend is None and layer.deepgemm_mxfp8_input is False and layer.input_format is None
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(lines) == 1 and "triton: 32x32 weight blocks need power-of-two scales" in lines[0], lines
+    x = torch.randn(20, 128).to(torch.bfloat16)
+    full = layer(x)
+    assert torch.equal(layer(x[:3]), full[:3])
+    assert rel_error(full, gemm_reference(ref.quantize(x, ActFormat.SM90_G32_FP32_MN), ckpt, 32)) < 5e-3
+    served, _ = make_layer(64, 128, cfg=cfg, request=True, ckpt=checkpoint(64, 128, 32))  # powers of two: served
+    assert served.gemm_backend is not None and served.input_format is ActFormat.SM90_G32_FP32_MN
+
+
 def test_a_refused_reload_keeps_the_request_and_poisons_stale_derived_scales(monkeypatch, caplog):
     """Loads A, B, A where Blackwell DeepGEMM cannot pack B's scales (not powers of two): B is
     served bf16 on the torch fallback, A again as a fresh load of A is (the request is not lost);

@@ -124,6 +124,18 @@ def test_hook_runs_fp8chains_weight_checks_at_load(edit, error, message):
     assert not hasattr(layer, "input_format")  # nothing was prepared
 
 
+def test_hook_refuses_weights_repacked_for_marlin(caplog):
+    """Upstream's method repacks the weights for Marlin (use_marlin, e.g. SGLANG_FORCE_FP8_MARLIN):
+    they are no e4m3 [N, K] any more, so the request is refused before they are read."""
+    layer = UpstreamLinear(torch.zeros(N // 2, K, dtype=torch.int32), torch.ones(2, 4).bfloat16())
+    method = upstream_method()
+    method.use_marlin = True
+    with caplog.at_level("WARNING", logger="fp8chain.integrations.sglang"):
+        plugin.after_process_weights(None, method, layer)
+    assert layer.deepgemm_mxfp8_input is False and layer.input_format is None
+    assert "repacked for Marlin" in caplog.text
+
+
 def test_hook_checks_powers_of_two_when_the_config_says_ue8m0():
     weight, scale = ref.random_fp8_weight(N, K, 32)
     scale[0, 3] = 0.3

@@ -57,6 +57,48 @@ def test_forward_names_every_index_out_of_range(model):
         model(*_inputs(model, ids=(512, 2, 3), positions=(0, 9, 0), slots=(0, 0, 5)))
 
 
+def test_forward_refuses_two_tokens_at_one_cache_row(model):
+    """Two tokens at one (slot, position) race for one KV-cache row: one token's latent is lost and
+    it attends to the other's. Refused before the cache is written; one slot at two positions, or
+    one position in two slots, runs."""
+    ids, positions, slots, caches = _inputs(model, ids=(5, 7, 3), positions=(0, 0, 1), slots=(1, 1, 1))
+    before = caches[0].clone()
+    with pytest.raises(ValueError, match=r"tokens share the KV-cache row \(slot 1, position 0\)"):
+        model(ids, positions, slots, caches)
+    assert torch.equal(caches[0], before)
+    with pytest.raises(ValueError, match=r"input_ids must .*; tokens share the KV-cache row \(slot 0, position 3\)"):
+        model(*_inputs(model, ids=(512, 2), positions=(3, 3), slots=(0, 0)))
+    # out-of-range cells are reported as such, not as shared
+    with pytest.raises(ValueError, match=r"positions must be in \[0, 8\)[^;]*$"):
+        model(*_inputs(model, ids=(1, 2), positions=(9, 9), slots=(0, 0)))
+    assert model(*_inputs(model, ids=(5, 7), positions=(0, 0), slots=(0, 1))).shape == (2, 512)
+
+
+def test_forward_refuses_layers_sharing_one_cache():
+    """A cache shared by two layers lets the later layer overwrite the earlier one's keys: the
+    logits of that call are right, the next step's are not."""
+    config = DeepseekV41Config.tiny(num_hidden_layers=2)
+    model = DeepseekV41ForCausalLM(config)
+    model.load_weights(random_checkpoint_tensors(config))
+    ids, positions, slots, caches = _inputs(model)
+    with pytest.raises(ValueError, match=r"kv_caches\[0\] and kv_caches\[1\] share memory"):
+        model(ids, positions, slots, [caches[0], caches[0]])
+    halves = torch.zeros(2 * SLOTS, LENGTH, config.kv_dim, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="share memory"):  # overlapping views of one buffer
+        model(ids, positions, slots, [halves[:SLOTS], halves[1:SLOTS + 1]])
+    assert model(ids, positions, slots, [halves[:SLOTS], halves[SLOTS:]]).shape == (3, 512)
+
+
+def test_layers_share_one_set_of_rope_tables():
+    """The [L, rd/2] cos / sin tables are made once per model, not once per layer."""
+    two = DeepseekV41Config.tiny(num_hidden_layers=2)
+    model = DeepseekV41ForCausalLM(two)
+    first, second = (layer.attn.rope_tables(LENGTH, "cpu") for layer in model.layers)
+    assert first[0] is second[0] and first[1] is second[1]
+    other = DeepseekV41ForCausalLM(two)  # another model makes its own
+    assert other.layers[0].attn.rope_tables(LENGTH, "cpu")[0] is not first[0]
+
+
 def test_forward_refuses_inputs_of_the_wrong_kind_or_shape(model):
     ids, positions, slots, caches = _inputs(model)
     with pytest.raises(TypeError, match="positions must be an int32/int64 tensor, got torch.float32"):

@@ -14,9 +14,9 @@ process, calls each plugin's function, then applies the hooks it registered
   written in place, ``layer.input_format`` set; or the request is
   refused (flag False, reason logged) and the layer keeps upstream's bf16 path. Before that, its
   weight and scales pass the checks fp8chain's own ``Fp8LinearMethod`` runs (``check_weights``),
-  which raise at load rather than at the first forward. Before Hopper and on ROCm the request is
-  refused without reading the weights (upstream may have repacked them: Marlin, e4m3fnuz);
-  Blackwell and later are upstream's.
+  which raise at load rather than at the first forward. Before Hopper, on ROCm and where the
+  method repacked the weights for Marlin (``use_marlin``, e.g. ``SGLANG_FORCE_FP8_MARLIN``) the
+  request is refused without reading them as e4m3; Blackwell and later are upstream's.
 * around ``apply(layer, x, bias=None)``: a ``QuantizedActivation`` goes to that backend's GEMM,
   never re-quantized (a pair in another format, or for a layer that did not ask for one, raises
   ``TypeError``); any other input runs upstream's ``apply`` unchanged.
@@ -105,6 +105,8 @@ def after_process_weights(result, method, layer, *args, **kwargs):
     reason = _why_not_fp8chain(layer.weight.device)
     if reason is not None:  # upstream's weights and bf16 path stay as they are
         return _refuse(layer, name, f"on {reason}")
+    if getattr(method, "use_marlin", False):  # SGLANG_FORCE_FP8_MARLIN: the weights were repacked
+        return _refuse(layer, name, "for weights repacked for Marlin")
     block = _block_size(method)
     if block is None or layer.weight.dim() != 2:
         return _refuse(layer, name, "for weight block "

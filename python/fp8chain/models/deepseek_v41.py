@@ -28,6 +28,7 @@ window), hash-routed layers, multi-token prediction, tensor parallelism > 1.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import re
@@ -41,7 +42,7 @@ from fp8chain_kernel import attention as attention_kernels
 from fp8chain_kernel import einsum as einsum_kernels
 from fp8chain_kernel.reference import (apply_rope, attention_with_sinks, dequantize_weight, rope_cos_sin,
                                        rope_tables)
-from fp8chain_kernel.formats import QuantizedActivation, is_int
+from fp8chain_kernel.formats import QuantizedActivation, is_int, overlaps
 
 from ..layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from ..layers.mhc import HyperConnection, at_start, expand_streams, run_sublayer
@@ -351,7 +352,7 @@ class MQALayer(nn.Module):
         self.wq_b.deepgemm_mxfp8_input = True
         self.wo_b.deepgemm_mxfp8_input = True
         self.last_x = self.last_q_lora = None
-        self._rope_tables: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                kv_cache: torch.Tensor, impl=attention_kernels) -> torch.Tensor:
@@ -372,8 +373,8 @@ class MQALayer(nn.Module):
     @torch.compiler.disable
     def rope_tables(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for positions ``0..length-1``, made once per cache length (at warmup,
-        before any graph capture) and reused."""
-        key = (length, str(device))
+        before any graph capture) and reused; the layers of one model share them."""
+        key = (length, str(device), self.rope_dim, self.rope_theta)
         if key not in self._rope_tables:
             self._rope_tables[key] = rope_tables(length, self.rope_dim, self.rope_theta, device)
         return self._rope_tables[key]
@@ -520,6 +521,11 @@ class DeepseekV41ForCausalLM(nn.Module):
                 for i in range(config.num_hidden_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.head = LMHead(config.vocab_size, config.hidden_size)
+        # one set of RoPE tables for all layers: [L, rd/2] fp32 twice per layer would be ~1.3 GiB
+        # at Flash's 43 layers and 128K positions
+        shared_tables: dict = {}
+        for layer in self.layers:
+            layer.attn._rope_tables = shared_tables
         self.chain = chain
         self.set_chain(chain)
         self.quantize_counter = QuantizeCounter(self)
@@ -629,23 +635,35 @@ class DeepseekV41ForCausalLM(nn.Module):
         if len(set(shapes)) != 1 or not (isinstance(shapes[0], tuple) and len(shapes[0]) == 3):
             raise ValueError(f"kv_caches must be [S, L, head_dim] tensors of one shape (make_kv_cache), "
                              f"got {sorted(set(map(str, shapes)))}")
+        for i, j in itertools.combinations(range(len(kv_caches)), 2):
+            if overlaps(kv_caches[i], kv_caches[j]):  # a later layer would overwrite an earlier one's keys
+                raise ValueError(f"kv_caches[{i}] and kv_caches[{j}] share memory: each layer needs a cache "
+                                 "of its own (make_kv_cache)")
 
     def _check_index_values(self, input_ids, positions, slots, kv_caches, logits_indices=None) -> None:
         """``forward``'s refusal of index values (one host read): an id out of range indexes the
         embedding out of bounds (a negative one wraps around), a position or slot out of range
-        writes outside the cache, a logits index out of range picks no token (a negative one
-        another token)."""
+        writes outside the cache, two tokens at one (slot, position) race for one cache row (one
+        token's latent is lost, and it attends to the other's), a logits index out of range picks
+        no token (a negative one another token)."""
         num_slots, length = kv_caches[0].shape[:2]
         ranges = (("input_ids", input_ids, self.config.vocab_size, "the vocabulary"),
                   ("positions", positions, length, "the KV cache length"),
                   ("slots", slots, num_slots, "the KV cache slots"))
         if logits_indices is not None and logits_indices.numel():
             ranges += (("logits_indices", logits_indices, input_ids.shape[0], "the tokens"),)
-        outside = torch.stack([((t < 0) | (t >= bound)).any() for _, t, bound, _ in ranges])
-        if outside.any().item():  # the one host read
-            raise ValueError("; ".join(
-                f"{name} must be in [0, {bound}) ({what}), got values in [{t.min().item()}, {t.max().item()}]"
-                for (name, t, bound, what), bad in zip(ranges, outside.tolist()) if bad))
+        cells = torch.sort(slots.long() * length + positions.long()).values
+        shared_cell = (cells[1:] == cells[:-1]).any()
+        bad = torch.stack([((t < 0) | (t >= bound)).any() for _, t, bound, _ in ranges] + [shared_cell])
+        if bad.any().item():  # the one host read
+            *outside, shared = bad.tolist()
+            problems = [f"{name} must be in [0, {bound}) ({what}), got values in [{t.min().item()}, {t.max().item()}]"
+                        for (name, t, bound, what), out in zip(ranges, outside) if out]
+            if shared and not any(outside[1:3]):
+                cell = cells[1:][cells[1:] == cells[:-1]][0].item()
+                problems.append(f"tokens share the KV-cache row (slot {cell // length}, position "
+                                f"{cell % length}): each (slot, position) may be written once per call")
+            raise ValueError("; ".join(problems))
 
     # ---- weights ---------------------------------------------------------------------
 

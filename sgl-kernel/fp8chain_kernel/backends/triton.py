@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import ActFormat, QuantizedActivation
+from ..formats import ActFormat, QuantizedActivation, powers_of_two
 from .. import gemm as _gemm
 from . import GemmBackend
 
 
 class TritonBackend(GemmBackend):
-    """Reads ``sm90_g32_fp32_mn`` with 32x32 weight blocks or ``sm90_g128_fp32_mn`` with 128x128
-    blocks. Shape constraint: K a multiple of the block (32 / 128); any M and N (N is masked)."""
+    """Reads ``sm90_g32_fp32_mn`` with 32x32 weight blocks (power-of-two scales, as DSv4.1's) or
+    ``sm90_g128_fp32_mn`` with 128x128 blocks (any scales). Shape constraint: K a multiple of the
+    block (32 / 128); any M and N (N is masked)."""
 
     name = "triton"
 
@@ -36,6 +37,10 @@ class TritonBackend(GemmBackend):
         return None
 
     def derive_weight_tensors(self, weight, weight_scale, weight_block) -> dict[str, torch.Tensor]:
+        # The GEMM's dequantized mode (32x32 blocks, from 17 tokens) rounds weight x scale to bf16:
+        # exact for power-of-two scales only, else a token's output would depend on its batch size.
+        if weight_block == 32 and not powers_of_two(weight_scale).all():
+            raise ValueError("32x32 weight blocks need power-of-two scales (the GEMM dequantizes them to bf16)")
         return {}
 
     def gemm(self, pair: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,

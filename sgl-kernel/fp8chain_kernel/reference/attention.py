@@ -11,7 +11,8 @@ import torch
 
 from .norm import rms_norm
 
-__all__ = ["rope_cos_sin", "apply_rope", "rope_tables", "rope_qkv", "mqa_attention", "attention_with_sinks"]
+__all__ = ["rope_cos_sin", "apply_rope", "rope_tables", "check_cache_indices", "rope_qkv", "mqa_attention",
+           "attention_with_sinks"]
 
 
 def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,13 +45,31 @@ def _rope_last(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return torch.cat([x[..., :d - rd], apply_rope(x[..., d - rd:], cos, sin, inverse)], dim=-1)
 
 
+def check_cache_indices(kv_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                        writes: bool = False) -> None:
+    """``IndexError`` for a slot outside ``[0, S)`` or a position outside ``[0, L)`` of ``kv_cache
+    [S, L, D]`` (torch indexing would wrap a negative one around), and with ``writes`` for two
+    tokens at one (slot, position). Skipped inside ``torch.compile`` and CUDA-graph capture, which
+    forbid the host read it takes."""
+    if torch.compiler.is_compiling() or (kv_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    num_slots, length = kv_cache.shape[:2]
+    for name, t, bound in (("slots", slots, num_slots), ("positions", positions, length)):
+        if t.numel() and ((t < 0) | (t >= bound)).any():
+            raise IndexError(f"{name} must be in [0, {bound}), got values in [{t.min().item()}, {t.max().item()}]")
+    cells = slots.long() * length + positions.long()
+    if writes and torch.unique(cells).numel() < cells.numel():
+        raise IndexError("two tokens write one (slot, position) of the KV cache")
+
+
 def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
              kv_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, eps: float, *,
              kv_weight: torch.Tensor | None = None) -> torch.Tensor:
     """``q [T, nh*D]`` bf16 (wq_b's output) -> bf16 ``[T, nh, D]``: per-head RMS-normalized (no
     weight), RoPE on the last ``rd`` dims, in fp32, rounded once. ``kv [T, D]`` bf16 (normed latent,
     or the raw latent normed here by ``rms_norm(kv, kv_weight, eps)``) gets the same RoPE and is
-    written to ``kv_cache[slots[t], positions[t]]`` in bf16."""
+    written to ``kv_cache[slots[t], positions[t]]`` in bf16 (``check_cache_indices``)."""
+    check_cache_indices(kv_cache, slots, positions, writes=True)
     if kv_weight is not None:
         kv = rms_norm(kv, kv_weight, eps)
     t, d = kv.shape
@@ -83,7 +102,8 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     attends to ``kv_cache[slots[t], :positions[t] + 1]`` (``attention_with_sinks``, its products in
     ``matmul_dtype``: fp32 is the specification, bf16 what a plain-torch serving implementation
     runs, the benchmarks' compiled peer), then the last ``rd`` dims are rotated back by the
-    token's angle (inverse RoPE)."""
+    token's angle (inverse RoPE). Indices as ``check_cache_indices`` checks them."""
+    check_cache_indices(kv_cache, slots, positions)
     keys = kv_cache[slots].to(matmul_dtype)
     valid = torch.arange(keys.shape[1], device=q.device)[None, :] <= positions[:, None]
     o = attention_with_sinks(q.to(matmul_dtype), keys, valid, sink, scale)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import (
-    AMAX_FLOOR, FP8_DTYPE, FP8_MAX, ActFormat, QuantizedActivation, cdiv, empty_scale,
+    AMAX_FLOOR, FP8_DTYPE, FP8_MAX, ActFormat, QuantizedActivation, cdiv, empty_scale, powers_of_two,
 )
 
 __all__ = [
@@ -168,8 +168,7 @@ def pack_weight_scale_for_deepgemm(scale: torch.Tensor, n: int, k: int) -> torch
     if tuple(scale.shape) != (cdiv(n, 32), cdiv(k, 32)):
         raise ValueError(f"expected 32x32 block scales {(cdiv(n, 32), cdiv(k, 32))}, got {tuple(scale.shape)}")
     scale = scale.float()
-    bits = scale.contiguous().view(torch.int32)
-    if (bits & 0x7FFFFF).any() or (scale <= 0).any() or not torch.isfinite(scale).all():
+    if not powers_of_two(scale).all():
         raise ValueError("DeepGEMM UE8M0 packing needs positive, finite power-of-two weight scales")
-    exponent = (bits >> 23).repeat_interleave(32, 0)[:n]
+    exponent = (scale.contiguous().view(torch.int32) >> 23).repeat_interleave(32, 0)[:n]
     return pack_ue8m0(exponent)

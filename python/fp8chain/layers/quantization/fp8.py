@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from fp8chain_kernel import backends as gemm_backends
-from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair, is_int
+from fp8chain_kernel.formats import (FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_pair, is_int,
+                                     powers_of_two)
 from fp8chain_kernel.gemm import check_block_scaled
 from fp8chain_kernel.quant import quantize
 
@@ -205,7 +206,7 @@ def check_weights(weight: torch.Tensor, scale: torch.Tensor, block: int, scale_f
         raise type(error)(f"{name}: {error}") from None
     bad = ~(torch.isfinite(scale) & (scale > 0))
     if scale_fmt == "ue8m0":
-        bad |= (scale.contiguous().view(torch.int32) & 0x7FFFFF) != 0
+        bad |= ~powers_of_two(scale)
         need = "positive, finite powers of two (checkpoint scale_fmt='ue8m0')"
     else:
         need = "positive and finite"
