@@ -560,10 +560,18 @@ def _check_residual(residual) -> tuple[int, int]:
         raise ValueError(f"residual must be [T, {HC}, H], got shape {tuple(residual.shape)}")
     if residual.numel() and residual.stride(2) != 1:
         raise ValueError(f"residual must have unit stride along H, got strides {residual.stride()}")
-    if (HC - 1) * residual.stride(1) + residual.shape[2] > 2**31 - 1:  # offsets within a row are int32
-        raise ValueError(f"residual's streams lie too far apart (stride {residual.stride(1)}): a row's "
-                         f"{HC} x H values must span fewer than 2**31 elements")
+    _check_int32_offsets(residual, "residual")
     return residual.shape[0], residual.shape[2]
+
+
+def _check_int32_offsets(t: torch.Tensor, name: str, first_dim: int = 1) -> None:
+    """The kernels address ``t`` from a row's start (``first_dim=1``; 0: from the tensor's) in
+    int32: the elements they reach from there must lie within 2**31 of it, else the offsets wrap
+    and the kernel reads or writes outside the tensor."""
+    span = sum((size - 1) * abs(stride) for size, stride in zip(t.shape[first_dim:], t.stride()[first_dim:]))
+    if t.numel() and span > 2**31 - 1:
+        raise ValueError(f"{name}'s elements lie too far apart (shape {tuple(t.shape)}, strides {t.stride()}): "
+                         f"the kernels address them in int32, so they must span fewer than 2**31 elements")
 
 
 def _check_rowmajor(t: torch.Tensor, name: str) -> None:
@@ -572,12 +580,10 @@ def _check_rowmajor(t: torch.Tensor, name: str) -> None:
 
 
 def _check_mixes(rows: int, device, pre=None, post=None, comb=None) -> None:
-    if pre is not None:
-        _check_tensor(pre, "pre", (torch.float32,), (rows, HC), device)
-    if post is not None:
-        _check_tensor(post, "post", (torch.float32,), (rows, HC), device)
-    if comb is not None:
-        _check_tensor(comb, "comb", (torch.float32,), (rows, HC, HC), device)
+    for mix, name, shape in ((pre, "pre", (rows, HC)), (post, "post", (rows, HC)), (comb, "comb", (rows, HC, HC))):
+        if mix is not None:
+            _check_tensor(mix, name, (torch.float32,), shape, device)
+            _check_int32_offsets(mix, name)
 
 
 def _check_weight(norm_weight, cols: int, device) -> None:
@@ -591,6 +597,7 @@ def _prepare_residual_out(out, rows: int, cols: int, device, name: str) -> torch
         return torch.empty((rows, HC, cols), dtype=torch.bfloat16, device=device)
     _check_tensor(out, name, (torch.bfloat16,), (rows, HC, cols), device)
     _check_rowmajor(out, name)
+    _check_int32_offsets(out, name)
     check_distinct_elements(out, name)
     return out
 
@@ -675,6 +682,7 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     _check_tensor(fn, "fn", (torch.float32,), (NMIX, HC * cols), device)
     if fn.numel() and fn.stride(1) != 1:
         raise ValueError(f"fn must have unit stride along 4H, got strides {fn.stride()}")
+    _check_int32_offsets(fn, "fn", first_dim=0)
     _check_tensor(scale, "scale", (torch.float32,), (3,), device)
     _check_tensor(base, "base", (torch.float32,), (NMIX,), device)
     check_eps(rms_eps, "rms_eps")

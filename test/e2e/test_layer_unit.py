@@ -316,3 +316,17 @@ def test_chained_producer_writes_the_pair_only(monkeypatch, module_name, kernels
     assert isinstance(chained, QuantizedActivation)
     assert isinstance(unchained, torch.Tensor) and unchained.dtype == torch.bfloat16
     assert chained.data.shape == unchained.shape
+
+
+@pytest.mark.cpu
+def test_mhc_stats_copy_and_pickle():
+    """A sublayer's stats survive copy, deepcopy and pickle as MHCStats with their three parts."""
+    import copy
+    import pickle
+
+    from fp8chain.layers import mhc
+
+    stats = mhc.MHCStats(torch.rand(3, 4), torch.rand(3, 4), torch.rand(3, 4, 4))
+    for twin in (copy.copy(stats), copy.deepcopy(stats), pickle.loads(pickle.dumps(stats))):
+        assert type(twin) is mhc.MHCStats
+        assert all(torch.equal(a, b) for a, b in zip((twin.pre, twin.post, twin.comb), stats))

@@ -185,12 +185,27 @@ def test_mhc_stats_refuses_malformed_or_overlapping_outputs():
         mhc.mhc_stats(residual, fn, scale, base, out=(fn.view(-1)[:12].view(3, 4), post, comb))
 
 
-def test_mhc_refuses_streams_too_far_apart_for_32_bit_offsets():
-    stride = (2**31) // 3 + 64
-    residual = torch.empty_strided((1, 4, 128), (128, stride, 1), dtype=torch.bfloat16, device="meta")
-    with pytest.raises(ValueError, match="streams lie too far apart"):
-        mhc.mhc_post(torch.empty(1, 128, dtype=torch.bfloat16, device="meta"), residual,
-                     torch.empty(1, 4, device="meta"), torch.empty(1, 4, 4, device="meta"))
+def test_mhc_refuses_tensors_too_spread_for_32_bit_offsets():
+    """The kernels address a row's streams and mixes (and fn whole) in int32: a tensor spread past
+    2**31 elements there would wrap, and the kernel would write before its buffer (an output's
+    streams) or read elsewhere. Checked for inputs and outputs alike (meta tensors: no memory)."""
+    far = (2**31) // 3 + 64
+    meta = dict(device="meta")
+    y = torch.empty(1, 128, dtype=torch.bfloat16, **meta)
+    residual = torch.empty(1, 4, 128, dtype=torch.bfloat16, **meta)
+    post, comb = torch.empty(1, 4, **meta), torch.empty(1, 4, 4, **meta)
+    spread = torch.empty_strided((1, 4, 128), (128, far, 1), dtype=torch.bfloat16, **meta)
+    with pytest.raises(ValueError, match=r"residual's elements lie too far apart"):
+        mhc.mhc_post(y, spread, post, comb)
+    with pytest.raises(ValueError, match=r"out's elements lie too far apart"):
+        mhc.mhc_post(y, residual, post, comb, out=spread)
+    with pytest.raises(ValueError, match=r"post's elements lie too far apart"):
+        mhc.mhc_post(y, residual, torch.empty_strided((1, 4), (4, far), **meta), comb)
+    with pytest.raises(ValueError, match=r"comb's elements lie too far apart"):
+        mhc.mhc_post(y, residual, post, torch.empty_strided((1, 4, 4), (16, far, 1), **meta))
+    fn = torch.empty_strided((24, 512), (2**31 // 23 + 64, 1), **meta)
+    with pytest.raises(ValueError, match=r"fn's elements lie too far apart"):
+        mhc.mhc_stats(residual, fn, torch.empty(3, **meta), torch.empty(24, **meta))
 
 
 # ------------------------------------------------------------------------------------ attention

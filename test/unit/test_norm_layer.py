@@ -41,3 +41,10 @@ def test_format_or_given_pair_returns_the_pair_of_y(fmt):
     assert pair2 is given and y2 is given_y
     assert torch.equal(y2, y)
     assert_pairs_equal(pair2, pair)
+
+
+def test_weight_is_bf16_and_takes_no_dtype():
+    """``norm.rms_norm`` reads a bf16 weight: the module has no dtype to get wrong."""
+    assert RMSNorm(HIDDEN).weight.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="dtype"):
+        RMSNorm(HIDDEN, 1e-6, dtype=torch.float32)

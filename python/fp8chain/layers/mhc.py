@@ -32,6 +32,9 @@ class MHCStats(tuple):
     def __new__(cls, pre, post, comb):
         return super().__new__(cls, (pre, post, comb))
 
+    def __getnewargs__(self):  # copy and pickle call __new__ with these
+        return tuple(self)
+
     @property
     def pre(self):
         return self[0]

@@ -18,13 +18,14 @@ __all__ = ["RMSNorm"]
 
 
 class RMSNorm(nn.Module):
-    """``y = x * rsqrt(mean(x^2) + eps) * weight`` on bf16 rows; optional FP8 pair output."""
+    """``y = x * rsqrt(mean(x^2) + eps) * weight`` on bf16 rows; optional FP8 pair output. The
+    weight is bf16, as DSv4.1 checkpoints store norms and as ``norm.rms_norm`` reads it."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.hidden_size = hidden_size
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.bfloat16), requires_grad=False)
 
     def forward(self, x: torch.Tensor, out_format=None, *, out: QuantizedActivation | None = None,
                 out_bf16: torch.Tensor | None = None) -> tuple[torch.Tensor, QuantizedActivation | None]:
