@@ -145,3 +145,19 @@ def test_only_a_public_eager_decode_reads_the_indices_back(loaded, monkeypatch):
         engine.decode(torch.tensor([5, 6]), torch.tensor([8, 2]))
     engine.decode(torch.tensor([5, 6]), torch.tensor([3, 2]), check_indices=False)
     assert len(reads) == 2
+
+
+def test_graph_runner_forward_runs_its_padding_rows(loaded, monkeypatch):
+    """The decode graphs' padding rows share the engine's scratch row (token 0, position 0): the
+    model's check refuses two tokens at one row, so the runner, which made those indices itself,
+    runs its eager warmup forward without it (CPU stand-in for the CUDA path)."""
+    from fp8chain.runtime.cuda_graph import DecodeGraphRunner
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    caches = loaded.make_kv_cache(3, 8)
+    runner = DecodeGraphRunner(loaded, caches, [4], scratch_slot=2)
+    runner.input_ids[:1], runner.positions[:1], runner.slots[:1] = 5, 3, 0  # one live row, three padding
+    logits = runner._forward(4)
+    assert logits.shape == (4, 512) and torch.isfinite(logits[:1]).all()
+    with pytest.raises(ValueError, match="tokens share the KV-cache row"):  # what the check says about them
+        loaded(runner.input_ids, runner.positions, runner.slots, caches)
