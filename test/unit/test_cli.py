@@ -101,3 +101,15 @@ def test_counts_must_be_positive(argv, capsys):
         cli.main(argv)
     assert exit_info.value.code == 2
     assert "integer" in capsys.readouterr().err
+
+
+def test_demo_refuses_an_out_path_that_is_a_file(tmp_path):
+    import argparse
+
+    from fp8chain.runtime import demo
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(SystemExit, match="demo --out .*afile: exists and is not a directory"):
+        demo.run_demo(argparse.Namespace(device="cpu", prompts=1, tokens=1, seed=0, layers=1, out=str(afile),
+                                         eager=False))
