@@ -78,8 +78,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print which scale_b layouts torch._scaled_mm accepts and their error")
     parser.add_argument("--table-from", default=None,
                         help="use the best configs of a --sweep JSON as the config table")
-    parser.add_argument("--no-save", action="store_true", help="do not write JSON/PNG")
-    parser.add_argument("--json-out", default=None, help="also write records to this JSON path")
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,10 +312,11 @@ def run_sweep(args, device, copy_bw):
         if not any(c is not None for _, c in results):
             continue
         best_us, best = min((r for r in results if r[1] is not None), key=lambda r: r[0])
-        current = next(us for us, c in results if c is None)
+        current = next((us for us, c in results if c is None), None)  # None: the default config failed
         floor = n * k / copy_bw * 1e6
+        shown = "failed" if current is None else f"{current:8.2f}us"
         print(f"{name:9s} g{group:<3d} M={m:<5d} best {best_us:8.2f}us {tuple(best)} | table/heur "
-              f"{current:8.2f}us {tuple(heur)} | floor {floor:6.2f}us", flush=True)
+              f"{shown} {tuple(heur)} | floor {floor:6.2f}us", flush=True)
         records.append(dict(shape=name, n=n, k=k, group=group, m=m, best_us=best_us, best=list(best),
                             kind=GEMV_MODE if isinstance(best, GemvConfig) else "gemm",
                             current_us=current, floor_us=floor,
@@ -442,6 +441,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
+    # the script's own outputs (`fp8chain bench gemm` always saves under --results-dir)
+    parser.add_argument("--no-save", action="store_true", help="do not write JSON/PNG")
+    parser.add_argument("--json-out", default=None, help="also write records to this JSON path")
     args = parser.parse_args(argv)
     meta, records = run(args)
     if args.worker:

@@ -420,11 +420,13 @@ def run(args) -> tuple[dict, list[dict]]:
     meta.update(copy_bandwidth_TBps=bandwidth / 1e12, context=args.context)
     records = []
     torch.manual_seed(0)
-    cases = [(s, m) for s in shapes_list for m in rows_list + ([prefill] if prefill else [])]
+    # (shapes, tokens, prefill?): a decode M equal to the prefill length stays a decode case
+    cases = [case for s in shapes_list
+             for case in [(s, m, False) for m in rows_list] + ([(s, prefill, True)] if prefill else [])]
     layers, peers = {}, {}
     # Pass 1 times every case, pass 2 profiles them: once torch.profiler has run, every kernel of
     # a later replay is slower (the harness docstring), so no timing may follow a profile.
-    for shapes, rows in harness.progress(cases, "layer"):
+    for shapes, rows, is_prefill in harness.progress(cases, "layer"):
         config = layer_config(shapes)
         if shapes not in layers:
             layers[shapes] = build_layers(config, "cuda")
@@ -435,7 +437,6 @@ def run(args) -> tuple[dict, list[dict]]:
                 peers[shapes] = None
         copies, peer = layers[shapes], peers[shapes]
         layer = copies[0]
-        is_prefill = bool(prefill) and rows == prefill
         unit = LayerUnit(copies, config, rows, args.context, "cuda", prefill=is_prefill)
         record = {"shapes": shapes, "M": rows, "phase": "prefill" if is_prefill else "decode"}
         with torch.no_grad():

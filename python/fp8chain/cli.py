@@ -32,7 +32,7 @@ def _use_interpreter_for_cpu(argv: list[str] | None) -> None:
     wanted.add_argument("--device")
     known, _ = wanted.parse_known_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available() or (known.command == "demo" and known.device == "cpu"):
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ["TRITON_INTERPRET"] = "1"  # the only way kernels run there (a 0 set by hand included)
 
 
 def _load_benchmark(name: str):
@@ -72,8 +72,9 @@ def _run_benchmark(name: str, args) -> None:
 
     module = _load_benchmark(name)
     meta, records = module.run(args)
-    if hasattr(module, "report"):
+    if hasattr(module, "report"):  # its first line: the JSON it saved (a sweep saves under its own name)
         text = module.report(meta, records, args.results_dir)
+        path = Path(text.splitlines()[0])
     else:
         path = harness.save_results(name, meta, records, args.results_dir)
         columns = list(dict.fromkeys(k for r in records for k in r))
@@ -82,16 +83,24 @@ def _run_benchmark(name: str, args) -> None:
               f"torch {meta.get('torch')}, triton {meta.get('triton')}")
     if "copy_bandwidth_TBps" in meta:
         header += f", copy bandwidth {meta['copy_bandwidth_TBps']:.2f} TB/s (measured in this run)"
-    results_dir = Path(args.results_dir or harness.RESULTS_DIR)
-    results_dir.mkdir(parents=True, exist_ok=True)
-    (results_dir / f"{name}.md").write_text(header + "\n\n" + text + "\n")
+    path.with_suffix(".md").write_text(header + "\n\n" + text + "\n")  # beside its JSON
     print(header)
     print(text)
 
 
 def _cmd_bench(args) -> int:
+    import os
+
     import torch
 
+    from fp8chain.bench import harness
+
+    results_dir = Path(args.results_dir or harness.RESULTS_DIR)
+    parent = next(p for p in (results_dir, *results_dir.parents) if p.exists())  # what mkdir starts from
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):  # refuse before the GPU work
+        print(f"fp8chain bench: cannot write results to {results_dir} ({parent} is "
+              f"{'not a directory' if not parent.is_dir() else 'not writable'})", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("fp8chain bench needs a CUDA GPU; none found (kernel logic is checked on CPU by "
               "`fp8chain verify` and the test suite)", file=sys.stderr)

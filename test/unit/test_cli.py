@@ -113,3 +113,39 @@ def test_demo_refuses_an_out_path_that_is_a_file(tmp_path):
     with pytest.raises(SystemExit, match="demo --out .*afile: exists and is not a directory"):
         demo.run_demo(argparse.Namespace(device="cpu", prompts=1, tokens=1, seed=0, layers=1, out=str(afile),
                                          eager=False))
+
+
+def test_bench_refuses_a_results_dir_it_cannot_write_before_running(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for target in (afile, afile / "sub"):
+        assert cli.main(["bench", "quant", "--results-dir", str(target)]) == 2
+        assert f"cannot write results to {target} ({afile} is not a directory)" in capsys.readouterr().err
+
+
+def test_bench_markdown_lands_beside_the_json_its_report_saved(tmp_path, monkeypatch):
+    """A sweep saves its JSON under its own name (e.g. gemm_sweep.json): its table goes beside it,
+    not over the timing run's gemm.md."""
+    import argparse
+    import types
+
+    from fp8chain.bench import harness
+
+    def report(meta, records, results_dir):
+        return f"{harness.save_results('fake_sweep', meta, records, results_dir)}\n| table |"
+
+    fake = types.SimpleNamespace(run=lambda args: ({"date": "d"}, [{"x": 1}]), report=report)
+    monkeypatch.setattr(cli, "_load_benchmark", lambda name: fake)
+    cli._run_benchmark("fake", argparse.Namespace(results_dir=str(tmp_path)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fake_sweep.json", "fake_sweep.md"]
+    assert "| table |" in (tmp_path / "fake_sweep.md").read_text()
+
+
+def test_a_hand_set_triton_interpret_0_does_not_stop_the_cpu(monkeypatch):
+    """Without a GPU the kernels run only on the interpreter: TRITON_INTERPRET=0 is overridden."""
+    import os
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cli._use_interpreter_for_cpu(["demo"])
+    assert os.environ["TRITON_INTERPRET"] == "1"
