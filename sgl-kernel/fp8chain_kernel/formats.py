@@ -121,7 +121,10 @@ class QuantizedActivation(_DataScale):
         return self.data.shape
 
     def rows(self, count: int) -> "QuantizedActivation":
-        """The first ``count`` rows (views; the scale keeps its column stride)."""
+        """The first ``count`` rows (views; the scale keeps its column stride), ``0 <= count <= rows``
+        (a slice would silently give fewer rows past the end, or drop rows for a negative count)."""
+        if not is_int(count) or not 0 <= count <= self.data.shape[0]:
+            raise ValueError(f"rows(count) takes an int in 0..{self.data.shape[0]}, got {count!r}")
         return QuantizedActivation(self.data[:count], self.scale[:count], self.fmt)
 
 
@@ -223,7 +226,8 @@ def check_pair(pair, fmt: ActFormat | str | None = None) -> QuantizedActivation:
         raise ValueError(f"pair data must be row-major with unit column stride, got strides {data.stride()}")
     if scale.numel():
         row_stride, col_stride = scale.stride()
-        if row_stride != 1 or (expected[1] > 1 and (col_stride < align4(rows) or col_stride % 4)):
+        # one scale column too: consumers address the scales with S (DeepGEMM's TMA with align4(rows))
+        if row_stride != 1 or col_stride < align4(rows) or col_stride % 4:
             raise ValueError(
                 f"{own.value} scales must be MN-major with strides (1, S), S >= align4(rows)="
                 f"{align4(rows)} and S % 4 == 0, got strides {scale.stride()}"

@@ -52,8 +52,8 @@ def make_fake_deep_gemm(arch_major: int, calls: list):
         _expect(d.dtype == torch.bfloat16 and tuple(d.shape) == (m, n) and d.is_contiguous(),
                 f"d must be contiguous bf16 {(m, n)}, got {d.dtype} {tuple(d.shape)} {d.stride()}")
         _expect(c is None, "c must be None (no accumulation)")
-        if arch_major == 9:
-            _expect(recipe in ((1, 32, 32), (1, 128, 128)), f"SM90 recipe {recipe}")
+        if arch_major == 9:  # DeepGEMM's SM90 scale layouts: fp32 in 128-column groups only
+            _expect(recipe == (1, 128, 128), f"SM90 recipe {recipe}")
             _, gn, gk = recipe
             _mn_major(sfa, m, cdiv(k, gk), torch.float32, "sfa")
             _expect(sfb.dtype == torch.float32 and tuple(sfb.shape) == (cdiv(n, gn), cdiv(k, gk))
@@ -106,11 +106,11 @@ def _activation(m, k):
 # ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fake_deep_gemm", [(9, 0)], indirect=True)
-@pytest.mark.parametrize("fmt,block", [(G32, 32), (G128, 128)], ids=["recipe_1_32_32", "recipe_1_128_128"])
 @pytest.mark.parametrize("m", [1, 3, 8, 13])
-def test_deep_gemm_sm90_contract(fake_deep_gemm, fmt, block, m):
+def test_deep_gemm_sm90_contract(fake_deep_gemm, m):
     arch, calls, caps = fake_deep_gemm
-    assert caps.deep_gemm, caps.deep_gemm_reason  # the probe's tiny call ran on the fake
+    assert caps.deep_gemm, caps.deep_gemm_reason  # the probe's tiny call (g128) ran on the fake
+    fmt, block = G128, 128
     n, k = 96, 256
     backend = backends.select_backend(fmt, block, n, k)
     assert backend.name == "deep_gemm"
@@ -152,11 +152,12 @@ def test_deep_gemm_relays_out_scales_of_a_captured_buffer(fake_deep_gemm):
     backend hands DeepGEMM the exact layout (scales copied, FP8 data untouched)."""
     _, calls, _ = fake_deep_gemm
     n, k = 64, 256
-    w, s = _weights(n, k, 32)
-    pair = ref.quantize(_activation(9, k), G32).rows(5)
+    w, s = _weights(n, k, 128)
+    pair = ref.quantize(_activation(9, k), G128).rows(5)
     assert pair.scale.stride(1) == 12
     got = backends.get_backend("deep_gemm").gemm(pair, w, s, {})
-    want = ref.fp8_gemm(pair, w, s, 32)
+    assert calls[-1]["recipe"] == (1, 128, 128)
+    want = ref.fp8_gemm(pair, w, s, 128)
     assert ((got.double() - want).norm() / want.norm()) < 5e-3
 
 
@@ -166,8 +167,8 @@ def test_deep_gemm_refuses_an_out_it_would_write_wrongly(fake_deep_gemm):
     refused before the call (the Triton backend's checks)."""
     _, calls, _ = fake_deep_gemm
     m, n, k = 4, 64, 256
-    w, s = _weights(n, k, 32)
-    pair = ref.quantize(_activation(m, k), G32)
+    w, s = _weights(n, k, 128)
+    pair = ref.quantize(_activation(m, k), G128)
     backend = backends.get_backend("deep_gemm")
     before = len(calls)
     with pytest.raises(ValueError, match="unit column stride"):
@@ -186,21 +187,22 @@ def test_deep_gemm_refuses_an_out_it_would_write_wrongly(fake_deep_gemm):
 def test_fake_catches_k_major_scales(fake_deep_gemm):
     """The fake is not a rubber stamp: K-major activation scales (the common mistake) fail."""
     n, k, m = 64, 256, 8
-    w, s = _weights(n, k, 32)
-    pair = ref.quantize(_activation(m, k), G32)
-    k_major = pair.scale.contiguous()  # [M, K/32] row-major: strides (K/32, 1)
+    w, s = _weights(n, k, 128)
+    pair = ref.quantize(_activation(m, k), G128)
+    k_major = pair.scale.contiguous()  # [M, K/128] row-major: strides (K/128, 1)
     d = torch.empty(m, n, dtype=torch.bfloat16)
     import deep_gemm
 
     with pytest.raises(ContractError, match="sfa strides"):
-        deep_gemm.fp8_gemm_nt((pair.data, k_major), (w, s), d, recipe=(1, 32, 32))
-    with pytest.raises(ContractError, match="recipe"):
-        deep_gemm.fp8_gemm_nt((pair.data, pair.scale), (w, s), d, recipe=(1, 64, 64))
+        deep_gemm.fp8_gemm_nt((pair.data, k_major), (w, s), d, recipe=(1, 128, 128))
+    with pytest.raises(ContractError, match="recipe"):  # no 32-column fp32 scales on SM90
+        deep_gemm.fp8_gemm_nt((pair.data, pair.scale), (w, s), d, recipe=(1, 32, 32))
+    g32 = ref.quantize(_activation(m, k), G32)
     with pytest.raises(ContractError, match="sfa shape"):  # g32 scales under the 128 recipe
-        deep_gemm.fp8_gemm_nt((pair.data, pair.scale), (w, s), d, recipe=(1, 128, 128))
+        deep_gemm.fp8_gemm_nt((g32.data, g32.scale), (w, s), d, recipe=(1, 128, 128))
     with pytest.raises(ContractError, match="d must be"):
-        deep_gemm.fp8_gemm_nt((pair.data, pair.scale), (w, s), d.float(), recipe=(1, 32, 32))
-    deep_gemm.fp8_gemm_nt((pair.data, pair.scale), (w, s), d, recipe=(1, 32, 32))  # the right call passes
+        deep_gemm.fp8_gemm_nt((pair.data, pair.scale), (w, s), d.float(), recipe=(1, 128, 128))
+    deep_gemm.fp8_gemm_nt((pair.data, pair.scale), (w, s), d, recipe=(1, 128, 128))  # the right call passes
 
 
 @pytest.mark.parametrize("fake_deep_gemm", [(10, 0)], indirect=True)
@@ -260,12 +262,18 @@ def test_select_without_deep_gemm_picks_triton_and_logs_reasons(caplog, monkeypa
 
 @pytest.mark.parametrize("fake_deep_gemm", [(9, 0)], indirect=True)
 def test_select_prefers_deep_gemm_then_triton(fake_deep_gemm, caplog):
-    assert backends.select_backend(G32, 32, 1792, 5120).name == "deep_gemm"
-    assert backends.select_backend(G32, 32, 1792, 5120, prefer="triton").name == "triton"
-    # K not a multiple of 128: DeepGEMM rejects, Triton (K % 32) serves, and the log says why.
+    _, _, caps = fake_deep_gemm
+    assert caps.deep_gemm, caps.deep_gemm_reason  # probed in the format it reads on SM90 (g128)
+    assert backends.select_backend(G128, 128, 1792, 5120).name == "deep_gemm"
+    assert backends.select_backend(G128, 128, 1792, 5120, prefer="triton").name == "triton"
+    # DSv4.1's 32x32 blocks: DeepGEMM has no SM90 layout for fp32 scales in 32-column groups
     with caplog.at_level(logging.INFO, logger="fp8chain.backends"):
+        assert backends.select_backend(G32, 32, 1792, 5120).name == "triton"
+    assert "on sm90 it does not read sm90_g32_fp32_mn" in caplog.text
+    # K not a multiple of 128: DeepGEMM rejects, Triton serves, and the log says why.
+    with caplog.at_level(logging.INFO, logger="fp8chain.backends"):
+        assert backends.select_backend(G128, 128, 256, 384).name == "deep_gemm"
         assert backends.select_backend(G32, 32, 256, 160).name == "triton"
-    assert "K=160 is not a multiple of 128" in caplog.text
 
 
 def test_select_rejections_and_errors():
@@ -291,7 +299,8 @@ def test_select_rejections_and_errors():
 
 def test_input_format_for():
     assert backends.input_format_for(32, (9, 0)) is G32
-    assert backends.input_format_for(32, (10, 0)) is PACKED
+    # Blackwell without DeepGEMM (this process): the Triton GEMM's format, not one nothing reads
+    assert not backends.probe().deep_gemm and backends.input_format_for(32, (10, 0)) is G32
     assert backends.input_format_for(128, (9, 0)) is G128
     assert backends.input_format_for(128, (10, 0)) is G128
     with pytest.raises(ValueError):

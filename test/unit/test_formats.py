@@ -86,6 +86,26 @@ def test_check_pair_accepts_rows_of_a_larger_buffer():
     check_pair(view, ActFormat.SM100_G32_UE8M0_PACKED_MN)
 
 
+def test_rows_takes_only_rows_the_pair_has():
+    """A slice would give 5 rows for rows(10) of a 5-row pair and 4 for rows(-1)."""
+    pair = empty_pair(5, 256, ActFormat.SM90_G32_FP32_MN, "cpu")
+    assert pair.rows(0).shape == (0, 256) and pair.rows(5).shape == (5, 256)
+    for bad in (6, -1, 2.0, True):
+        with pytest.raises(ValueError, match=r"rows\(count\) takes an int in 0..5"):
+            pair.rows(bad)
+
+
+@pytest.mark.parametrize("fmt", [ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN])
+def test_check_pair_wants_the_column_stride_of_a_single_scale_column(fmt):
+    """With one scale column (K <= one group, or one packed word) the consumers still address the
+    scales with the column stride S >= align4(rows): a contiguous [rows, 1] scale is refused."""
+    pair = empty_pair(6, 32 if fmt.group_size == 32 and not fmt.packed else 128, fmt, "cpu")
+    assert pair.scale.shape[1] == 1 and pair.scale.stride() == (1, 8)
+    check_pair(pair, fmt)
+    with pytest.raises(ValueError, match=r"strides \(1, S\), S >= align4\(rows\)=8"):
+        check_pair(pair._replace(scale=torch.empty_strided((6, 1), (1, 1), dtype=pair.scale.dtype)), fmt)
+
+
 @pytest.mark.parametrize("k", [-3, 0, 1, 5])
 def test_pow2_exponent_exact_at_boundaries(k):
     # amax exactly 448 * 2^k -> scale 2^k; just above -> 2^(k+1)

@@ -166,9 +166,9 @@ def probe(refresh: bool = False, arch: tuple[int, int] | None = None) -> Capabil
             dg_reason = "deep_gemm imports but has no fp8_gemm_nt"
         elif arch is None:
             dg_reason = "no CUDA device (arch unknown)"
-        else:
-            fmt = input_format_for(32, arch)
-            dg_reason = _try_backend(_BACKENDS["deep_gemm"], device, fmt, 32)
+        else:  # the format DeepGEMM reads on this arch (on Hopper fp32 scales in 128-column groups only)
+            fmt, block = (ActFormat.SM100_G32_UE8M0_PACKED_MN, 32) if arch[0] >= 10 else (ActFormat.SM90_G128_FP32_MN, 128)
+            dg_reason = _try_backend(_BACKENDS["deep_gemm"], device, fmt, block)
     except Exception as exc:  # noqa: BLE001 - ImportError, or an ABI mismatch raising OSError
         dg_reason = f"deep_gemm does not import: {type(exc).__name__}: {str(exc)[:200]}"
 
@@ -192,12 +192,13 @@ def probe(refresh: bool = False, arch: tuple[int, int] | None = None) -> Capabil
 
 def input_format_for(weight_block: int, arch: tuple[int, int] | None = None) -> ActFormat:
     """The activation format producers write for a consumer of ``weight_block`` blocks:
-    32 -> ``sm90_g32_fp32_mn`` on Hopper, ``sm100_g32_ue8m0_packed_mn`` on Blackwell (SM100+);
+    32 -> ``sm100_g32_ue8m0_packed_mn`` on Blackwell (SM100+) where DeepGEMM runs (the only
+    backend that reads it), else ``sm90_g32_fp32_mn`` (the Triton GEMM's, on any arch);
     128 -> ``sm90_g128_fp32_mn``."""
     if arch is None:
         arch = probe().arch
     if weight_block == 32:
-        if arch is not None and arch[0] >= 10:
+        if arch is not None and arch[0] >= 10 and probe().deep_gemm:
             return ActFormat.SM100_G32_UE8M0_PACKED_MN
         return ActFormat.SM90_G32_FP32_MN
     if weight_block == 128:

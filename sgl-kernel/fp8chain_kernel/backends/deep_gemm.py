@@ -5,9 +5,10 @@ The argument contract fp8chain relies on (DeepGEMM's documented ``fp8_gemm_nt``)
 
 * ``a``: e4m3 ``[M, K]`` K-major (row-major, contiguous); ``b``: e4m3 ``[N, K]`` K-major;
   ``d``: bf16 ``[M, N]`` row-major, written in place;
-* SM90 (Hopper): ``sfa`` fp32 ``[M, ceil(K/g)]`` MN-major and TMA-aligned, strides
-  ``(1, align4(M))``; ``sfb`` fp32 ``[ceil(N/g), ceil(K/g)]`` (the checkpoint's block scales,
-  contiguous); ``recipe=(1, g, g)`` with g = 32 (DSv4.1) or 128;
+* SM90 (Hopper): ``sfa`` fp32 ``[M, ceil(K/128)]`` MN-major and TMA-aligned, strides
+  ``(1, align4(M))``; ``sfb`` fp32 ``[ceil(N/128), ceil(K/128)]`` (the checkpoint's block scales,
+  contiguous); ``recipe=(1, 128, 128)``. Its SM90 scale layouts are fp32 in 128-column groups
+  only (no (1, 32, 32) recipe there), so DSv4.1's 32x32 blocks run on the Triton GEMM on Hopper;
 * SM100 (Blackwell): ``sfa`` int32 ``[M, ceil(K/128)]`` packed UE8M0 (4 per word), strides
   ``(1, align4(M))``; ``sfb`` the weight's per-row packed exponents, int32 ``[N, ceil(K/128)]``,
   strides ``(1, align4(N))`` (``weight_scale_inv_deepgemm``, derived at load); ``recipe=(1, 1, 32)``
@@ -33,8 +34,8 @@ def _arch():
 
 
 class DeepGemmBackend(GemmBackend):
-    """SM90: ``sm90_g32_fp32_mn`` x 32x32 or ``sm90_g128_fp32_mn`` x 128x128 blocks; SM100:
-    ``sm100_g32_ue8m0_packed_mn`` x 32x32 power-of-two blocks. Shape constraint: K % 128 == 0."""
+    """SM90: ``sm90_g128_fp32_mn`` x 128x128 blocks; SM100: ``sm100_g32_ue8m0_packed_mn`` x 32x32
+    power-of-two blocks. Shape constraint: K % 128 == 0."""
 
     name = "deep_gemm"
 
@@ -46,8 +47,8 @@ class DeepGemmBackend(GemmBackend):
             return caps.deep_gemm_reason or "deep_gemm unavailable"
         fmt = ActFormat(fmt)
         arch = caps.arch
-        if arch[0] == 9:
-            ok = (fmt, weight_block) in ((ActFormat.SM90_G32_FP32_MN, 32), (ActFormat.SM90_G128_FP32_MN, 128))
+        if arch[0] == 9:  # fp32 scales in 128-column groups only
+            ok = (fmt, weight_block) == (ActFormat.SM90_G128_FP32_MN, 128)
         elif arch[0] >= 10:
             ok = (fmt, weight_block) == (ActFormat.SM100_G32_UE8M0_PACKED_MN, 32)
         else:
