@@ -40,9 +40,10 @@ def test_attention_run_times_then_profiles(monkeypatch, tmp_path, device):
 
 
 def test_layer_run_times_then_counts(monkeypatch, tmp_path, device):
-    records = _run("layer", ["--rows", "1", "3", "--shapes", "tp4", "--prefill", "0", "--no-peer", "--context", "256",
+    records = _run("layer", ["--rows", "1", "3", "--shapes", "tp4", "--prefill", "3", "--no-peer", "--context", "256",
                              "--iters", "3", "--captures", "2"], monkeypatch, tmp_path)
-    assert [r["M"] for r in records] == [1, 3]
+    # a decode M equal to the prefill length stays a decode case beside the prefill
+    assert [(r["M"], r["phase"]) for r in records] == [(1, "decode"), (3, "decode"), (3, "prefill")]
     caps = _load_benchmark("layer").STATS_SPLIT_CAPS
     for r in records:
         assert r["chained_quantize_launches"] == 0 and r["unchained_quantize_launches"] == 5
