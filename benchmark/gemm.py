@@ -48,7 +48,7 @@ G32, G128 = ActFormat.SM90_G32_FP32_MN, ActFormat.SM90_G128_FP32_MN
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help=f"M in {QUICK_MS}, fewer replays")
+    parser.add_argument("--quick", action="store_true", help=f"M in {QUICK_MS} unless --ms, fewer replays")
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
                         help=f"comma-separated shape names, of {', '.join(SHAPES)}")
     parser.add_argument("--ms", default=None, help="comma-separated M values")
@@ -344,8 +344,22 @@ def check_blockwise_views(device):
                 print(f"blockwise {n}x{k} scale_b view {view}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 
 
+def check_lists(args) -> None:
+    """The comma-separated options every plan reads: known shape names, positive M values, weight
+    blocks of 32 or 128 (SystemExit naming the option, before any GPU work)."""
+    unknown = [s for s in _items(args.shapes) if s not in SHAPES]
+    if unknown:
+        raise SystemExit(f"--shapes: unknown {unknown}; known: {', '.join(SHAPES)}")
+    for option, text, ok, what in (("--ms", args.ms or "", lambda v: v.isdigit() and int(v) > 0, "positive integers"),
+                                   ("--groups", args.groups, lambda v: v in ("32", "128"), "32 or 128")):
+        bad = [v for v in text.split(",") if v and not ok(v)]
+        if bad:
+            raise SystemExit(f"{option}: {bad} are not {what}")
+
+
 def run(args):
     """Returns ``(meta, records)``."""
+    check_lists(args)
     device = torch.device("cuda")
     if args.table_from:
         gemm.load_table(args.table_from)

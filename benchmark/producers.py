@@ -62,7 +62,7 @@ SWIGLU_LIMIT = 10.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", nargs="+", type=positive_int, default=ROWS, help="token counts T")
-    parser.add_argument("--quick", action="store_true", help=f"T in {QUICK_ROWS}")
+    parser.add_argument("--quick", action="store_true", help=f"T in {QUICK_ROWS} (replaces --rows)")
     parser.add_argument("--producers", nargs="+", default=PRODUCERS, choices=PRODUCERS, help="producers to time")
     parser.add_argument("--formats", nargs="+", default=[ActFormat.SM90_G32_FP32_MN.value],
                         choices=[f.value for f in ActFormat],

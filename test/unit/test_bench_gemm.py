@@ -47,6 +47,18 @@ def test_unknown_mode_is_an_error():
         bench._candidates(args, 16, 1792, 5120, 32)
 
 
+@pytest.mark.parametrize("argv,match", [
+    (["--shapes", "wq_b,nope"], r"--shapes: unknown \['nope'\]"),
+    (["--ms", "0,-5"], r"--ms: \['0', '-5'\] are not positive integers"),
+    (["--groups", "32,64"], r"--groups: \['64'\] are not 32 or 128"),
+])
+def test_list_options_are_checked_before_any_gpu_work(argv, match):
+    bench, args = _sweep_args(*argv)
+    with pytest.raises(SystemExit, match=match):
+        bench.check_lists(args)
+    bench.check_lists(_sweep_args("--ms", "1,16", "--groups", "128")[1])  # valid lists pass
+
+
 def test_block_diagonal_token_tiles_narrow_at_small_m():
     bench, args = _sweep_args("--modes", "block_diag")
     assert {c.block_m for c in bench._candidates(args, 1, 1792, 5120, 32)} == {4, 8, 16}
