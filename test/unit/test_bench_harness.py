@@ -44,3 +44,23 @@ def test_markdown_table_cells():
     assert table[:2] == ["| M | ratio | captures | caps |", "|---|---|---|---|"]
     assert table[2] == "| 1 | 0.8996 | 95.41 / 92.66 | [None, 32] |"
     assert table[3] == "| 2 | 0.9004 | - | - |"
+
+
+def test_results_name_a_dirty_checkout(tmp_path, monkeypatch):
+    """Figures measured on uncommitted code say so; FP8CHAIN_COMMIT wins where it is set."""
+    import subprocess
+
+    from fp8chain.bench import harness
+
+    monkeypatch.delenv("FP8CHAIN_COMMIT", raising=False)
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    (tmp_path / "f").write_text("1")
+    git("add", "f")
+    git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "one")
+    head = git("rev-parse", "--short=7", "HEAD").stdout.decode().strip()
+    assert harness._git_commit(tmp_path) == head
+    (tmp_path / "f").write_text("2")
+    assert harness._git_commit(tmp_path) == f"{head}-dirty"
+    monkeypatch.setenv("FP8CHAIN_COMMIT", "abc1234")
+    assert harness._git_commit(tmp_path) == "abc1234"

@@ -190,14 +190,15 @@ def quantize_launches(launches: dict[str, int]) -> int:
     return sum(n for name, n in launches.items() if "_quantize_kernel" in name)
 
 
-def _git_commit() -> str:
-    """HEAD of the checkout, or ``FP8CHAIN_COMMIT`` where the tree travelled without ``.git``
-    (e.g. ``FP8CHAIN_COMMIT=$(git rev-parse --short HEAD)`` in the remote command)."""
+def _git_commit(checkout: Path = Path(__file__).parent) -> str:
+    """HEAD of the checkout, ``-dirty`` when it has uncommitted changes (the figures then measured
+    other code), or ``FP8CHAIN_COMMIT`` where the tree travelled without ``.git`` (e.g.
+    ``FP8CHAIN_COMMIT=$(git rev-parse --short HEAD)`` in the remote command)."""
     if os.environ.get("FP8CHAIN_COMMIT"):
         return os.environ["FP8CHAIN_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"],
+                              capture_output=True, text=True, cwd=checkout, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
