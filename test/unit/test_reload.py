@@ -142,3 +142,21 @@ def test_reload_with_another_shape_fails_and_keeps_storage(caplog):
     with caplog.at_level(logging.WARNING), pytest.raises(ValueError, match="checkpoint shape"):
         load_weights(layer, checkpoint(n=N + 32).items())
     assert storage(layer) == ptrs
+
+
+def test_layer_loader_reprocesses_the_routed_experts_and_reads_e8m0_scales_as_bytes():
+    """The routed experts derive bf16 copies of their MXFP4 weights: a reload through
+    ``layers.loading.load_weights`` re-derives them (before, they kept the old weights). Their
+    UE8M0 scales stored as float8_e8m0fnu go in as bytes; another float into a byte parameter
+    would be converted by value and is refused."""
+    from fp8chain.layers.moe import RoutedExpertsReference, dequantize_mxfp4
+
+    experts = RoutedExpertsReference(num_experts=2, hidden_size=64, intermediate_size=32, swiglu_limit=None)
+    gen = torch.Generator().manual_seed(3)
+    w13 = torch.randint(0, 256, tuple(experts.w13_weight.shape), generator=gen, dtype=torch.uint8)
+    scale = torch.randint(120, 127, tuple(experts.w13_scale.shape), generator=gen, dtype=torch.uint8)
+    load_weights(experts, [("w13_weight", w13), ("w13_scale", scale.view(torch.float8_e8m0fnu))])
+    assert torch.equal(experts.w13_scale, scale)
+    assert torch.equal(experts.w13_dequant, dequantize_mxfp4(w13, scale, torch.bfloat16))
+    with pytest.raises(TypeError, match="torch.float32 cannot be loaded into a torch.uint8 parameter"):
+        load_weights(experts, [("w13_scale", scale.float())])

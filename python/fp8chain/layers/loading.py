@@ -2,7 +2,8 @@
 
 ``load_weights`` copies every tensor into its parameter in place (the parameter's
 ``weight_loader``: sharding, shape and dtype checks) and then runs
-``quant_method.process_weights_after_loading`` on every layer that has a ``quant_method``.
+``quant_method.process_weights_after_loading`` on every layer that has a ``quant_method`` (a
+module's own ``process_weights_after_loading`` where it has none).
 Running it again on a live model is a reload: loader targets and derived tensors keep their
 storage (``data_ptr``), so CUDA graphs captured before the reload read the new weights.
 """
@@ -23,32 +24,40 @@ __all__ = ["check_loadable_dtype", "default_weight_loader", "load_weights", "pro
 
 
 def check_loadable_dtype(param: nn.Parameter, loaded: torch.Tensor, what: str = "checkpoint") -> None:
-    """FP8 only into FP8, and integer tensors only into integer parameters: an int8 / uint8 tensor
-    copied into a float parameter (e.g. UE8M0 scale bytes into fp32 scales) would be read as
-    numbers (byte 128, the scale 2.0, would become 128.0)."""
+    """FP8 only into FP8, and integer tensors only into integer parameters and back: an int8 /
+    uint8 tensor copied into a float parameter (e.g. UE8M0 scale bytes into fp32 scales) would be
+    read as numbers (byte 128, the scale 2.0, would become 128.0), a float tensor copied into a
+    byte parameter converted by value (an e8m0 scale 2^-4 would become byte 0, not 123)."""
     if (param.dtype == FP8_DTYPE) != (loaded.dtype == FP8_DTYPE) or (
-            param.dtype.is_floating_point and not loaded.dtype.is_floating_point):
+            param.dtype.is_floating_point != loaded.dtype.is_floating_point):
         raise TypeError(f"{what} dtype {loaded.dtype} cannot be loaded into a {param.dtype} parameter")
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    """Copy ``loaded`` into ``param`` in place; shapes must match (``check_loadable_dtype``)."""
+    """Copy ``loaded`` into ``param`` in place; shapes must match (``check_loadable_dtype``). UE8M0
+    scales stored as ``float8_e8m0fnu`` go into a uint8 parameter as their bytes."""
     if tuple(loaded.shape) != tuple(param.shape):
         raise ValueError(f"checkpoint shape {tuple(loaded.shape)} does not match parameter shape "
                          f"{tuple(param.shape)}")
+    if loaded.dtype == torch.float8_e8m0fnu and param.dtype == torch.uint8:
+        loaded = loaded.view(torch.uint8)
     check_loadable_dtype(param, loaded)
     with torch.no_grad():
         param.data.copy_(loaded)
 
 
 def process_weights_after_loading(model: nn.Module) -> int:
-    """Run ``process_weights_after_loading`` of every submodule's ``quant_method``; returns the
+    """Run ``process_weights_after_loading`` of every submodule's ``quant_method``, or the
+    module's own where it derives tensors itself (the routed experts' bf16 copies); returns the
     number of layers processed."""
     count = 0
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
+            count += 1
+        elif method is None and callable(getattr(module, "process_weights_after_loading", None)):
+            module.process_weights_after_loading()
             count += 1
     return count
 

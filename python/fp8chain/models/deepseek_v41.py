@@ -795,9 +795,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. "
                              f"{sorted(missing)[:5]} (incomplete fused groups: {sorted(pending)[:5]})")
         started()
-        loading.load_weights(self, linear_items)
-        for layer in self.layers:
-            layer.ffn.experts.process_weights_after_loading()
+        loading.load_weights(self, linear_items)  # then every layer's processing, the experts' bf16 copies too
         return loaded
 
     def _load_wo_a(self, attn: MQALayer, name: str, weight: torch.Tensor, scale: torch.Tensor, started) -> None:
