@@ -2,9 +2,9 @@
 
 Triton compiles (and autotunes) a kernel the first time it sees a new specialization (dtypes,
 constexprs, which integer arguments are 1 or multiples of 16). Compiling inside
-``torch.cuda.graph`` capture fails or captures the compile's own launches, so every FP8
-linear's paths are run first at each batch size that will be captured (the producers register
-none: the graph runner's eager run of each bucket compiles them).
+``torch.cuda.graph`` capture fails or captures the compile's own launches, so every linear's
+paths are run first at each batch size that will be captured (the producers register none: the
+graph runner's eager run of each bucket compiles them).
 
 Layers register a provider when their weights are processed (so a reload re-registers it):
 
