@@ -52,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", nargs="+", type=positive_int, default=HEADS,
                         help="query heads (64: TP1, 16: a TP4 rank)")
     parser.add_argument("--prefill", type=non_negative_int, default=PREFILL, help="causal prefill tokens (0: skip)")
-    parser.add_argument("--quick", action="store_true", help="64 heads, M in {1, 16, 64}, context 1024, no prefill (replaces --heads, --rows, --contexts, --prefill)")
+    parser.add_argument("--quick", action="store_true",
+                        help="64 heads, M in {1, 16, 64}, context 1024, no prefill (replaces --heads, --rows, "
+                             "--contexts, --prefill)")
     parser.add_argument("--iters", type=positive_int, default=50, help="calls per captured graph")
     parser.add_argument("--tiles", nargs="+", type=parse_tile, default=[],
                         help="other split-kernel tiles to time beside the default, as HEADSxKEYS (e.g. 32x64 64x32)")

@@ -88,7 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", default=["tp1", "tp4"], choices=["tp1", "tp4"],
                         help="TP1 dims, or one TP4 rank's shard (16 heads, 2 o-groups, a quarter of the shared expert)")
     parser.add_argument("--no-peer", action="store_true", help="skip the torch.compile peer")
-    parser.add_argument("--quick", action="store_true", help="M in {1, 16, 64}, no prefill, TP1 only (replaces --rows, --shapes, --prefill)")
+    parser.add_argument("--quick", action="store_true",
+                        help="M in {1, 16, 64}, no prefill, TP1 only (replaces --rows, --shapes, --prefill)")
     parser.add_argument("--iters", type=positive_int, default=20, help="steps per captured graph")
     parser.add_argument("--captures", type=positive_int, default=1,
                         help="graphs captured of the chained and unchained step each, all replayed in turn: "

@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=[f.value for f in ActFormat], help="activation formats to time")
     parser.add_argument("--rows", nargs="+", type=positive_int, default=ROWS, help="M values")
     parser.add_argument("--cols", nargs="+", type=positive_int, default=COLS, help="K values")
-    parser.add_argument("--quick", action="store_true", help="M in {1, 16, 256, 8192}, K in {1280, 5120} (replaces --rows, --cols)")
+    parser.add_argument("--quick", action="store_true",
+                        help="M in {1, 16, 256, 8192}, K in {1280, 5120} (replaces --rows, --cols)")
     parser.add_argument("--iters", type=positive_int, default=100, help="calls per captured graph")
 
 

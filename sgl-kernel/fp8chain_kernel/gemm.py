@@ -589,8 +589,10 @@ def _split_plan(tiles: int, k: int, cfg: GemmConfig, device):
 
 def _check_config(cfg: GemmConfig, k: int, group: int, a_fp8: bool) -> None:
     """A config the kernels can run for K in groups of ``group`` (ValueError otherwise)."""
-    counts = cfg[:7]  # block_n .. tile_group: a zero tile_group would divide by zero in the tile order
-    if any(not is_int(v) or v < 1 for v in counts) or any(v & (v - 1) for v in (*cfg[:3], cfg.warps)):
+    counts = (cfg.block_n, cfg.block_m, cfg.block_k, cfg.split, cfg.stages, cfg.warps, cfg.tile_group)
+    # a zero tile_group would divide by zero in the tile order; the tiles and warps are aranges
+    powers = (cfg.block_n, cfg.block_m, cfg.block_k, cfg.warps)
+    if any(not is_int(v) or v < 1 for v in counts) or any(v & (v - 1) for v in powers):
         raise ValueError(f"GemmConfig needs positive ints for block_n .. tile_group, with block_n, block_m, "
                          f"block_k and warps powers of two, got {cfg}")
     if not isinstance(cfg.dequant, bool) or not isinstance(cfg.block_diag, bool):

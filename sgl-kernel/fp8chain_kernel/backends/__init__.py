@@ -166,9 +166,10 @@ def probe(refresh: bool = False, arch: tuple[int, int] | None = None) -> Capabil
             dg_reason = "deep_gemm imports but has no fp8_gemm_nt"
         elif arch is None:
             dg_reason = "no CUDA device (arch unknown)"
-        else:  # the format DeepGEMM reads on this arch (on Hopper fp32 scales in 128-column groups only)
-            fmt, block = (ActFormat.SM100_G32_UE8M0_PACKED_MN, 32) if arch[0] >= 10 else (ActFormat.SM90_G128_FP32_MN, 128)
-            dg_reason = _try_backend(_BACKENDS["deep_gemm"], device, fmt, block)
+        elif arch[0] >= 10:  # probed in the format DeepGEMM reads on this arch
+            dg_reason = _try_backend(_BACKENDS["deep_gemm"], device, ActFormat.SM100_G32_UE8M0_PACKED_MN, 32)
+        else:  # Hopper: fp32 scales in 128-column groups only
+            dg_reason = _try_backend(_BACKENDS["deep_gemm"], device, ActFormat.SM90_G128_FP32_MN, 128)
     except Exception as exc:  # noqa: BLE001 - ImportError, or an ABI mismatch raising OSError
         dg_reason = f"deep_gemm does not import: {type(exc).__name__}: {str(exc)[:200]}"
 

@@ -57,8 +57,7 @@ def check_cache_indices(kv_cache: torch.Tensor, slots: torch.Tensor, positions: 
     for name, t, bound in (("slots", slots, num_slots), ("positions", positions, length)):
         if t.numel() and ((t < 0) | (t >= bound)).any():
             raise IndexError(f"{name} must be in [0, {bound}), got values in [{t.min().item()}, {t.max().item()}]")
-    cells = slots.long() * length + positions.long()
-    if writes and torch.unique(cells).numel() < cells.numel():
+    if writes and torch.unique(slots.long() * length + positions.long()).numel() < slots.numel():
         raise IndexError("two tokens write one (slot, position) of the KV cache")
 
 

@@ -204,11 +204,11 @@ def check_weights(weight: torch.Tensor, scale: torch.Tensor, block: int, scale_f
         check_block_scaled(weight, scale, block)
     except (TypeError, ValueError) as error:
         raise type(error)(f"{name}: {error}") from None
-    bad = ~(torch.isfinite(scale) & (scale > 0))
     if scale_fmt == "ue8m0":
-        bad |= ~powers_of_two(scale)
+        bad = ~powers_of_two(scale)
         need = "positive, finite powers of two (checkpoint scale_fmt='ue8m0')"
     else:
+        bad = ~(torch.isfinite(scale) & (scale > 0))
         need = "positive and finite"
     if bad.any():
         idx = bad.nonzero()[0].tolist()
