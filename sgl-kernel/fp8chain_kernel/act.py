@@ -12,8 +12,9 @@
   output shares memory with another or with ``gate_up``.
 
 Tiles: ``[BLOCK_M, BLOCK_N]`` of output columns, ``BLOCK_N`` a multiple of 128 (whole quantization
-groups and whole packed scale words per program), a grid over rows and columns; ``config`` sets
-them in place of the launch rule (benchmarks' sweeps).
+groups and whole packed scale words per program), one program per tile on one grid axis (any row
+count: a second axis would stop at 65535 row tiles); ``config`` sets them in place of the launch
+rule (benchmarks' sweeps).
 """
 
 from __future__ import annotations
@@ -48,8 +49,11 @@ def _silu_mul_kernel(gu_ptr, y_ptr, data_ptr, scale_ptr, M, I, limit,
                      GROUP: tl.constexpr, POW2: tl.constexpr, PACKED: tl.constexpr,
                      EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     await_producer(PDL)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # one grid axis, column tiles fastest: a second axis would cap the rows at 65535 tiles
+    pid_n = tl.program_id(0) % tl.cdiv(I, BLOCK_N)
+    pid_m = tl.program_id(0) // tl.cdiv(I, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = offs_m.to(tl.int64)[:, None]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < I)
     g_ptrs = gu_ptr + rows * stride_gm + offs_n[None, :]
@@ -60,7 +64,7 @@ def _silu_mul_kernel(gu_ptr, y_ptr, data_ptr, scale_ptr, M, I, limit,
         tl.store(y_ptr + rows * stride_ym + offs_n[None, :], yb, mask=mask)
     if QUANT:
         store_pair_tile(data_ptr + fp8_offsets(rows, stride_dm, offs_n), scale_ptr, yb.to(tl.float32), mask,
-                        offs_m, tl.program_id(0) * (BLOCK_N // GROUP), M, tl.cdiv(I, GROUP), stride_sm,
+                        offs_m, pid_n * (BLOCK_N // GROUP), M, tl.cdiv(I, GROUP), stride_sm,
                         stride_sg, BLOCK_M, BLOCK_N, GROUP, POW2, PACKED, EXACT_CAST)
 
 
@@ -116,8 +120,7 @@ def silu_mul(gate_up: torch.Tensor, *, limit: float | None = None, out_format: A
     if rows == 0 or cols == 0:
         return producer_result(y, pair)
     a = launch_args(fmt, pair, y, gate_up)
-    grid = (triton.cdiv(cols, block_n), triton.cdiv(rows, block_m))
-    _silu_mul_kernel[grid](
+    _silu_mul_kernel[(triton.cdiv(cols, block_n) * triton.cdiv(rows, block_m),)](
         gate_up, a["y"], a["data"], a["scale"], rows, cols, float(limit) if limit is not None else 0.0,
         gate_up.stride(0), a["y_stride"], *a["strides"],
         HAS_LIMIT=limit is not None, STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"],

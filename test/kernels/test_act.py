@@ -103,6 +103,15 @@ def test_silu_mul_gpu(rows, fmt, limit):
     check_silu_mul(rows, 2304, fmt, torch.device("cuda"), limit)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN])
+def test_silu_mul_more_row_tiles_than_a_grid_axis_gpu(fmt):
+    """65537 row tiles of 4 rows (I = 256): past the 65535 programs a CUDA grid's second axis takes."""
+    rows = 4 * 65537 - 3
+    assert act._launch_config(rows, 256)[0] == 4
+    check_silu_mul(rows, 256, fmt, torch.device("cuda"), LIMIT)
+
+
 def check_special_rows(rows, inter, fmt, device):
     """All-zero rows -> zero data, finite positive scales. NaN in gate (and in up) stays NaN in
     bf16 and FP8 (0x7F/0xFF), through the clamp; the other rows equal a run without it."""
