@@ -1,6 +1,6 @@
 """Activation formats: the contract between an FP8 producer and the GEMM that reads it.
 
-Every layout is stated once, here (REFERENCE.md section 3). For an activation of ``rows x cols``:
+Every layout is stated once, here. For an activation of ``rows x cols``:
 
 * data: ``float8_e4m3fn [rows, cols]``, unit column stride (row stride >= cols).
 * ``SM90_G32_FP32_MN`` / ``SM90_G128_FP32_MN``: ``float32 [rows, ceil(cols/g)]``, MN-major,

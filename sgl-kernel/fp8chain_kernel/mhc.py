@@ -1,4 +1,4 @@
-"""mHC (manifold-constrained hyper-connections) kernels, DSv4.1 shifted ordering (REFERENCE.md 5).
+"""mHC (manifold-constrained hyper-connections) kernels, DSv4.1 shifted ordering (equations: ``reference.mhc``).
 
 * ``mhc_stats``: per-token mixes ``(pre, post, comb)`` from the residual entering a sublayer.
   Two launches: a split-K GEMV (``flatten(R) @ fn^T`` and the sum of squares, the 4H reduction
@@ -667,7 +667,7 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
               max_splits: int | None = None):
     """``residual [T, 4, H]`` bf16 -> fp32 ``(pre [T, 4], post [T, 4], comb [T, 4, 4])``.
 
-    ``fn [24, 4H]``, ``scale [3]``, ``base [24]`` fp32 (REFERENCE.md section 5). Two launches.
+    ``fn [24, 4H]``, ``scale [3]``, ``base [24]`` fp32 (``reference.mhc``). Two launches.
     ``out``: optional caller buffers ``(pre, post, comb)``, contiguous fp32 of those shapes.
     ``max_splits``: at most this many K splits (programs per token block) for the partial
     launch, which otherwise takes about two programs per SM. Fewer programs take longer alone

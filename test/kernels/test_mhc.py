@@ -717,7 +717,7 @@ def _sublayer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _two_sublayers(embed, params, mats, weights, fmt, kernels: bool, shifted: bool = True):
-    """Layer-0 attention input, two sublayers, the final norm (REFERENCE.md section 5).
+    """Layer-0 attention input, two sublayers, the final norm (``reference.mhc``'s orderings).
 
     Shifted (DSv4.1): the boundary after sublayer s carries ``pre_s`` (from the residual that
     entered s) into the next combine. ``shifted=False`` is the ordering this must not be

@@ -6,7 +6,7 @@ with ``(R, p_prev)`` runs on ``x_s = RMSNorm(sum_k p_prev[k] R[k])``; its own st
 ``(pre_s, post_s, comb_s)`` come from the ``R`` entering it; the boundary after it writes
 ``R' = post_s * y_s + comb_s^T R`` and the next sublayer's input
 ``x = RMSNorm(sum_k pre_s[k] R'[k])`` in one ``mhc_mega_boundary`` launch, which may also write
-the FP8 pair of ``x`` for the next linear (REFERENCE.md section 5).
+the FP8 pair of ``x`` for the next linear (numerics: ``fp8chain_kernel.reference.mhc``).
 """
 
 from __future__ import annotations

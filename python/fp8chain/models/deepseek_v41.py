@@ -73,7 +73,7 @@ DEFAULT_QUANT_CONFIG = {
 
 @dataclass
 class DeepseekV41Config:
-    """DSv4.1 hyper-parameters under their HF ``config.json`` names (REFERENCE.md section 1).
+    """DSv4.1 hyper-parameters under their HF ``config.json`` names (docs/model.md, Config).
 
     ``head_dim`` is the width of the one latent KV head shared by all query heads (448 nope +
     64 rope for Flash), so ``wqkv_a`` has ``q_lora_rank + head_dim`` rows.
@@ -150,7 +150,7 @@ class DeepseekV41Config:
 
     @classmethod
     def flash(cls, **overrides) -> "DeepseekV41Config":
-        """DeepSeek-V4.1-Flash (REFERENCE.md section 1)."""
+        """DeepSeek-V4.1-Flash (docs/model.md, Config)."""
         config = cls(**overrides)
         config.validate()
         return config
@@ -347,7 +347,7 @@ class MQALayer(nn.Module):
                                       tp_rank=tp_rank, tp_size=tp_size)
         self.attn_sink = nn.Parameter(torch.zeros(c.num_attention_heads, dtype=torch.float32),
                                       requires_grad=False)
-        # The producer -> consumer request (DESIGN.md, protocol step 1).
+        # The producer -> consumer request (docs/layers.md, Construction).
         self.wqkv_a.deepgemm_mxfp8_input = True
         self.wq_b.deepgemm_mxfp8_input = True
         self.wo_b.deepgemm_mxfp8_input = True

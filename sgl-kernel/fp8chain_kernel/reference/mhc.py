@@ -1,4 +1,4 @@
-"""Reference for fp8chain_kernel.mhc: manifold-constrained hyper-connections (REFERENCE.md section 5).
+"""Reference for fp8chain_kernel.mhc: manifold-constrained hyper-connections, as DSv4.1 runs them.
 
 Shapes: residual ``R [T, 4, H]`` bf16 (4 hyper-connection streams), sublayer output
 ``y [T, H]`` bf16, mixes ``pre [T, 4]``, ``post [T, 4]``, ``comb [T, 4, 4]`` fp32.

@@ -1,6 +1,6 @@
 """Torch-only reference numerics: the specification every fp8chain kernel is tested against.
 
-Quantization of one group (REFERENCE.md section 2), in fp32 on the given values:
+Quantization of one group, in fp32 on the given values:
 
 * ``amax = max(|x|)`` over the group, NaN ignored (a NaN element stays NaN in the data, so it is
   never hidden, while the group keeps a finite, valid scale), floored at ``AMAX_FLOOR``.
