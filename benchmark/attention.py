@@ -46,15 +46,12 @@ PREFILL = 2048
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", nargs="+", type=positive_int, default=ROWS, help="decode batch sizes M")
-    parser.add_argument("--contexts", nargs="+", type=positive_int, default=CONTEXTS,
-                        help="KV-cache lengths per decode token")
-    parser.add_argument("--heads", nargs="+", type=positive_int, default=HEADS,
-                        help="query heads (64: TP1, 16: a TP4 rank)")
-    parser.add_argument("--prefill", type=non_negative_int, default=PREFILL, help="causal prefill tokens (0: skip)")
-    parser.add_argument("--quick", action="store_true",
-                        help="64 heads, M in {1, 16, 64}, context 1024, no prefill (replaces --heads, --rows, "
-                             "--contexts, --prefill)")
+    parser.add_argument("--rows", nargs="+", type=positive_int, help="decode batch sizes M")
+    parser.add_argument("--contexts", nargs="+", type=positive_int, help="KV-cache lengths per decode token")
+    parser.add_argument("--heads", nargs="+", type=positive_int, help="query heads (64: TP1, 16: a TP4 rank)")
+    parser.add_argument("--prefill", type=non_negative_int, help="causal prefill tokens (0: skip)")
+    harness.add_quick(parser, rows=(ROWS, [1, 16, 64]), contexts=(CONTEXTS, [1024]), heads=(HEADS, [64]),
+                      prefill=(PREFILL, 0))
     parser.add_argument("--iters", type=positive_int, default=50, help="calls per captured graph")
     parser.add_argument("--tiles", nargs="+", type=parse_tile, default=[],
                         help="other split-kernel tiles to time beside the default, as HEADSxKEYS (e.g. 32x64 64x32)")
@@ -82,8 +79,6 @@ def roofline(phase: str, tokens: int, heads: int, dim: int, context: int) -> tup
 
 def plan(args) -> list[tuple[str, int, int, int]]:
     """The ``(phase, heads, M, context)`` cases of a run."""
-    if args.quick:
-        return [("decode", 64, m, 1024) for m in (1, 16, 64)]
     cases = [("decode", h, m, c) for h in args.heads for c in args.contexts for m in args.rows]
     if args.prefill:
         cases += [("prefill", h, args.prefill, args.prefill) for h in args.heads]

@@ -82,14 +82,13 @@ TP4_RANKS = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", nargs="+", type=positive_int, default=ROWS, help="decode batch sizes M")
-    parser.add_argument("--prefill", type=non_negative_int, default=PREFILL, help="prefill tokens (0: skip)")
+    parser.add_argument("--rows", nargs="+", type=positive_int, help="decode batch sizes M")
+    parser.add_argument("--prefill", type=non_negative_int, help="prefill tokens (0: skip)")
     parser.add_argument("--context", type=positive_int, default=1024, help="KV-cache length per token")
-    parser.add_argument("--shapes", nargs="+", default=["tp1", "tp4"], choices=["tp1", "tp4"],
+    parser.add_argument("--shapes", nargs="+", choices=["tp1", "tp4"],
                         help="TP1 dims, or one TP4 rank's shard (16 heads, 2 o-groups, a quarter of the shared expert)")
     parser.add_argument("--no-peer", action="store_true", help="skip the torch.compile peer")
-    parser.add_argument("--quick", action="store_true",
-                        help="M in {1, 16, 64}, no prefill, TP1 only (replaces --rows, --shapes, --prefill)")
+    harness.add_quick(parser, rows=(ROWS, [1, 16, 64]), prefill=(PREFILL, 0), shapes=(["tp1", "tp4"], ["tp1"]))
     parser.add_argument("--iters", type=positive_int, default=20, help="steps per captured graph")
     parser.add_argument("--captures", type=positive_int, default=1,
                         help="graphs captured of the chained and unchained step each, all replayed in turn: "
@@ -413,17 +412,14 @@ def _time_best_stats_splits(unit: LayerUnit, record: dict, iters: int) -> None:
 def run(args) -> tuple[dict, list[dict]]:
     if not torch.cuda.is_available():
         raise SystemExit("benchmark layer needs a CUDA GPU (run `fp8chain demo` / the tests on CPU)")
-    rows_list = [1, 16, 64] if args.quick else list(args.rows)
-    shapes_list = ["tp1"] if args.quick else list(args.shapes)
-    prefill = 0 if args.quick else args.prefill
     meta = harness.bench_meta()
     bandwidth = harness.copy_bandwidth()
     meta.update(copy_bandwidth_TBps=bandwidth / 1e12, context=args.context)
     records = []
     torch.manual_seed(0)
     # (shapes, tokens, prefill?): a decode M equal to the prefill length stays a decode case
-    cases = [case for s in shapes_list
-             for case in [(s, m, False) for m in rows_list] + ([(s, prefill, True)] if prefill else [])]
+    cases = [case for s in args.shapes
+             for case in [(s, m, False) for m in args.rows] + ([(s, args.prefill, True)] if args.prefill else [])]
     layers, peers = {}, {}
     # Pass 1 times every case, pass 2 profiles them: once torch.profiler has run, every kernel of
     # a later replay is slower (the harness docstring), so no timing may follow a profile.

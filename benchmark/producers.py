@@ -61,8 +61,8 @@ SWIGLU_LIMIT = 10.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", nargs="+", type=positive_int, default=ROWS, help="token counts T")
-    parser.add_argument("--quick", action="store_true", help=f"T in {QUICK_ROWS} (replaces --rows)")
+    parser.add_argument("--rows", nargs="+", type=positive_int, help="token counts T")
+    harness.add_quick(parser, rows=(ROWS, QUICK_ROWS))
     parser.add_argument("--producers", nargs="+", default=PRODUCERS, choices=PRODUCERS, help="producers to time")
     parser.add_argument("--formats", nargs="+", default=[ActFormat.SM90_G32_FP32_MN.value],
                         choices=[f.value for f in ActFormat],
@@ -226,7 +226,7 @@ def run_wo_a_sweep(args) -> tuple[dict, list[dict]]:
     fmt = ActFormat(args.formats[0])
     records = []
     cases = [(name, t) for name in args.producers if name.startswith("wo_a")
-             for t in (QUICK_ROWS if args.quick else args.rows) if t <= 64]
+             for t in args.rows if t <= 64]
     for name, rows in harness.progress(cases, "wo_a configs"):
         g, r, d = (8 if name.startswith("wo_a_g8") else 2), 1024, 4096
         fp8_weights = name.endswith("_fp8w")
@@ -284,7 +284,7 @@ def run_launch_sweep(args) -> tuple[dict, list[dict]]:
     meta["copy_bandwidth_TBps"] = harness.copy_bandwidth() / 1e12  # the report's device line
     fmt = ActFormat(args.formats[0])
     records = []
-    cases = [(p, t) for p in args.producers if p in LAUNCH_SWEEP for t in (QUICK_ROWS if args.quick else args.rows)]
+    cases = [(p, t) for p in args.producers if p in LAUNCH_SWEEP for t in args.rows]
     for name, rows in harness.progress(cases, "launch shapes"):
         configs = [None] + launch_candidates(name, rows)
         # every shape's two arms replay in turn: differences are fractions of a microsecond. The
@@ -319,14 +319,13 @@ def run(args) -> tuple[dict, list[dict]]:
         return run_wo_a_sweep(args)
     if args.sweep_launch:
         return run_launch_sweep(args)
-    rows_list = QUICK_ROWS if args.quick else args.rows
     meta = harness.bench_meta()
     bandwidth = harness.copy_bandwidth()
     meta["copy_bandwidth_TBps"] = bandwidth / 1e12
     meta["notes"] = ("fp8_us writes the pair only where fp8_returns_bf16 is false; compiled_peer_us is "
                      "torch.compile(reference producer + reference.quantize); wo_a peer: bf16 torch.einsum")
     producers = list(args.producers)
-    cases = [(p, ActFormat(f), t) for p in producers for f in args.formats for t in rows_list]
+    cases = [(p, ActFormat(f), t) for p in producers for f in args.formats for t in args.rows]
     records = []
     # Pass 1: the three kernel arms of every case; pass 2: the compiled peers (their compiles are
     # the slow part, so a time-limited run still records every kernel figure); pass 3: launches

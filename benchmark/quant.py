@@ -26,15 +26,16 @@ from fp8chain_kernel.formats import ActFormat, empty_pair  # noqa: E402
 
 ROWS = [1, 4, 16, 64, 256, 2048, 8192]
 COLS = [1280, 2048, 5120, 8192]
+QUICK_ROWS = [1, 16, 256, 8192]
+QUICK_COLS = [1280, 5120]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--formats", nargs="+", default=[f.value for f in ActFormat],
                         choices=[f.value for f in ActFormat], help="activation formats to time")
-    parser.add_argument("--rows", nargs="+", type=positive_int, default=ROWS, help="M values")
-    parser.add_argument("--cols", nargs="+", type=positive_int, default=COLS, help="K values")
-    parser.add_argument("--quick", action="store_true",
-                        help="M in {1, 16, 256, 8192}, K in {1280, 5120} (replaces --rows, --cols)")
+    parser.add_argument("--rows", nargs="+", type=positive_int, help="M values")
+    parser.add_argument("--cols", nargs="+", type=positive_int, help="K values")
+    harness.add_quick(parser, rows=(ROWS, QUICK_ROWS), cols=(COLS, QUICK_COLS))
     parser.add_argument("--iters", type=positive_int, default=100, help="calls per captured graph")
 
 
@@ -46,11 +47,10 @@ def quantize_bytes(rows: int, cols: int, fmt: ActFormat) -> int:
 def run(args) -> tuple[dict, list[dict]]:
     if not torch.cuda.is_available():
         raise SystemExit("benchmark quant needs a CUDA GPU (kernel logic is tested on CPU instead)")
-    rows_list, cols_list = (([1, 16, 256, 8192], [1280, 5120]) if args.quick else (args.rows, args.cols))
     meta = harness.bench_meta()
     bandwidth = harness.copy_bandwidth()
     meta["copy_bandwidth_TBps"] = bandwidth / 1e12
-    cases = [(ActFormat(f), m, k) for f in args.formats for k in cols_list for m in rows_list]
+    cases = [(ActFormat(f), m, k) for f in args.formats for k in args.cols for m in args.rows]
     records = []
     for fmt, rows, cols in harness.progress(cases, "quantize"):
         x = torch.randn(rows, cols, device="cuda").bfloat16()

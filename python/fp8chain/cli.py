@@ -71,7 +71,7 @@ def _run_benchmark(name: str, args) -> None:
     from fp8chain.bench import harness
 
     module = _load_benchmark(name)
-    meta, records = module.run(args)
+    meta, records = module.run(harness.apply_quick(args))
     if hasattr(module, "report"):  # its first line: the JSON it saved (a sweep saves under its own name)
         text = module.report(meta, records, args.results_dir)
         path = Path(text.splitlines()[0])

@@ -18,7 +18,7 @@ def _run(name: str, argv: list[str], monkeypatch, tmp_path):
     bench = _load_benchmark(name)
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    args = parser.parse_args(argv)
+    args = harness.apply_quick(parser.parse_args(argv))
     args.results_dir = tmp_path
     meta, records = bench.run(args)
     assert harness._profiler_used  # launches were counted, after every timing

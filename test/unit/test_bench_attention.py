@@ -4,6 +4,7 @@ import argparse
 
 import pytest
 
+from fp8chain.bench import harness
 from fp8chain.cli import _load_benchmark
 
 pytestmark = pytest.mark.cpu
@@ -21,10 +22,16 @@ def test_plan():
     bench = _load_benchmark("attention")
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    assert bench.plan(parser.parse_args(["--quick"])) == [("decode", 64, m, 1024) for m in (1, 16, 64)]
-    cases = bench.plan(parser.parse_args(["--heads", "16", "--rows", "1", "4", "--contexts", "512",
-                                          "--prefill", "128"]))
+
+    def plan(*argv):
+        return bench.plan(harness.apply_quick(parser.parse_args(argv)))
+
+    assert plan("--quick") == [("decode", 64, m, 1024) for m in (1, 16, 64)]
+    cases = plan("--heads", "16", "--rows", "1", "4", "--contexts", "512", "--prefill", "128")
     assert cases == [("decode", 16, 1, 512), ("decode", 16, 4, 512), ("prefill", 16, 128, 128)]
+    # an option given explicitly wins over --quick, before or after it
+    assert plan("--rows", "2", "--quick") == plan("--quick", "--rows", "2") == [("decode", 64, 2, 1024)]
+    assert len(plan()) == len(bench.HEADS) * (len(bench.CONTEXTS) * len(bench.ROWS) + 1)
 
 
 def test_tiles_option_and_report(tmp_path):

@@ -1,4 +1,6 @@
-"""The benchmark harness's weight rotation: enough copies to stream past L2, taken in turn."""
+"""The benchmark harness: weight rotation past L2, --quick's defaults, tables, results metadata."""
+
+import argparse
 
 import pytest
 
@@ -64,3 +66,26 @@ def test_results_name_a_dirty_checkout(tmp_path, monkeypatch):
     assert harness._git_commit(tmp_path) == f"{head}-dirty"
     monkeypatch.setenv("FP8CHAIN_COMMIT", "abc1234")
     assert harness._git_commit(tmp_path) == "abc1234"
+
+
+def test_quick_fills_only_the_options_not_given(capsys):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", nargs="+", type=int, help="M values")
+    parser.add_argument("--prefill", type=int, help="prefill tokens")
+    harness.add_quick(parser, rows=([1, 4, 16], [1]), prefill=(2048, 0))
+
+    def parsed(*argv):
+        args = harness.apply_quick(parser.parse_args(argv))
+        return args.rows, args.prefill
+
+    assert parsed() == ([1, 4, 16], 2048)
+    assert parsed("--quick") == ([1], 0)
+    assert parsed("--quick", "--rows", "8") == parsed("--rows", "8", "--quick") == ([8], 0)
+    assert parsed("--prefill", "2048", "--quick") == ([1], 2048)
+    assert parsed("--prefill", "0") == ([1, 4, 16], 0)
+    parser.print_help()
+    text = " ".join(capsys.readouterr().out.split())
+    assert "M values (default: 1 4 16; --quick: 1)" in text
+    assert "the reduced sweep: --rows 1, --prefill 0 (an option given explicitly wins)" in text
+    with pytest.raises(ValueError, match="cols"):
+        harness.add_quick(argparse.ArgumentParser(), cols=([1], [2]))

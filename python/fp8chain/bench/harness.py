@@ -302,12 +302,41 @@ def add_results_dir(parser: argparse.ArgumentParser) -> None:
                             help="where JSON/PNG/markdown go (default benchmark/results)")
 
 
+def _as_words(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def add_quick(parser: argparse.ArgumentParser, **sweeps: tuple[object, object]) -> None:
+    """``--quick``, the reduced sweep: ``sweeps[name] = (full, quick)`` for options already declared.
+    An option given on the command line wins; the others take ``quick`` under --quick and ``full``
+    otherwise (filled in by ``apply_quick`` after parsing). States both values in each option's help."""
+    actions = {action.dest: action for action in parser._actions}
+    missing = sorted(set(sweeps) - set(actions))
+    if missing:
+        raise ValueError(f"add_quick: no option declared for {missing}")
+    for name, (full, quick) in sweeps.items():
+        actions[name].default = None  # "not given": apply_quick fills it
+        actions[name].help = f"{actions[name].help} (default: {_as_words(full)}; --quick: {_as_words(quick)})"
+    reduced = ", ".join(f"--{name.replace('_', '-')} {_as_words(quick)}" for name, (_, quick) in sweeps.items())
+    parser.add_argument("--quick", action="store_true",
+                        help=f"the reduced sweep: {reduced} (an option given explicitly wins)")
+    parser.set_defaults(quick_sweeps=sweeps)
+
+
+def apply_quick(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill in the options ``add_quick`` declared and the command line left out (in place)."""
+    for name, (full, quick) in getattr(args, "quick_sweeps", {}).items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    return args
+
+
 def benchmark_main(doc: str, add_arguments, run, report, argv=None) -> None:
     """``python benchmark/<name>.py``: parse, run, print the device line and the report."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     add_results_dir(parser)
-    args = parser.parse_args(argv)
+    args = apply_quick(parser.parse_args(argv))
     meta, records = run(args)
     print(f"device {meta['device']}, copy {meta['copy_bandwidth_TBps']:.2f} TB/s, commit {meta['commit']}")
     print(report(meta, records, args.results_dir))
