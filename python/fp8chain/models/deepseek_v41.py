@@ -370,6 +370,11 @@ class MQALayer(nn.Module):
         o = impl.mqa_attention(q, kv_cache, slots, positions, self.attn_sink, self.softmax_scale, cos, sin)
         return o.view(q.shape[0], self.o_groups, -1)
 
+    def share_rope_tables(self, tables: dict) -> None:
+        """Keep the RoPE tables in ``tables``, a dict the caller shares between layers (the model
+        gives all its layers one)."""
+        self._rope_tables = tables
+
     @torch.compiler.disable
     def rope_tables(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for positions ``0..length-1``, made once per cache length (at warmup,
@@ -525,7 +530,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         # at Flash's 43 layers and 128K positions
         shared_tables: dict = {}
         for layer in self.layers:
-            layer.attn._rope_tables = shared_tables
+            layer.attn.share_rope_tables(shared_tables)
         self.chain = chain
         self.set_chain(chain)
         self.quantize_counter = QuantizeCounter(self)
