@@ -132,8 +132,9 @@ def quantize_tile(y, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.con
     if POW2:
         bits = amax.to(tl.int32, bitcast=True)
         exponent = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        exponent = tl.where(bits >= 0x7F800000, 255, exponent)  # amax inf: scale inf, multiplier 0
         scale = (exponent << 23).to(tl.float32, bitcast=True)
-        multiplier = ((254 - exponent) << 23).to(tl.float32, bitcast=True)
+        multiplier = (tl.maximum(254 - exponent, 0) << 23).to(tl.float32, bitcast=True)
     else:
         fp8_max = tl.full(amax.shape, 448.0, tl.float32)
         # The interpreter divides in fp64; rounding that to fp32 is still the exactly rounded

@@ -97,8 +97,9 @@ def test_gemv_nan_zero_and_weight_nan_cpu(device):
     zero = quant.quantize(torch.zeros(1, k, dtype=torch.bfloat16, device=device), G32)
     assert torch.equal(run_gemv(zero, w, s, 32, config, device).float(), torch.zeros(1, n, device=device))
     x = one_token(k, device)
-    x[0, 300] = float("nan")
-    assert torch.isnan(run_gemv(quant.quantize(x, G32), w, s, 32, config, device)).all()  # NaN reaches every output
+    for bad in ("nan", "inf", "-inf"):  # an infinity's group quantizes to NaN (reference.quant)
+        x[0, 300] = float(bad)
+        assert torch.isnan(run_gemv(quant.quantize(x, G32), w, s, 32, config, device)).all()  # every output
     bad_w = w.clone()
     bad_w.view(torch.uint8)[5, 17] = 0x7F  # the e4m3 NaN code in weight row 5
     out = run_gemv(quant.quantize(one_token(k, device), G32), bad_w, s, 32, config, device)
@@ -219,10 +220,11 @@ def test_gemv_table_problems_gpu(m, n, k, group):
     assert rel_error(out, want) < TOL
     unchained = gemm.fp8_gemm(x, w, s, weight_block=group, fmt=fmt)
     assert torch.equal(out.view(torch.int16), unchained.view(torch.int16))
-    x[m - 1, k // 3] = float("nan")
-    nan_out = gemm.fp8_gemm(x, w, s, weight_block=group, fmt=fmt)
-    assert torch.isnan(nan_out[m - 1]).all()
-    assert torch.equal(nan_out[:m - 1].view(torch.int16), out[:m - 1].view(torch.int16))  # the other tokens' bits
+    for bad in ("nan", "-inf"):
+        x[m - 1, k // 3] = float(bad)
+        nan_out = gemm.fp8_gemm(x, w, s, weight_block=group, fmt=fmt)
+        assert torch.isnan(nan_out[m - 1]).all()
+        assert torch.equal(nan_out[:m - 1].view(torch.int16), out[:m - 1].view(torch.int16))  # the other tokens' bits
     zero = quant.quantize(torch.zeros_like(x), fmt)
     assert torch.equal(gemm.fp8_gemm(zero, w, s, weight_block=group).float(), torch.zeros(m, n, device="cuda"))
 

@@ -150,6 +150,39 @@ def test_quantize_rejects_bad_input():
         quant.quantize(x, "sm90_g64")
 
 
+def check_infinite_groups(fmt, device):
+    """+-inf: its group's scale is inf and its data NaN codes (the finite values 0), the same bytes
+    as the reference; a row's other groups and the other rows are quantized as without it."""
+    x = _activation(6, 512, device)
+    clean = ref.quantize(x, fmt)
+    x[1, 5], x[1, 40], x[4, 300] = float("inf"), -float("inf"), -float("inf")
+    got = quant.quantize(x, fmt, out=poisoned_pair(6, 512, fmt, device))
+    assert_pairs_equal(got, ref.quantize(x, fmt))
+    scales, clean_scales = ref.scales_as_float(got), ref.scales_as_float(clean)
+    g = fmt.group_size
+    hit = torch.zeros_like(scales, dtype=torch.bool)
+    hit[1, 5 // g] = hit[1, 40 // g] = hit[4, 300 // g] = True
+    assert torch.isinf(scales[hit]).all() and torch.equal(scales[~hit], clean_scales[~hit])
+    dequantized = ref.dequantize(got)
+    assert torch.isnan(dequantized[1, :g]).all() and torch.isnan(dequantized[4, 300 // g * g:][:g]).all()
+    codes, clean_codes = got.data.view(torch.uint8), clean.data.view(torch.uint8)
+    groups = torch.arange(512, device=device) // g
+    untouched = ~hit[torch.arange(6, device=device)[:, None], groups[None, :]]
+    assert torch.equal(codes[untouched], clean_codes[untouched])
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_infinite_groups_quantize_to_nan_cpu(fmt):
+    check_infinite_groups(fmt, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_infinite_groups_quantize_to_nan_gpu(fmt):
+    check_infinite_groups(fmt, torch.device("cuda"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 16, 64, 127, 256, 2048, 8192])

@@ -161,12 +161,15 @@ def test_saturation_and_nan(fmt):
     assert codes[0, 5].item() & 0x7F == 0x7F, "NaN must stay NaN"
     assert torch.isnan(ref.dequantize(pair)[0, 5])
     assert torch.isfinite(ref.dequantize(pair)[0, 6:]).all(), "other elements unaffected"
-    if fmt.pow2_scales:  # +-inf saturate to +-448 (amax = inf gives a finite 2^120 scale)
-        assert codes[1, 7].item() == 0x7E and codes[1, 8].item() == 0xFE
-        assert (codes & 0x7F != 0x7F).sum() == codes.numel() - 1
-    else:  # continuous: scale = inf, multiplier 0, so inf * 0 = NaN: the group turns NaN, visibly
-        assert torch.isinf(pair.scale[1, 0]) and codes[1, 7].item() & 0x7F == 0x7F
-        assert torch.isnan(ref.dequantize(pair)[1, :128]).all()
+    # +-inf: scale inf (no finite scale holds it), multiplier 0, so inf * 0 = NaN and the group
+    # turns NaN, visibly; the row's other groups are unaffected
+    group = fmt.group_size
+    assert torch.isinf(ref.scales_as_float(pair)[1, 0]) and (codes[1, [7, 8]] & 0x7F == 0x7F).all()
+    assert (codes[1, :group] & 0x7F == 0x7F).sum() == 2  # the group's finite values quantize to 0
+    assert torch.isnan(ref.dequantize(pair)[1, :group]).all()
+    assert torch.isfinite(ref.dequantize(pair)[1, group:]).all()
+    if fmt.packed:
+        assert ref.unpack_ue8m0(pair.scale, 8)[1, 0] == 0xFF  # E8M0's NaN byte
     assert torch.isfinite(ref.dequantize(pair)[2]).all()
 
 

@@ -26,7 +26,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 from fp8chain_kernel.formats import FP8_DTYPE, FP8_MAX
-from fp8chain_kernel.reference import ue8m0_exponent
+from fp8chain_kernel.reference import pow2_scale_multiplier, ue8m0_exponent
 
 from ..layers.moe import MXFP4_GROUP, quantize_mxfp4
 from .deepseek_v41 import DeepseekV41Config
@@ -93,9 +93,7 @@ def quantize_fp8_blockwise(w: torch.Tensor, block: tuple[int, int] = (32, 32)) -
         raise ValueError(f"[{n}, {k}] is not a multiple of the {bn}x{bk} blocks")
     blocks = w.float().reshape(n // bn, bn, k // bk, bk)
     amax = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-4)
-    exponent = ue8m0_exponent(amax)
-    scale = (exponent << 23).view(torch.float32)
-    inv = ((254 - exponent) << 23).view(torch.float32)
+    scale, inv = pow2_scale_multiplier(ue8m0_exponent(amax))
     data = (blocks * inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).reshape(n, k).to(FP8_DTYPE)
     return data, scale.contiguous()
 

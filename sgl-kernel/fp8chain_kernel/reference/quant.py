@@ -9,10 +9,10 @@ Quantization of one group, in fp32 on the given values:
 * continuous formats: scale ``amax / 448``, multiplier ``448 / amax`` (each one IEEE fp32
   division); the kernels compute exactly these two divisions.
 * data ``= e4m3(clamp(x * multiplier, -448, 448))``: round to nearest even, saturating, NaN kept.
-  An infinite input makes its group's scale huge or infinite: in the power-of-two formats it
-  saturates to +-448 (scale 2^120) and the group's finite values flush to 0; in the continuous
-  format the scale is inf and the multiplier 0, so the infinite input becomes NaN (inf * 0) and
-  the finite ones 0.
+  An infinite input makes its group's scale infinite in every format (no finite scale holds it;
+  the packed UE8M0 byte is 0xFF, E8M0's NaN) and its multiplier 0, so the infinite input becomes
+  NaN (inf * 0) and the finite ones 0: the group dequantizes to NaN and every GEMM output reading
+  it is NaN, never a finite value.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from ..formats import (
 )
 
 __all__ = [
-    "group_amax", "ue8m0_exponent", "quantize_groups", "quantize", "dequantize", "pack_ue8m0", "unpack_ue8m0",
+    "group_amax", "ue8m0_exponent", "pow2_scale_multiplier", "quantize_groups", "quantize", "dequantize", "pack_ue8m0", "unpack_ue8m0",
     "dequantize_weight", "random_fp8_weight", "pack_weight_scale_for_deepgemm", "scales_as_float",
 ]
 
 _MANTISSA_1_75 = 0x600000  # fp32 mantissa bits of 1.75 = 448 / 2^8
+_INF_BITS = 0x7F800000
 
 
 def group_amax(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -45,10 +46,18 @@ def ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
     """Biased exponent (int32) of the smallest power of two ``s`` with ``amax / s <= 448``.
 
     ``amax = m * 2^E`` with ``1 <= m < 2``; ``448 = 1.75 * 2^8``, so ``s = 2^(E-8)`` when
-    ``m <= 1.75`` and ``2^(E-7)`` otherwise. Exact at every boundary (pure bit arithmetic).
+    ``m <= 1.75`` and ``2^(E-7)`` otherwise. Exact at every boundary (pure bit arithmetic). An
+    infinite amax gives 255: the scale inf.
     """
     bits = amax.float().contiguous().view(torch.int32)
-    return (bits >> 23) - 8 + ((bits & 0x7FFFFF) > _MANTISSA_1_75).to(torch.int32)
+    exponent = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > _MANTISSA_1_75).to(torch.int32)
+    return torch.where(bits >= _INF_BITS, 255, exponent)
+
+
+def pow2_scale_multiplier(exponent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(2^(e-127), 2^(127-e))`` of biased exponents ``e`` (both exact); for 255 (an infinite
+    amax) ``(inf, 0)``."""
+    return _pow2_from_exponent(exponent), _pow2_from_exponent((254 - exponent).clamp_min(0))
 
 
 def _pow2_from_exponent(biased: torch.Tensor) -> torch.Tensor:
@@ -63,8 +72,7 @@ def quantize_groups(x: torch.Tensor, fmt: ActFormat):
     amax = group_amax(x, g)
     if fmt.pow2_scales:
         exponent = ue8m0_exponent(amax)
-        scale = _pow2_from_exponent(exponent)
-        multiplier = _pow2_from_exponent(254 - exponent)
+        scale, multiplier = pow2_scale_multiplier(exponent)
     else:
         exponent = None
         # Tensor / tensor on purpose: torch evaluates `scalar / t` as `t.reciprocal() * scalar`
