@@ -20,9 +20,7 @@ return_bf16=True, config=None)``
   share no memory with each other or with ``x`` and ``weight``.
 * ``config`` (benchmarks' sweeps): ``{"BLOCK_M", "BLOCK_H", "num_warps"}`` in place of the launch
   rule (``_launch_config``), powers of two, ``BLOCK_H >= max(H, 128)``, at most ``2**20`` values
-  per program (``H`` is bounded by that too: a program holds whole rows). A program holds its
-  ``BLOCK_H`` columns as two power-of-two pieces where that drops masked columns
-  (``_row_pieces``: 5120 as 4096 + 1024).
+  per program (``H`` is bounded by that too: a program holds whole rows).
 
 The same return convention (and the helpers ``resolve_outputs`` / ``producer_result`` below)
 is shared by ``act.silu_mul`` and ``einsum.wo_a_einsum``.
@@ -166,10 +164,16 @@ def launch_args(fmt, pair, y, dummy: torch.Tensor) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _load_piece(x_ptr, res_ptr, rows, offs_m, offs_h, M, H, stride_xm, stride_rm,
-                HAS_RESIDUAL: tl.constexpr, EXACT_CAST: tl.constexpr):
-    """fp32 ``h`` of the columns ``offs_h`` of the program's rows (``x + residual`` rounded to bf16
-    and written back with a residual), and their mask."""
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, H, eps,
+                     stride_xm, stride_rm, stride_ym, stride_dm, stride_sm, stride_sg,
+                     HAS_RESIDUAL: tl.constexpr, STORE_BF16: tl.constexpr, QUANT: tl.constexpr,
+                     GROUP: tl.constexpr, POW2: tl.constexpr, PACKED: tl.constexpr,
+                     EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    # One program normalises BLOCK_M whole rows held in registers (BLOCK_H >= H).
+    await_producer(PDL)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_h = tl.arange(0, BLOCK_H)
+    rows = offs_m.to(tl.int64)[:, None]
     mask = (offs_m[:, None] < M) & (offs_h[None, :] < H)
     h = tl.load(x_ptr + rows * stride_xm + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -178,67 +182,15 @@ def _load_piece(x_ptr, res_ptr, rows, offs_m, offs_h, M, H, stride_xm, stride_rm
         hb = round_bf16(h + r, EXACT_CAST)
         tl.store(r_ptrs, hb, mask=mask)
         h = hb.to(tl.float32)
-    return h, mask
-
-
-@triton.jit
-def _store_piece(h, mask, rstd, w_ptr, y_ptr, data_ptr, scale_ptr, rows, offs_m, offs_h, M, H,
-                 stride_ym, stride_dm, stride_sm, stride_sg, STORE_BF16: tl.constexpr, QUANT: tl.constexpr,
-                 GROUP: tl.constexpr, POW2: tl.constexpr, PACKED: tl.constexpr, EXACT_CAST: tl.constexpr,
-                 BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, FIRST_COL: tl.constexpr):
-    """``y = bf16(h * rstd * weight)`` of one piece of the rows, stored as bf16 and / or FP8."""
+    rstd = rms_rstd(tl.sum(h * h, axis=1), H, eps)
     w = tl.load(w_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
     yb = round_bf16(h * rstd[:, None] * w[None, :], EXACT_CAST)
     if STORE_BF16:
         tl.store(y_ptr + rows * stride_ym + offs_h[None, :], yb, mask=mask)
     if QUANT:
         store_pair_tile(data_ptr + fp8_offsets(rows, stride_dm, offs_h), scale_ptr, yb.to(tl.float32), mask,
-                        offs_m, FIRST_COL // GROUP, M, tl.cdiv(H, GROUP), stride_sm, stride_sg,
-                        BLOCK_M, WIDTH, GROUP, POW2, PACKED, EXACT_CAST)
-
-
-@triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, H, eps,
-                     stride_xm, stride_rm, stride_ym, stride_dm, stride_sm, stride_sg,
-                     HAS_RESIDUAL: tl.constexpr, STORE_BF16: tl.constexpr, QUANT: tl.constexpr,
-                     GROUP: tl.constexpr, POW2: tl.constexpr, PACKED: tl.constexpr,
-                     EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-                     TAIL_H: tl.constexpr, PDL: tl.constexpr):
-    # One program normalises BLOCK_M whole rows held in registers, in two power-of-two pieces of
-    # BLOCK_H and TAIL_H columns (TAIL_H may be 0; BLOCK_H + TAIL_H >= H): H = 5120 as 4096 + 1024
-    # rather than one 8192-wide tile, whose masked columns would cost as much as real ones.
-    await_producer(PDL)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = offs_m.to(tl.int64)[:, None]
-    offs_h = tl.arange(0, BLOCK_H)
-    h, mask = _load_piece(x_ptr, res_ptr, rows, offs_m, offs_h, M, H, stride_xm, stride_rm,
-                          HAS_RESIDUAL, EXACT_CAST)
-    sum_sq = tl.sum(h * h, axis=1)
-    if TAIL_H > 0:
-        offs_t = BLOCK_H + tl.arange(0, TAIL_H)
-        h_t, mask_t = _load_piece(x_ptr, res_ptr, rows, offs_m, offs_t, M, H, stride_xm, stride_rm,
-                                  HAS_RESIDUAL, EXACT_CAST)
-        sum_sq += tl.sum(h_t * h_t, axis=1)
-    rstd = rms_rstd(sum_sq, H, eps)
-    _store_piece(h, mask, rstd, w_ptr, y_ptr, data_ptr, scale_ptr, rows, offs_m, offs_h, M, H,
-                 stride_ym, stride_dm, stride_sm, stride_sg, STORE_BF16, QUANT, GROUP, POW2, PACKED, EXACT_CAST,
-                 BLOCK_M, BLOCK_H, 0)
-    if TAIL_H > 0:
-        _store_piece(h_t, mask_t, rstd, w_ptr, y_ptr, data_ptr, scale_ptr, rows, offs_m, offs_t, M, H,
-                     stride_ym, stride_dm, stride_sm, stride_sg, STORE_BF16, QUANT, GROUP, POW2, PACKED,
-                     EXACT_CAST, BLOCK_M, TAIL_H, BLOCK_H)
-
-
-def _row_pieces(cols: int, width: int) -> tuple[int, int]:
-    """A row of ``cols`` values in a ``width``-column tile (a power of two >= max(cols, 128)) as
-    two power-of-two pieces ``(head, tail)``: the widest head the row fills, then the narrowest
-    tail (>= 128, whole FP8 groups and packed scale words) that covers the rest; ``(width, 0)``
-    where that saves no column (5120 -> 4096 + 1024, 1280 -> 1024 + 256, 1024 -> 1024 + 0)."""
-    head = width // 2
-    if cols <= head or width <= 128:
-        return width, 0
-    tail = max(128, triton.next_power_of_2(cols - head))
-    return (head, tail) if tail < head else (width, 0)
+                        offs_m, 0, M, tl.cdiv(H, GROUP), stride_sm, stride_sg,
+                        BLOCK_M, BLOCK_H, GROUP, POW2, PACKED, EXACT_CAST)
 
 
 def _launch_config(rows: int, cols: int) -> tuple[int, int, int]:
@@ -294,11 +246,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
         return producer_result(y, pair)
     a = launch_args(fmt, pair, y, x)
     res = residual if residual is not None else x
-    head, tail = _row_pieces(cols, block_h)
     _rms_norm_kernel[(triton.cdiv(rows, block_m),)](
         x, res, weight, a["y"], a["data"], a["scale"], rows, cols, float(eps),
         x.stride(0), res.stride(0), a["y_stride"], *a["strides"],
         HAS_RESIDUAL=residual is not None, STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"],
-        BLOCK_M=block_m, BLOCK_H=head, TAIL_H=tail, num_warps=num_warps, **a["consts"], **pdl_options(),
+        BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps, **a["consts"], **pdl_options(),
     )
     return producer_result(y, pair)

@@ -116,26 +116,6 @@ def test_rms_norm_launch_config(rows, cols, config):
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("cols,width,pieces", [
-    (5120, 8192, (4096, 1024)), (1280, 2048, (1024, 256)), (2304, 4096, (2048, 256)), (640, 1024, (512, 128)),
-    (320, 512, (256, 128)), (1024, 1024, (1024, 0)), (1900, 2048, (2048, 0)), (160, 256, (256, 0)),
-    (96, 128, (128, 0)), (320, 1024, (1024, 0)),
-])
-def test_rms_norm_row_pieces(cols, width, pieces):
-    """Two power-of-two pieces where they cover the row with fewer columns than the tile, the tail
-    at least 128 wide; one piece otherwise."""
-    assert norm._row_pieces(cols, width) == pieces
-
-
-@pytest.mark.cpu
-@pytest.mark.parametrize("fmt", ALL_FORMATS)
-def test_rms_norm_cpu_two_pieces(fmt, device):
-    """H = 640 as 512 + 128 columns: the tail piece's groups and packed scale words start at
-    column 512, and the sum of squares adds both pieces."""
-    check_rms_norm(3, 640, fmt, device, residual=True)
-
-
-@pytest.mark.cpu
 @pytest.mark.parametrize("config", [dict(BLOCK_M=1, BLOCK_H=256, num_warps=2), dict(BLOCK_M=4, BLOCK_H=512, num_warps=8)])
 def test_rms_norm_launch_config_override(config, device):
     """``config=`` (the benchmark's sweep) sets the program shape; every row is still written and
