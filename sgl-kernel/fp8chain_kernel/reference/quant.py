@@ -24,8 +24,9 @@ from ..formats import (
 )
 
 __all__ = [
-    "group_amax", "ue8m0_exponent", "pow2_scale_multiplier", "quantize_groups", "quantize", "dequantize", "pack_ue8m0", "unpack_ue8m0",
-    "dequantize_weight", "random_fp8_weight", "pack_weight_scale_for_deepgemm", "scales_as_float",
+    "group_amax", "ue8m0_exponent", "pow2_scale_multiplier", "quantize_groups", "quantize", "dequantize",
+    "pack_ue8m0", "unpack_ue8m0", "dequantize_weight", "random_fp8_weight", "pack_weight_scale_for_deepgemm",
+    "scales_as_float",
 ]
 
 _MANTISSA_1_75 = 0x600000  # fp32 mantissa bits of 1.75 = 448 / 2^8
