@@ -38,6 +38,14 @@ def _random_rows(rows: int, cols: int, device) -> torch.Tensor:
     return x.bfloat16()
 
 
+def _special_rows(rows: int, cols: int, device) -> torch.Tensor:
+    """``_random_rows`` (row 1 zero) with a NaN in row 2 and +-inf in row 3 (rows >= 4)."""
+    x = _random_rows(rows, cols, device)
+    x[2, cols // 3] = float("nan")
+    x[3, 5], x[3, cols - 1] = float("inf"), -float("inf")
+    return x
+
+
 def check_quantize(device, quick) -> str:
     from fp8chain_kernel import quant
 
@@ -47,7 +55,9 @@ def check_quantize(device, quick) -> str:
         for rows, cols in sizes:
             x = _random_rows(rows, cols, device)
             _require(_pairs_equal(quant.quantize(x, fmt), ref.quantize(x, fmt)), f"{fmt.value} {rows}x{cols}")
-    return f"{len(sizes)} shapes x {len(ActFormat)} formats bitwise"
+        x = _special_rows(5, sizes[0][1], device)
+        _require(_pairs_equal(quant.quantize(x, fmt), ref.quantize(x, fmt)), f"{fmt.value} NaN / inf rows")
+    return f"{len(sizes)} shapes and NaN / +-inf rows x {len(ActFormat)} formats bitwise"
 
 
 def check_producers(device, quick) -> str:
@@ -128,6 +138,10 @@ def check_gemm(device, quick) -> str:
             err = ((out.double() - want).norm() / want.norm()).item()
             _require(err < 5e-3, f"GEMM {fmt.value} M={rows}: relative error {err:.2e}")
             worst = max(worst, err)
+        # a NaN or an infinity in a token: its output row is NaN (never finite), the others finite
+        out = gemm.fp8_gemm(quant.quantize(_special_rows(5, k, device), fmt), weight, scale, weight_block=block)
+        _require(bool(torch.isnan(out[2:4]).all() and torch.isfinite(out[[0, 1, 4]]).all()),
+                 f"GEMM {fmt.value}: a NaN / inf token's row is not NaN, or another row is not finite")
     # the gate_up GEMM's SiLU*mul epilogue: the bytes of the GEMM followed by act.silu_mul
     from fp8chain_kernel import act
 
@@ -139,7 +153,7 @@ def check_gemm(device, quick) -> str:
         want_y = act.silu_mul(gemm.fp8_gemm(pair, weight, scale, weight_block=32), limit=10.0)
         _require(torch.equal(y.view(torch.int16), want_y.view(torch.int16)), f"fp8_gemm_silu_mul bf16 M={rows}")
         _require(_pairs_equal(h_pair, ref.quantize(y, fmt)), f"fp8_gemm_silu_mul pair M={rows}")
-    return (f"fp8_gemm {n}x{k}, both Hopper formats, worst relative error {worst:.1e}; "
+    return (f"fp8_gemm {n}x{k}, both Hopper formats, worst relative error {worst:.1e}, NaN / inf rows NaN; "
             f"fp8_gemm_silu_mul {2 * n}x{k} bitwise")
 
 
@@ -161,9 +175,11 @@ def run_checks(quick: bool = False) -> bool:
         start = time.perf_counter()
         try:
             with warnings.catch_warnings():
-                # the interpreter evaluates exp in numpy, which warns where it overflows to inf,
-                # as the GPU's exp does by design (SiLU of a large negative gate)
+                # the interpreter evaluates in numpy, which warns where exp overflows to inf (SiLU of
+                # a large negative gate) and where inf * 0 gives NaN (an infinity's group, multiplier
+                # 0): both by design, as on the GPU
                 warnings.filterwarnings("ignore", "overflow encountered in exp", RuntimeWarning)
+                warnings.filterwarnings("ignore", "invalid value encountered in multiply", RuntimeWarning)
                 detail = check(device, quick)
             status = "ok  "
         except ImportError as exc:
