@@ -50,8 +50,9 @@ def _silu_mul_kernel(gu_ptr, y_ptr, data_ptr, scale_ptr, M, I, limit,
                      EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     await_producer(PDL)
     # one grid axis, column tiles fastest: a second axis would cap the rows at 65535 tiles
-    pid_n = tl.program_id(0) % tl.cdiv(I, BLOCK_N)
-    pid_m = tl.program_id(0) // tl.cdiv(I, BLOCK_N)
+    column_tiles = tl.cdiv(I, BLOCK_N)
+    pid_n = tl.program_id(0) % column_tiles
+    pid_m = tl.program_id(0) // column_tiles
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = offs_m.to(tl.int64)[:, None]
