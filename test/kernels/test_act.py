@@ -95,6 +95,21 @@ def test_silu_mul_launch_config_override(config, device):
         act.silu_mul(gu, config=dict(BLOCK_M=1, BLOCK_N=64, num_warps=4))
 
 
+@pytest.mark.cpu
+def test_silu_mul_refuses_more_column_tiles_than_a_grid_axis(device):
+    """Column tiles ride grid axis 1 (65535 at most): one more is refused before anything runs, at
+    either tile width; 65535 tiles of 128 pass the check (zero rows: nothing to launch)."""
+    wide = 65535 * 256 + 1
+    with pytest.raises(ValueError, match="65535 column tiles"):
+        act.silu_mul(torch.empty(0, 2 * wide, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError, match="65535 column tiles"):
+        act.silu_mul(torch.empty(0, 2 * (65535 * 128 + 128), dtype=torch.bfloat16, device=device),
+                     config=dict(BLOCK_M=1, BLOCK_N=128, num_warps=4))
+    y = act.silu_mul(torch.empty(0, 2 * 65535 * 128, dtype=torch.bfloat16, device=device),
+                     config=dict(BLOCK_M=1, BLOCK_N=128, num_warps=4))
+    assert y.shape == (0, 65535 * 128)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", GPU_T)
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
@@ -106,7 +121,7 @@ def test_silu_mul_gpu(rows, fmt, limit):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", [ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN])
 def test_silu_mul_more_row_tiles_than_a_grid_axis_gpu(fmt):
-    """65537 row tiles of 4 rows (I = 256): past the 65535 programs a CUDA grid's second axis takes."""
+    """65537 row tiles of 4 rows (I = 256): more than grid axes 1 and 2 take (65535); rows ride axis 0."""
     rows = 4 * 65537 - 3
     assert act._launch_config(rows, 256)[0] == 4
     check_silu_mul(rows, 256, fmt, torch.device("cuda"), LIMIT)
