@@ -98,14 +98,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def layer_config(shapes: str, tiny: bool = False) -> DeepseekV41Config:
     """The layer's config; ``tp4``: the shapes one rank of four holds under tensor parallelism, on
-    a model of its own: 16 heads and 2 o-groups (wq_b [8192, 1280], wo_a [2, 1024, 4096], wo_b
-    [5120, 2048]) and a quarter of the shared expert's intermediate (gate_up [1152, 5120], down
-    [5120, 576] in Flash; SGLang shards the shared expert over the TP group by default)."""
+    a model of its own: a quarter of the heads and o-groups (Flash: 16 and 2; wq_b [8192, 1280],
+    wo_a [2, 1024, 4096], wo_b [5120, 2048]) and a quarter of the shared expert's intermediate
+    (gate_up [1152, 5120], down [5120, 576] in Flash; SGLang shards the shared expert over the TP
+    group by default)."""
     preset = DeepseekV41Config.tiny if tiny else DeepseekV41Config.flash
     overrides = dict(n_routed_experts=8, num_experts_per_tok=2)  # routed experts not timed
     if shapes == "tp4":
-        overrides.update(num_attention_heads=16, o_groups=2,
-                         moe_intermediate_size=preset().moe_intermediate_size // TP4_RANKS)
+        full = preset()
+        overrides["moe_intermediate_size"] = full.moe_intermediate_size // TP4_RANKS
+        if not tiny:  # tiny's 2 heads and 2 o-groups stand for one rank's: too few to split four ways
+            overrides.update(num_attention_heads=full.num_attention_heads // TP4_RANKS,
+                             o_groups=full.o_groups // TP4_RANKS)
     return preset(**overrides)
 
 
