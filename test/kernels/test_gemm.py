@@ -414,10 +414,11 @@ def test_torch_blockwise_dsv41_shapes_gpu(n, k):
     backend = backends.get_backend("torch_blockwise")
     reason = backend.rejection(G128, 128, n, k)
     if reason is not None:  # torch 2.11: K/128 not a multiple of 4 computes wrong, so rejected
+        # the refusal is this shape's contract: a clear ValueError at the call, never a wrong product
         assert (k // 128) % 4 != 0, reason
         with pytest.raises(ValueError, match="no working 128x128 scale layout"):
             backend.gemm(quant.quantize(make_activation(4, k, "cuda"), G128), *_gpu_weight(n, k, 128)[:2], {})
-        pytest.skip(reason)
+        return
     w, s, w_ref = _gpu_weight(n, k, 128)
     derived = backend.derive_weight_tensors(w, s, 128)
     for m in (1, 3, 64, 127, 2048):
