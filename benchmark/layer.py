@@ -4,7 +4,9 @@ Per decode step (M tokens, each with a ``--context``-token KV cache; the prefill
 sequence of ``--prefill`` tokens with causal attention over its own keys) the timed unit is:
 mHC stats -> attention (wqkv_a, q_norm, wq_b, MQA core, inverse RoPE, wo_a einsum, wo_b) ->
 mHC boundary -> mHC stats -> shared expert (gate_up, SiLU*mul, down) -> mHC boundary (which
-writes the next layer's wqkv_a input). Routed experts are not in the unit.
+writes the next layer's wqkv_a input). The rest of the MoE sublayer, the router and the routed
+experts, is timed on its own beside each decode case (``RoutedExperts``, the ``router_us`` /
+``routed_us`` columns; ``--no-routed`` skips it).
 
 Arms, timed in one process with CUDA-graph replay (median):
 - ``chained``: every producer writes the FP8 pair its consumer reads (no quantize launches);
@@ -68,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
 from fp8chain.argtypes import positive_int, non_negative_int  # noqa: E402
 from fp8chain.bench import harness  # noqa: E402
 from fp8chain.layers.mhc import at_start, run_sublayer  # noqa: E402
+from fp8chain.layers.moe import RoutedExpertsReference, TopKRouter  # noqa: E402
 from fp8chain.layers.quantization import fp8 as fp8_method  # noqa: E402
 from fp8chain.layers.quantization.fp8 import Fp8Config  # noqa: E402
 from fp8chain.models.deepseek_v41 import (  # noqa: E402
@@ -88,6 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", choices=["tp1", "tp4"],
                         help="TP1 dims, or one TP4 rank's shard (16 heads, 2 o-groups, a quarter of the shared expert)")
     parser.add_argument("--no-peer", action="store_true", help="skip the torch.compile peer")
+    parser.add_argument("--no-routed", action="store_true",
+                        help="skip timing the router and the routed experts (the model's torch reference)")
     harness.add_quick(parser, rows=(ROWS, [1, 16, 64]), prefill=(PREFILL, 0), shapes=(["tp1", "tp4"], ["tp1"]))
     parser.add_argument("--iters", type=positive_int, default=20, help="steps per captured graph")
     parser.add_argument("--captures", type=positive_int, default=1,
@@ -96,14 +101,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "captured in); {arm}_us stays the first")
 
 
-def layer_config(shapes: str, tiny: bool = False) -> DeepseekV41Config:
+def layer_config(shapes: str, tiny: bool = False, routed: bool = False) -> DeepseekV41Config:
     """The layer's config; ``tp4``: the shapes one rank of four holds under tensor parallelism, on
     a model of its own: a quarter of the heads and o-groups (Flash: 16 and 2; wq_b [8192, 1280],
     wo_a [2, 1024, 4096], wo_b [5120, 2048]) and a quarter of the shared expert's intermediate
     (gate_up [1152, 5120], down [5120, 576] in Flash; SGLang shards the shared expert over the TP
-    group by default)."""
+    group by default), and of every routed expert's (SGLang's MoE tensor parallelism without expert
+    parallelism). ``routed``: the preset's routed experts (Flash: 256, top 6); without it the
+    layer keeps 8 (top 2), which the timed unit never runs."""
     preset = DeepseekV41Config.tiny if tiny else DeepseekV41Config.flash
-    overrides = dict(n_routed_experts=8, num_experts_per_tok=2)  # routed experts not timed
+    overrides = {} if routed else dict(n_routed_experts=8, num_experts_per_tok=2)
     if shapes == "tp4":
         full = preset()
         overrides["moe_intermediate_size"] = full.moe_intermediate_size // TP4_RANKS
@@ -199,6 +206,52 @@ class LayerUnit:
             self.residual, layer.ffn_norm, _chain_format(layer.ffn.input_linear, chain), overlap)
         return run_sublayer(layer.hc_ffn, at_start(lambda: layer.ffn.shared_experts(x, pair)), residual,
                             layer.attn_norm, _chain_format(layer.attn.wqkv_a, chain), overlap)
+
+
+class RoutedExperts:
+    """The part of the MoE sublayer that the timed unit leaves out, on its own: the router and the
+    routed experts as the model runs them until MoE kernels replace them (``TopKRouter``,
+    ``RoutedExpertsReference``: every expert's GEMMs in fp32 over its dequantized MXFP4 weights),
+    with random weights in the checkpoint's format. The chain switches nothing here (both arms
+    hand the router and the experts the same bf16 x), so one timing serves both."""
+
+    def __init__(self, config: DeepseekV41Config, device):
+        c = config
+        with torch.device(device):
+            self.gate = TopKRouter(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok,
+                                   c.routed_scaling_factor, renormalize=c.norm_topk_prob)
+            self.experts = RoutedExpertsReference(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size,
+                                                  c.swiglu_limit)
+        with torch.no_grad():
+            self.gate.weight.copy_(torch.randn_like(self.gate.weight, dtype=torch.float32) * 0.02)
+            for data, scale in ((self.experts.w13_weight, self.experts.w13_scale),
+                                (self.experts.w2_weight, self.experts.w2_scale)):
+                data.random_(0, 256)  # any two e2m1 codes per byte
+                scale.random_(117, 122)  # 2^-10 .. 2^-6: expert weights of about 0.02
+        self.experts.process_weights_after_loading()
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, *self.gate(x))
+
+    def serving_bytes(self, x: torch.Tensor) -> tuple[int, int]:
+        """(experts the tokens ``x`` route to, the bytes a serving MoE step reads for them: the
+        router's bf16 weight and those experts' MXFP4 data and scales)."""
+        experts = self.experts
+        touched = int(self.gate(x)[0].unique().numel())
+        per_expert = sum(t[0].numel() * t.element_size() for t in (experts.w13_weight, experts.w13_scale,
+                                                                    experts.w2_weight, experts.w2_scale))
+        return touched, self.gate.weight.numel() * self.gate.weight.element_size() + touched * per_expert
+
+    def measure(self, rows: int, bandwidth: float, iters: int) -> dict:
+        """``router_us`` (the router alone) and ``routed_us`` (router + routed experts) per step of
+        ``rows`` tokens, graph replay; ``routed_experts_touched`` and ``routed_floor_us``, the
+        serving bytes of those experts over the copy ``bandwidth`` (bytes / s)."""
+        x = torch.randn(rows, self.gate.weight.shape[1], device=self.gate.weight.device).bfloat16()
+        touched, nbytes = self.serving_bytes(x)
+        return {"router_us": harness.graph_time_us(lambda: self.gate(x), iters=iters),
+                # the reference's step takes milliseconds: a few calls per graph are enough
+                "routed_us": harness.graph_time_us(lambda: self.step(x), iters=2, repeats=5),
+                "routed_experts_touched": touched, "routed_floor_us": nbytes / bandwidth * 1e6}
 
 
 @contextlib.contextmanager
@@ -424,7 +477,7 @@ def run(args) -> tuple[dict, list[dict]]:
     # (shapes, tokens, prefill?): a decode M equal to the prefill length stays a decode case
     cases = [case for s in args.shapes
              for case in [(s, m, False) for m in args.rows] + ([(s, args.prefill, True)] if args.prefill else [])]
-    layers, peers = {}, {}
+    layers, peers, routed = {}, {}, {}
     # Pass 1 times every case, pass 2 profiles them: once torch.profiler has run, every kernel of
     # a later replay is slower (the harness docstring), so no timing may follow a profile.
     for shapes, rows, is_prefill in harness.progress(cases, "layer"):
@@ -462,6 +515,10 @@ def run(args) -> tuple[dict, list[dict]]:
                     record["compiled_peer_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                     print(f"compiled peer failed at {shapes} M={rows}: {record['compiled_peer_error']}",
                           file=sys.stderr)
+            if not (is_prefill or args.no_routed):
+                if shapes not in routed:
+                    routed[shapes] = RoutedExperts(layer_config(shapes, routed=True), "cuda")
+                record.update(routed[shapes].measure(rows, bandwidth, args.iters))
         record["floor_us"] = weight_bytes(layer) / bandwidth * 1e6
         record["weight_copies"] = len(copies)
         for variant, ratio in (("", "chained_over_unchained"), ("_best_stats", "best_stats_chained_over_unchained"),
@@ -507,6 +564,9 @@ COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "chained_best_s
            "no_stats_chained_over_unchained", "no_quantize_over_unchained", "chained_over_peer", "chained_over_floor", "chained_launches",
            "unchained_launches", "chained_quantize_launches", "unchained_quantize_launches",
            "unchained_no_quantize_launches", "unchained_no_quantize_quantize_launches"]
+# the router and routed experts, beside the unit's two arms they are reported apart from
+ROUTED_COLUMNS = ["shapes", "M", "router_us", "routed_us", "routed_experts_touched", "routed_floor_us",
+                  "chained_us", "unchained_us"]
 
 
 def report(meta: dict, records: list[dict], results_dir=None) -> str:
@@ -517,7 +577,14 @@ def report(meta: dict, records: list[dict], results_dir=None) -> str:
                          "us per decode step (attention + shared expert)", group="panel", results_dir=results_dir)
     captured = [f"{arm}_captures_us" for arm, _ in ARMS if any(f"{arm}_captures_us" in r for r in records)]
     columns = COLUMNS[:5] + captured + COLUMNS[5:]  # beside chained_us / unchained_us
-    return f"{path}\n" + harness.markdown_table(records, columns) + "\n" + kernel_breakdown(records)
+    text = f"{path}\n" + harness.markdown_table(records, columns) + "\n" + kernel_breakdown(records)
+    routed = [r for r in decode if "routed_us" in r]
+    if routed:
+        harness.plot_records("layer_routed", routed, "M", ["routed_us", "router_us", "routed_floor_us", "chained_us"],
+                             "us per decode step (router + routed experts)", group="panel", results_dir=results_dir)
+        text += "\n\nRouter and routed experts (the model's torch reference; the same in both arms):\n"
+        text += harness.markdown_table(routed, ROUTED_COLUMNS)
+    return text
 
 
 def kernel_breakdown(records: list[dict], top: int = 8) -> str:

@@ -81,6 +81,42 @@ def test_weight_copies_stream_past_l2():
         assert bench.weight_copies(layer) == copies, shapes
 
 
+def test_routed_config_keeps_the_presets_experts():
+    """The routed-experts timing runs Flash's 256 experts, top 6; a TP4 rank holds every expert at a
+    quarter of the intermediate (as the shared expert); the timed unit's layer keeps 8, top 2."""
+    bench = _layer_benchmark()
+    for shapes, inter in (("tp1", 2304), ("tp4", 576)):
+        routed, unit = bench.layer_config(shapes, routed=True), bench.layer_config(shapes)
+        assert (routed.n_routed_experts, routed.num_experts_per_tok, routed.moe_intermediate_size) == (256, 6, inter)
+        assert (unit.n_routed_experts, unit.num_experts_per_tok, unit.moe_intermediate_size) == (8, 2, inter)
+        assert routed.num_attention_heads == unit.num_attention_heads
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_routed_experts_step_and_serving_bytes(rows):
+    """The routed step is the model's MoE without the shared expert, on processed checkpoint-format
+    weights; its floor counts the router and the MXFP4 bytes of exactly the experts routed to."""
+    from fp8chain.layers.moe import dequantize_mxfp4
+
+    bench = _layer_benchmark()
+    config = bench.layer_config("tp1", tiny=True, routed=True)
+    torch.manual_seed(rows)
+    routed = bench.RoutedExperts(config, "cpu")
+    experts = routed.experts
+    assert torch.equal(experts.w2_dequant, dequantize_mxfp4(experts.w2_weight, experts.w2_scale, torch.bfloat16))
+    x = torch.randn(rows, config.hidden_size).bfloat16()
+    with torch.no_grad():
+        out = routed.step(x)
+        idx, weights = routed.gate(x)
+    assert out.shape == (rows, config.hidden_size) and torch.isfinite(out).all() and out.abs().sum() > 0
+    assert torch.equal(out, experts(x, idx, weights))
+    h, i = config.hidden_size, config.moe_intermediate_size
+    per_expert = 2 * i * h // 2 + 2 * i * h // 32 + h * i // 2 + h * i // 32  # e2m1 pairs + UE8M0 per 32
+    touched = len(set(idx.flatten().tolist()))
+    assert routed.serving_bytes(x) == (touched, config.n_routed_experts * h * 2 + touched * per_expert)
+    assert 1 <= touched <= min(config.n_routed_experts, rows * config.num_experts_per_tok)
+
+
 def test_unit_stats_split_cap():
     """``HyperConnection.max_stats_splits`` reaches the stats launch (its fp32 bits change with the
     split count), and at a shared cap the chained and unchained steps stay bitwise equal (the

@@ -20,7 +20,7 @@ from .linear import ColumnParallelLinear, RowParallelLinear
 from .quantization.fp8 import consumer_gemm_silu_mul
 
 __all__ = [
-    "E2M1_VALUES", "MXFP4_GROUP", "dequantize_mxfp4", "quantize_mxfp4", "TopKRouter",
+    "E2M1_VALUES", "MXFP4_GROUP", "check_mxfp4_scales", "dequantize_mxfp4", "quantize_mxfp4", "TopKRouter",
     "SharedExpert", "RoutedExpertsReference", "swiglu_reference",
 ]
 
@@ -42,6 +42,15 @@ def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
     raise TypeError(f"MXFP4 scales must be float8_e8m0fnu or uint8, got {scale.dtype}")
 
 
+def check_mxfp4_scales(scale: torch.Tensor) -> None:
+    """UE8M0 scale bytes are 0..254: 255 (UE8M0's NaN) raises ``ValueError`` naming the first."""
+    sbytes = _scale_bytes(scale)
+    nan = sbytes == 255
+    if nan.any():  # dequantizing would turn it into 2^128 = inf
+        raise ValueError(f"MXFP4 scales {tuple(sbytes.shape)}: {int(nan.sum())} hold the byte 255 (NaN in UE8M0; "
+                         f"scales are bytes 0..254), first at {nan.nonzero()[0].tolist()}")
+
+
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Packed e2m1 ``[..., N, K/2]`` uint8 + UE8M0 ``[..., N, K/32]`` -> ``[..., N, K]``.
@@ -57,10 +66,7 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor,
     if sbytes.shape[-1] * MXFP4_GROUP != k or sbytes.shape[:-1] != packed.shape[:-1]:
         raise ValueError(f"MXFP4 data {tuple(packed.shape)} needs scales "
                          f"{tuple(packed.shape[:-1]) + (k // MXFP4_GROUP,)}, got {tuple(sbytes.shape)}")
-    nan = sbytes == 255
-    if nan.any():  # the shift below would turn it into 2^128 = inf
-        raise ValueError(f"MXFP4 scales {tuple(sbytes.shape)}: {int(nan.sum())} hold the byte 255 (NaN in UE8M0; "
-                         f"scales are bytes 0..254), first at {nan.nonzero()[0].tolist()}")
+    check_mxfp4_scales(sbytes)
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], k)
     values = _e2m1_table(packed.device)[codes.long()]
     # 2^(e-127), exact: the exponent field for bytes 1..254; byte 0 is 2^-127, fp32's subnormal 0x00400000
@@ -216,10 +222,15 @@ class RoutedExpertsReference(nn.Module):
                              persistent=False)
 
     def process_weights_after_loading(self) -> None:
-        """Derive the bf16 weights into the existing buffers (same storage on every reload)."""
+        """Derive the bf16 weights into the existing buffers (same storage on every reload), one
+        expert at a time: dequantizing all of Flash's 256 experts at once would take ~70 GB of
+        int64 codes and fp32 values on the way."""
         with torch.no_grad():
-            self.w13_dequant.copy_(dequantize_mxfp4(self.w13_weight, self.w13_scale, torch.bfloat16))
-            self.w2_dequant.copy_(dequantize_mxfp4(self.w2_weight, self.w2_scale, torch.bfloat16))
+            check_mxfp4_scales(self.w13_scale)  # before any write: the error names the expert
+            check_mxfp4_scales(self.w2_scale)
+            for e in range(self.num_experts):
+                self.w13_dequant[e].copy_(dequantize_mxfp4(self.w13_weight[e], self.w13_scale[e], torch.bfloat16))
+                self.w2_dequant[e].copy_(dequantize_mxfp4(self.w2_weight[e], self.w2_scale[e], torch.bfloat16))
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` bf16 -> fp32 ``[T, H]`` (routing weights applied, already scaled);
