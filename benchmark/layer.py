@@ -5,8 +5,8 @@ sequence of ``--prefill`` tokens with causal attention over its own keys) the ti
 mHC stats -> attention (wqkv_a, q_norm, wq_b, MQA core, inverse RoPE, wo_a einsum, wo_b) ->
 mHC boundary -> mHC stats -> shared expert (gate_up, SiLU*mul, down) -> mHC boundary (which
 writes the next layer's wqkv_a input). The rest of the MoE sublayer, the router and the routed
-experts, is timed on its own beside each decode case (``RoutedExperts``, the ``router_us`` /
-``routed_us`` columns; ``--no-routed`` skips it).
+experts, is timed on its own beside each decode case (``RoutedExperts``: ``router_us``, the
+router in torch ops ``router_torch_us``, ``routed_us``; ``--no-routed`` skips it).
 
 Arms, timed in one process with CUDA-graph replay (median):
 - ``chained``: every producer writes the FP8 pair its consumer reads (no quantize launches);
@@ -243,12 +243,18 @@ class RoutedExperts:
         return touched, self.gate.weight.numel() * self.gate.weight.element_size() + touched * per_expert
 
     def measure(self, rows: int, bandwidth: float, iters: int) -> dict:
-        """``router_us`` (the router alone) and ``routed_us`` (router + routed experts) per step of
-        ``rows`` tokens, graph replay; ``routed_experts_touched`` and ``routed_floor_us``, the
-        serving bytes of those experts over the copy ``bandwidth`` (bytes / s)."""
+        """``router_us`` (the router alone: ``router.router_topk``), ``router_torch_us`` (the same
+        routing in torch ops, ``reference.router_topk``: fp32 GEMM, softplus, sort) and
+        ``routed_us`` (router + routed experts) per step of ``rows`` tokens, graph replay;
+        ``routed_experts_touched`` and ``routed_floor_us``, the serving bytes of those experts over
+        the copy ``bandwidth`` (bytes / s)."""
         x = torch.randn(rows, self.gate.weight.shape[1], device=self.gate.weight.device).bfloat16()
         touched, nbytes = self.serving_bytes(x)
-        return {"router_us": harness.graph_time_us(lambda: self.gate(x), iters=iters),
+        gate = self.gate
+        torch_router = functools.partial(reference.router_topk, x, gate.weight, gate.bias, gate.top_k,
+                                         gate.routed_scaling_factor, gate.renormalize)
+        return {"router_us": harness.graph_time_us(lambda: gate(x), iters=iters),
+                "router_torch_us": harness.graph_time_us(torch_router, iters=iters),
                 # the reference's step takes milliseconds: a few calls per graph are enough
                 "routed_us": harness.graph_time_us(lambda: self.step(x), iters=2, repeats=5),
                 "routed_experts_touched": touched, "routed_floor_us": nbytes / bandwidth * 1e6}
@@ -565,8 +571,8 @@ COLUMNS = ["shapes", "phase", "M", "chained_us", "unchained_us", "chained_best_s
            "unchained_launches", "chained_quantize_launches", "unchained_quantize_launches",
            "unchained_no_quantize_launches", "unchained_no_quantize_quantize_launches"]
 # the router and routed experts, beside the unit's two arms they are reported apart from
-ROUTED_COLUMNS = ["shapes", "M", "router_us", "routed_us", "routed_experts_touched", "routed_floor_us",
-                  "chained_us", "unchained_us"]
+ROUTED_COLUMNS = ["shapes", "M", "router_us", "router_torch_us", "routed_us", "routed_experts_touched",
+                  "routed_floor_us", "chained_us", "unchained_us"]
 
 
 def report(meta: dict, records: list[dict], results_dir=None) -> str:
@@ -580,7 +586,8 @@ def report(meta: dict, records: list[dict], results_dir=None) -> str:
     text = f"{path}\n" + harness.markdown_table(records, columns) + "\n" + kernel_breakdown(records)
     routed = [r for r in decode if "routed_us" in r]
     if routed:
-        harness.plot_records("layer_routed", routed, "M", ["routed_us", "router_us", "routed_floor_us", "chained_us"],
+        harness.plot_records("layer_routed", routed, "M", ["routed_us", "router_us", "router_torch_us", "routed_floor_us",
+                                                           "chained_us"],
                              "us per decode step (router + routed experts)", group="panel", results_dir=results_dir)
         text += "\n\nRouter and routed experts (the model's torch reference; the same in both arms):\n"
         text += harness.markdown_table(routed, ROUTED_COLUMNS)

@@ -56,7 +56,7 @@ def test_layer_run_times_then_counts(monkeypatch, tmp_path, device):
             assert all(cap in caps for cap in r[f"{arm}_best_stats_splits"])
         assert r["best_stats_chained_over_unchained"] > 0
         if r["phase"] == "decode":  # the router and Flash's 256 routed experts (top 6), timed apart
-            assert r["routed_us"] > r["router_us"] > 0 and r["routed_floor_us"] > 0
+            assert r["routed_us"] > r["router_us"] > 0 and r["router_torch_us"] > 0 and r["routed_floor_us"] > 0
             assert 1 <= r["routed_experts_touched"] <= 6 * r["M"]
         else:
             assert "routed_us" not in r

@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from fp8chain_kernel import act, attention, einsum, gemm, gemv, launch, mhc, norm, quant, reference  # noqa: E402
+from fp8chain_kernel import act, attention, einsum, gemm, gemv, launch, mhc, norm, quant, reference, router  # noqa: E402
 from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, cdiv  # noqa: E402
 
 TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv", torch.int32: "i32",
@@ -103,6 +103,8 @@ def record_launches() -> None:
             gemm.fp8_gemm_silu_mul(quant.quantize(bf16(rows, 5120), ActFormat.SM90_G32_FP32_MN), gate_up,
                                    torch.ones(4608 // 32, 5120 // 32), weight_block=32, limit=10.0, out_format=fmt,
                                    return_bf16=False)
+    for rows in (1, 64, 2048):  # the router: H split at decode, 16 x 16 and 64 x 64 tiles
+        router.router_topk(bf16(rows, 5120), bf16(256, 5120), torch.zeros(256), 6, 1.5)
     cos, sin = reference.rope_tables(1024, 64, 10000.0)
     cache = torch.zeros(64, 1024, 512, dtype=torch.bfloat16)
     # default tiles 16 x 64 (16 key splits, merged) and 64 x 64 wgmma at two stages (2 splits,

@@ -12,7 +12,8 @@ import pytest
 
 EVERY_KERNEL = {"_rope_qkv_kernel", "_mqa_split_kernel", "_mqa_merge_kernel", "_boundary_kernel", "_quantize_kernel",
                 "_silu_mul_kernel", "_rms_norm_kernel", "_wo_a_kernel", "_block_scaled_gemm_kernel",
-                "_gemm_silu_mul_kernel", "_gemv_kernel", "_stats_partial_kernel", "_stats_finish_kernel"}
+                "_gemm_silu_mul_kernel", "_gemv_kernel", "_stats_partial_kernel", "_stats_finish_kernel",
+                "_router_logits_kernel", "_router_topk_kernel"}
 # Producers whose FP8 store must share the layout of their bf16 accesses (fp8_tile.fp8_offsets):
 # only reductions and the scale tile go through shared memory, not the data tile (16 KiB at
 # H = 5120 when the layouts differ).

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8chain_kernel import act as act_kernels
+from fp8chain_kernel import router as router_kernels
 from fp8chain_kernel.formats import QuantizedActivation, is_int
 
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -112,8 +113,9 @@ def swiglu_reference(gate_up: torch.Tensor, limit: float | None) -> torch.Tensor
 
 
 class TopKRouter(nn.Module):
-    """bf16 router ``[E, H]``: sqrt-softplus scores, top-k (selection adds the fp32 correction
-    ``bias``), weights renormalized over the top-k, times ``routed_scaling_factor``."""
+    """bf16 router ``[E, H]``: sqrt-softplus scores of the fp32 logits, top-k (selection adds the
+    fp32 correction ``bias``), weights renormalized over the top-k, times ``routed_scaling_factor``:
+    ``fp8chain_kernel.router.router_topk``, two launches."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, routed_scaling_factor: float,
                  renormalize: bool = True):
@@ -132,24 +134,11 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` bf16 -> ``(topk_idx int64 [T, k], topk_weights fp32 [T, k])``."""
-        logits = x.float() @ self.weight.float().t()
-        idx, weights = route(logits, self.bias, self.top_k, self.routed_scaling_factor, self.renormalize)
+        idx, weights = router_kernels.router_topk(x, self.weight, self.bias, self.top_k, self.routed_scaling_factor,
+                                                  self.renormalize)
         if self.record is not None:
             self.record.append(idx.detach().clone())
         return idx, weights
-
-
-def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
-          renormalize: bool = True, idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing from fp32 router logits (shared by the module and the fp32 model reference);
-    ``idx`` given: keep that expert choice and compute only its weights."""
-    scores = torch.sqrt(F.softplus(logits.float()))
-    if idx is None:
-        idx = torch.topk(scores + bias.float(), top_k, dim=-1, sorted=True).indices
-    weights = scores.gather(-1, idx)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-    return idx, weights * scaling
 
 
 class SharedExpert(nn.Module):

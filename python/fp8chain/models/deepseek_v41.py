@@ -929,10 +929,12 @@ class DeepseekV41Reference:
         return o @ w[f"{pfx}.wo_b.weight"].t()
 
     def _moe(self, x, pfx, idx=None):
-        from ..layers.moe import route, swiglu_reference
+        from fp8chain_kernel.reference import route_topk
+
+        from ..layers.moe import swiglu_reference
 
         c, w = self.config, self.w
-        idx, weights = route(x @ w[f"{pfx}.gate.weight"].t(), w[f"{pfx}.gate.bias"],
+        idx, weights = route_topk(x @ w[f"{pfx}.gate.weight"].t(), w[f"{pfx}.gate.bias"],
                              c.num_experts_per_tok, c.routed_scaling_factor, c.norm_topk_prob,
                              idx=None if idx is None else idx.to(x.device))
 

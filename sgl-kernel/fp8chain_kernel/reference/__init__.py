@@ -11,3 +11,4 @@ from .einsum import *  # noqa: F401,F403
 from .mhc import *  # noqa: F401,F403
 from .gemm import *  # noqa: F401,F403
 from .attention import *  # noqa: F401,F403
+from .router import *  # noqa: F401,F403

@@ -1,0 +1,37 @@
+"""Reference for ``fp8chain_kernel.router``: the MoE router's logits, scores, top-k and weights.
+
+``logits = x @ weight.T`` in fp32 (bf16 ``x [T, H]`` and ``weight [E, H]``, exact products);
+``scores = sqrt(softplus(logits))`` (softplus: ``log1p(exp(l))``, ``l`` itself above 20); the
+experts are the ``top_k`` largest ``scores + bias`` (fp32 ``bias [E]``, selection only), a NaN
+counting as +inf and ties going to the lower expert index, in descending order; their weights are
+the unbiased scores, divided by their sum (at least 1e-20) with ``renormalize``, times ``scaling``.
+A NaN in a token's logits therefore picks NaN experts and gives the token NaN weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["route_topk", "router_topk"]
+
+
+def route_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float, renormalize: bool = True,
+               idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(idx int64 [T, top_k], weights fp32 [T, top_k])`` from fp32 ``logits [T, E]``; ``idx``
+    given: keep that expert choice and compute only its weights."""
+    scores = torch.sqrt(F.softplus(logits.float()))
+    if idx is None:
+        key = scores + bias.float()
+        key = torch.where(torch.isnan(key), torch.inf, key)
+        idx = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    weights = scores.gather(-1, idx)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    return idx, weights * scaling
+
+
+def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
+                renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``router.router_topk``: see the module docstring."""
+    return route_topk(x.float() @ weight.float().t(), bias, top_k, scaling, renormalize)
