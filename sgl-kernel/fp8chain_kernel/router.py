@@ -14,7 +14,8 @@
 Launch 1 (``_router_logits_kernel``): each program sums bf16 products in fp32 (``dot_bf16``) for a
 ``[BLOCK_E experts, BLOCK_T tokens]`` tile over one slice of H and stores the partial logits in a
 workspace ``[SPLIT, T, E]``. At decode 16 x 16 tiles leave Flash's 256 experts 16 programs, so H is
-split into up to 8 slices, about one program per SM; from 65 tokens on 64 x 64 tiles cover H whole.
+split into up to 8 slices (about two programs per SM); from 65 tokens on 64 x 64 tiles, split while
+they number fewer than the SMs.
 Launch 2 (``_router_topk_kernel``): per block of tokens, the slices' partials summed in slice order
 (the split depends on T alone, so the bits do too), the scores, ``top_k`` rounds of arg-max over
 all experts (one tile: E <= ``MAX_EXPERTS``), the weights. Logits and scores differ from torch's
@@ -128,13 +129,25 @@ def _check_out(out, tokens: int, top_k: int, device) -> tuple[torch.Tensor, torc
 
 
 def _logits_tiles(tokens: int, experts: int, hidden: int, device) -> tuple[int, int, int, int]:
-    """(BLOCK_E, BLOCK_T, split, K iterations per slice) of launch 1 for this problem."""
+    """(BLOCK_E, BLOCK_T, split, K iterations per slice) of launch 1 for this problem: H split
+    until there are about two programs per SM with 16 x 16 tiles, one with 64 x 64 tiles (H200,
+    E = 256, H = 5120: split 4 against 2 at T = 64, 7.6 against 9.7 us; split 2 against 1 at T =
+    2048, 22.0 against 19.0 us; docs/benchmarks.md, the router)."""
     block = 16 if tokens <= 64 else 64
     tiles = triton.cdiv(experts, block) * triton.cdiv(tokens, block)
     iters = triton.cdiv(hidden, BLOCK_K)
-    split = max(1, min(MAX_SPLIT, iters, sm_count(device, interpreter=H200_SMS) // tiles))
+    programs = sm_count(device, interpreter=H200_SMS) * (2 if block == 16 else 1)
+    split = max(1, min(MAX_SPLIT, iters, programs // tiles))
     slice_iters = triton.cdiv(iters, split)
     return block, block, triton.cdiv(iters, slice_iters), slice_iters
+
+
+def _topk_tiles(experts: int) -> tuple[int, int, int]:
+    """(tokens per program, BLOCK_E, warps) of launch 2: one token per program and one warp per 256
+    experts, so the ``top_k`` rounds of reductions stay within a warp (H200, E = 256: 5.8 against
+    7.5 us at T = 1 with four tokens and four warps, 19.0 against 21.4 at T = 2048)."""
+    block_all = max(16, triton.next_power_of_2(experts))
+    return 1, block_all, max(1, block_all // 256)
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
@@ -180,11 +193,10 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k
         SLICE_ITERS=slice_iters, BLOCK_E=block_e, BLOCK_T=block_t, BLOCK_K=BLOCK_K, EXACT_CAST=interpreting(),
         num_warps=2 if block_e == 16 else 4, num_stages=4, **pdl_options(),
     )
-    block_all = max(16, triton.next_power_of_2(experts))
-    rows = max(1, min(4, 1024 // block_all))
+    rows, block_all, warps = _topk_tiles(experts)
     _router_topk_kernel[(triton.cdiv(tokens, rows),)](
         partials, bias, idx, weights, tokens, experts, partials.stride(0), float(scaling), idx.stride(0),
         weights.stride(0), SPLIT=split, TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
-        RENORMALIZE=bool(renormalize), BLOCK_T=rows, BLOCK_E=block_all, num_warps=4, **pdl_options(),
+        RENORMALIZE=bool(renormalize), BLOCK_T=rows, BLOCK_E=block_all, num_warps=warps, **pdl_options(),
     )
     return idx, weights
