@@ -64,10 +64,11 @@ def check_eps(eps, name: str = "eps") -> None:
         raise ValueError(f"{name} must be a non-negative number, got {eps!r}")
 
 
-def check_rows(t: torch.Tensor, name: str, shape: tuple[int, int], device) -> None:
-    """A bf16 2-D ``shape`` matrix the launch writes: unit column stride, one location per
+def check_rows(t: torch.Tensor, name: str, shape: tuple[int, int], device,
+               dtype: torch.dtype = torch.bfloat16) -> None:
+    """A 2-D ``shape`` matrix of ``dtype`` the launch writes: unit column stride, one location per
     element, on ``device``."""
-    check_tensor(t, name, torch.bfloat16, 2)
+    check_tensor(t, name, dtype, 2)
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if t.numel() and t.stride(1) != 1:

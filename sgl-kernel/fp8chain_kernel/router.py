@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import check_distinct_elements, check_no_overlap, is_int
+from .formats import check_no_overlap, is_int
 from .fp8_tile import dot_bf16, interpreting
 from .launch import H200_SMS, await_producer, pdl_options, sm_count
-from .norm import check_tensor
+from .norm import check_rows, check_tensor
 
 __all__ = ["MAX_EXPERTS", "MAX_TOP_K", "router_topk"]
 
@@ -116,15 +116,8 @@ def _router_topk_kernel(part_ptr, bias_ptr, idx_ptr, wt_ptr, T, E, stride_part, 
 def _check_out(out, tokens: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise TypeError(f"out must be a pair (idx, weights), got {type(out).__name__}")
-    for t, name, dtype in ((out[0], "out idx", torch.int64), (out[1], "out weights", torch.float32)):
-        check_tensor(t, name, dtype, 2)
-        if tuple(t.shape) != (tokens, top_k):
-            raise ValueError(f"{name} must have shape {(tokens, top_k)}, got {tuple(t.shape)}")
-        if t.numel() and t.stride(1) != 1:
-            raise ValueError(f"{name} must have unit column stride, got strides {t.stride()}")
-        check_distinct_elements(t, name)
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, x on {device}")
+    check_rows(out[0], "out idx", (tokens, top_k), device, torch.int64)
+    check_rows(out[1], "out weights", (tokens, top_k), device, torch.float32)
     return out[0], out[1]
 
 

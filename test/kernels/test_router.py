@@ -42,6 +42,12 @@ def _poisoned_out(tokens, top_k, device):
             torch.full((tokens, top_k), float("nan"), device=device))
 
 
+def check_router_with_nan_and_zero_rows(tokens, experts, hidden, device):
+    """Top 6, a NaN row in the middle and a zero row last where there are enough rows."""
+    check_router(tokens, experts, hidden, 6, device, nan_rows=[tokens // 2] if tokens > 1 else [],
+                 zero_rows=[tokens - 1] if tokens > 2 else [])
+
+
 def check_router(tokens, experts, hidden, top_k, device, renormalize=True, nan_rows=(), zero_rows=()):
     x, weight, bias = _inputs(tokens, experts, hidden, device, nan_rows, zero_rows)
     out = _poisoned_out(tokens, top_k, device)
@@ -84,9 +90,7 @@ def check_router(tokens, experts, hidden, top_k, device, renormalize=True, nan_r
 @pytest.mark.cpu
 @pytest.mark.parametrize("tokens", CPU_T)
 def test_router_cpu(tokens, device):
-    nan_rows = [tokens // 2] if tokens > 1 else []
-    zero_rows = [tokens - 1] if tokens > 2 else []
-    check_router(tokens, 64, 320, 6, device, nan_rows=nan_rows, zero_rows=zero_rows)
+    check_router_with_nan_and_zero_rows(tokens, 64, 320, device)
 
 
 @pytest.mark.cpu
@@ -145,9 +149,7 @@ def test_router_no_tokens_and_bad_input(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", GPU_T)
 def test_router_dsv41_gpu(tokens, device):
-    nan_rows = [tokens // 2] if tokens > 1 else []
-    zero_rows = [tokens - 1] if tokens > 2 else []
-    check_router(tokens, 256, 5120, 6, device, nan_rows=nan_rows, zero_rows=zero_rows)
+    check_router_with_nan_and_zero_rows(tokens, 256, 5120, device)
 
 
 @pytest.mark.gpu
