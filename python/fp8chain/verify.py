@@ -157,12 +157,38 @@ def check_gemm(device, quick) -> str:
             f"fp8_gemm_silu_mul {2 * n}x{k} bitwise")
 
 
+def check_router(device, quick) -> str:
+    from fp8chain_kernel import router
+
+    experts, hidden = (256, 5120) if device.type == "cuda" else (64, 256)
+    weight = (torch.randn(experts, hidden, device=device) * 2 / hidden ** 0.5).bfloat16()
+    bias = torch.randn(experts, device=device) * 0.1
+    worst, untied = 0.0, 0
+    for rows in (1, 3) if quick else (1, 3, 64):
+        x = torch.randn(rows, hidden, device=device).bfloat16()
+        idx, weights = router.router_topk(x, weight, bias, 6, 1.5)
+        want_idx, want_weights = ref.router_topk(x, weight, bias, 6, 1.5)
+        clear = ref.router_untied(ref.router_keys(x, weight, bias), 6, 1e-4)
+        _require(torch.equal(idx[clear], want_idx[clear]), f"router T={rows}: another expert choice")
+        _require(bool(torch.isfinite(weights).all()), f"router T={rows}: non-finite weights")
+        err = (weights[clear].double() - want_weights[clear].double()).abs().max().item() if clear.any() else 0.0
+        _require(err < 1e-5, f"router T={rows}: weights off by {err:.1e}")
+        worst, untied = max(worst, err), untied + int(clear.sum())
+    x = _special_rows(5, hidden, device)  # NaN in row 2, +-inf in row 3: their weights NaN
+    weights = router.router_topk(x, weight, bias, 6, 1.5)[1]
+    _require(bool(torch.isnan(weights[2:4]).all() and torch.isfinite(weights[[0, 1, 4]]).all()),
+             "router: a NaN / inf token's weights are not NaN, or another token's are not finite")
+    return (f"router_topk {experts} experts x {hidden}, top 6: the reference's choice on {untied} tokens without "
+            f"a near tie, weights within {worst:.1e}, NaN / inf rows NaN")
+
+
 CHECKS: dict[str, Check] = {
     "quantize": check_quantize,
     "producers": check_producers,
     "wo_a + mhc": check_wo_a_and_mhc,
     "attention": check_attention,
     "gemm": check_gemm,
+    "router": check_router,
 }
 
 
@@ -176,10 +202,12 @@ def run_checks(quick: bool = False) -> bool:
         try:
             with warnings.catch_warnings():
                 # the interpreter evaluates in numpy, which warns where exp overflows to inf (SiLU of
-                # a large negative gate) and where inf * 0 gives NaN (an infinity's group, multiplier
-                # 0): both by design, as on the GPU
+                # a large negative gate), where inf * 0 gives NaN (an infinity's group, multiplier
+                # 0) and where an infinite token's router logits meet (inf - inf, inf / inf, x / 0):
+                # all by design, as on the GPU
                 warnings.filterwarnings("ignore", "overflow encountered in exp", RuntimeWarning)
-                warnings.filterwarnings("ignore", "invalid value encountered in multiply", RuntimeWarning)
+                warnings.filterwarnings("ignore", "invalid value encountered in (multiply|add|divide)", RuntimeWarning)
+                warnings.filterwarnings("ignore", "divide by zero encountered in divide", RuntimeWarning)
                 detail = check(device, quick)
             status = "ok  "
         except ImportError as exc:

@@ -15,7 +15,6 @@ Checked:
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel import router
@@ -55,20 +54,16 @@ def check_router(tokens, experts, hidden, top_k, device, renormalize=True, nan_r
     assert idx is out[0] and weights is out[1]
     want_idx, want_weights = ref.router_topk(x, weight, bias, top_k, SCALING, renormalize)
 
-    key = torch.sqrt(F.softplus(x.float() @ weight.float().t())) + bias
-    key = torch.where(torch.isnan(key), torch.inf, key)
-    top = key.sort(dim=-1, descending=True, stable=True).values[:, :top_k + 1]
+    key = ref.router_keys(x, weight, bias)
     nan = torch.zeros(tokens, dtype=torch.bool, device=device)
     nan[list(nan_rows)] = True
-    clear = ~nan
-    if top_k < experts:
-        clear &= (top[:, :-1] - top[:, 1:]).amin(dim=-1) > TIE
+    clear = ~nan & ref.router_untied(key, top_k, TIE)
     assert torch.equal(idx[clear], want_idx[clear])
     torch.testing.assert_close(weights[clear], want_weights[clear], rtol=RTOL, atol=ATOL)
     # near ties: still a top-k up to TIE, distinct experts
     assert ((idx >= 0) & (idx < experts)).all()
     assert all(len(set(row)) == top_k for row in idx.tolist())
-    kth = top[:, top_k - 1:top_k]
+    kth = key.sort(dim=-1, descending=True).values[:, top_k - 1:top_k]
     assert (key.gather(1, idx)[~nan] >= kth[~nan] - TIE).all()
     assert torch.isfinite(weights[~nan]).all()
     if nan_rows:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["route_topk", "router_topk"]
+__all__ = ["route_topk", "router_topk", "router_keys", "router_untied"]
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float, renormalize: bool = True,
@@ -35,3 +35,19 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k
                 renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of ``router.router_topk``: see the module docstring."""
     return route_topk(x.float() @ weight.float().t(), bias, top_k, scaling, renormalize)
+
+
+def router_keys(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[T, E]`` selection keys ``scores + bias``, a NaN as +inf (what the choice ranks)."""
+    key = torch.sqrt(F.softplus(x.float() @ weight.float().t())) + bias.float()
+    return torch.where(torch.isnan(key), torch.inf, key)
+
+
+def router_untied(keys: torch.Tensor, top_k: int, margin: float) -> torch.Tensor:
+    """bool ``[T]``: the tokens whose ``top_k + 1`` largest keys are all more than ``margin`` apart,
+    so a router computing the logits in another order must make the reference's choice (all
+    tokens where every expert is chosen)."""
+    if top_k >= keys.shape[-1]:
+        return torch.ones(keys.shape[0], dtype=torch.bool, device=keys.device)
+    top = keys.sort(dim=-1, descending=True, stable=True).values[:, :top_k + 1]
+    return (top[:, :-1] - top[:, 1:]).amin(dim=-1) > margin
