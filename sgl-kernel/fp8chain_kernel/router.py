@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import check_no_overlap, is_int
+from .formats import check_disjoint, check_no_overlap, is_int
 from .fp8_tile import dot_bf16, interpreting
 from .launch import H200_SMS, await_producer, pdl_options, sm_count
 from .norm import check_rows, check_tensor
@@ -176,7 +176,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k
         idx, weights = _check_out(out, tokens, top_k, x.device)
         check_no_overlap([("out idx", idx), ("out weights", weights)],
                          [("x", x), ("weight", weight), ("bias", bias)])
-        check_no_overlap([("out idx", idx)], [("out weights", weights)])
+        check_disjoint([("out idx", idx), ("out weights", weights)])
     if tokens == 0:
         return idx, weights
     block_e, block_t, split, slice_iters = _logits_tiles(tokens, experts, hidden, x.device)

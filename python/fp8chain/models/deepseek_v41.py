@@ -935,8 +935,8 @@ class DeepseekV41Reference:
 
         c, w = self.config, self.w
         idx, weights = route_topk(x @ w[f"{pfx}.gate.weight"].t(), w[f"{pfx}.gate.bias"],
-                             c.num_experts_per_tok, c.routed_scaling_factor, c.norm_topk_prob,
-                             idx=None if idx is None else idx.to(x.device))
+                                  c.num_experts_per_tok, c.routed_scaling_factor, c.norm_topk_prob,
+                                  idx=None if idx is None else idx.to(x.device))
 
         def expert(xs, p):
             gate_up = torch.cat([xs @ w[f"{p}.w1.weight"].t(), xs @ w[f"{p}.w3.weight"].t()], -1)

@@ -22,25 +22,32 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: fl
     given: keep that expert choice and compute only its weights."""
     scores = torch.sqrt(F.softplus(logits.float()))
     if idx is None:
-        key = scores + bias.float()
-        key = torch.where(torch.isnan(key), torch.inf, key)
-        idx = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :top_k]
+        idx = torch.sort(_keys(scores, bias), dim=-1, descending=True, stable=True).indices[..., :top_k]
     weights = scores.gather(-1, idx)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
     return idx, weights * scaling
 
 
+def _keys(scores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """What the choice ranks: ``scores + bias``, a NaN as +inf."""
+    key = scores + bias.float()
+    return torch.where(torch.isnan(key), torch.inf, key)
+
+
+def _logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.float() @ weight.float().t()
+
+
 def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
                 renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of ``router.router_topk``: see the module docstring."""
-    return route_topk(x.float() @ weight.float().t(), bias, top_k, scaling, renormalize)
+    return route_topk(_logits(x, weight), bias, top_k, scaling, renormalize)
 
 
 def router_keys(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[T, E]`` selection keys ``scores + bias``, a NaN as +inf (what the choice ranks)."""
-    key = torch.sqrt(F.softplus(x.float() @ weight.float().t())) + bias.float()
-    return torch.where(torch.isnan(key), torch.inf, key)
+    """fp32 ``[T, E]`` selection keys of the tokens ``x``: ``scores + bias``, a NaN as +inf."""
+    return _keys(torch.sqrt(F.softplus(_logits(x, weight))), bias)
 
 
 def router_untied(keys: torch.Tensor, top_k: int, margin: float) -> torch.Tensor:
