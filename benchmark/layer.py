@@ -31,7 +31,8 @@ Arms, timed in one process with CUDA-graph replay (median):
   SiLU*mul epilogue;
 - ``chained_best_stats`` / ``unchained_best_stats``: each arm at the fastest of its steps over
   the mHC stats' K-split caps (``HyperConnection.max_stats_splits``, every (attention, FFN)
-  combination of ``STATS_SPLIT_CAPS``), with the caps in ``*_best_stats_splits``. The split count
+  combination of ``STATS_SPLIT_CAPS``), with the caps in ``*_best_stats_splits`` and every
+  combination's time in ``*_stats_caps_us`` (keyed ``"attention,ffn"``, ``None`` the default). The split count
   sets the stats' bits, so the two arms are bitwise equal only at a shared cap; the overlapped
   stats contend with different launches in each arm (a cap that frees SMs for the unchained
   step's wqkv_a GEMM can slow the chained step), so each arm's fastest is its fair time;
@@ -470,6 +471,8 @@ def _time_best_stats_splits(unit: LayerUnit, record: dict, iters: int) -> None:
         key = min((k for k in times if k[0] == arm), key=times.get)
         record[f"{arm}_best_stats_us"] = times[key]
         record[f"{arm}_best_stats_splits"] = list(key[1])
+        # every pair, keyed "attention,ffn": at a shared pair the arms are bit-identical
+        record[f"{arm}_stats_caps_us"] = {",".join(map(str, caps)): us for (a, caps), us in times.items() if a == arm}
 
 
 def run(args) -> tuple[dict, list[dict]]:

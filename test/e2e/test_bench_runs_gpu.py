@@ -54,6 +54,9 @@ def test_layer_run_times_then_counts(monkeypatch, tmp_path, device):
         for arm in ("chained", "unchained"):
             assert r[f"{arm}_best_stats_us"] > 0
             assert all(cap in caps for cap in r[f"{arm}_best_stats_splits"])
+            tried = r[f"{arm}_stats_caps_us"]  # every (attention, FFN) pair, the best among them
+            assert len(tried) == len(caps) ** 2 and min(tried.values()) == r[f"{arm}_best_stats_us"]
+            assert tried[",".join(map(str, r[f"{arm}_best_stats_splits"]))] == r[f"{arm}_best_stats_us"]
         assert r["best_stats_chained_over_unchained"] > 0
         if r["phase"] == "decode":  # the router and Flash's 256 routed experts (top 6), timed apart
             assert r["routed_us"] > r["router_us"] > 0 and r["router_torch_us"] > 0 and r["routed_floor_us"] > 0
