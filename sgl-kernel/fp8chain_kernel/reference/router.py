@@ -20,13 +20,17 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: fl
                idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(idx int64 [T, top_k], weights fp32 [T, top_k])`` from fp32 ``logits [T, E]``; ``idx``
     given: keep that expert choice and compute only its weights."""
-    scores = torch.sqrt(F.softplus(logits.float()))
+    scores = _scores(logits)
     if idx is None:
         idx = torch.sort(_keys(scores, bias), dim=-1, descending=True, stable=True).indices[..., :top_k]
     weights = scores.gather(-1, idx)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
     return idx, weights * scaling
+
+
+def _scores(logits: torch.Tensor) -> torch.Tensor:
+    return torch.sqrt(F.softplus(logits.float()))
 
 
 def _keys(scores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -47,7 +51,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k
 
 def router_keys(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """fp32 ``[T, E]`` selection keys of the tokens ``x``: ``scores + bias``, a NaN as +inf."""
-    return _keys(torch.sqrt(F.softplus(_logits(x, weight))), bias)
+    return _keys(_scores(_logits(x, weight)), bias)
 
 
 def router_untied(keys: torch.Tensor, top_k: int, margin: float) -> torch.Tensor:
