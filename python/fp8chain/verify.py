@@ -46,6 +46,11 @@ def _special_rows(rows: int, cols: int, device) -> torch.Tensor:
     return x
 
 
+def _token_counts(quick) -> tuple[int, ...]:
+    """The token counts a check runs: 1, 3 and 64 (a tile of many rows), without 64 with ``--quick``."""
+    return (1, 3) if quick else (1, 3, 64)
+
+
 def check_quantize(device, quick) -> str:
     from fp8chain_kernel import quant
 
@@ -64,7 +69,7 @@ def check_producers(device, quick) -> str:
     from fp8chain_kernel import act, norm
 
     hidden, inter = (5120, 2304) if device.type == "cuda" else (256, 128)
-    rows_list = [1, 3, 64] if device.type == "cuda" else [1, 3]
+    rows_list = _token_counts(quick)
     for fmt in ActFormat:
         for rows in rows_list:
             x = _random_rows(rows, hidden, device)
@@ -74,18 +79,17 @@ def check_producers(device, quick) -> str:
             gate_up = _random_rows(rows, 2 * inter, device)
             y, pair = act.silu_mul(gate_up, limit=10.0, out_format=fmt)
             _require(_pairs_equal(pair, ref.quantize(y, fmt)), f"silu_mul {fmt.value} T={rows}")
-    return f"rms_norm, silu_mul: T in {rows_list} x {len(ActFormat)} formats bitwise"
+    return f"rms_norm, silu_mul: T in {list(rows_list)} x {len(ActFormat)} formats bitwise"
 
 
 def check_wo_a_and_mhc(device, quick) -> str:
     from fp8chain_kernel import einsum, mhc
 
     groups, rank, width, hidden = (8, 1024, 4096, 5120) if device.type == "cuda" else (2, 128, 128, 256)
-    rows_list = [1, 3, 64] if device.type == "cuda" else [1, 3]
     wo_a = (torch.randn(groups, rank, width, device=device) * width ** -0.5).bfloat16()
     norm_weight = (torch.rand(hidden, device=device) + 0.5).bfloat16()
     for fmt in ActFormat:
-        for rows in rows_list[:1] if quick else rows_list:
+        for rows in _token_counts(quick):
             o = torch.randn(rows, groups, width, device=device).bfloat16()
             y, pair = einsum.wo_a_einsum(o, wo_a, out_format=fmt)
             _require(_pairs_equal(pair, ref.quantize(y, fmt)), f"wo_a_einsum {fmt.value} T={rows}")
@@ -105,7 +109,7 @@ def check_attention(device, quick) -> str:
     heads, dim, length = (64, 512, 1024) if device.type == "cuda" else (4, 128, 64)
     cos, sin = ref.rope_tables(length, 64, 10000.0, device)
     worst = 0.0
-    for rows in (1, 3) if quick else (1, 3, 64):
+    for rows in _token_counts(quick):
         q_in = torch.randn(rows, heads * dim, device=device).bfloat16()
         kv = torch.randn(rows, dim, device=device).bfloat16()
         cache = torch.randn(rows, length, dim, device=device).bfloat16()
@@ -130,7 +134,7 @@ def check_gemm(device, quick) -> str:
     worst = 0.0
     for fmt, block in ((ActFormat.SM90_G32_FP32_MN, 32), (ActFormat.SM90_G128_FP32_MN, 128)):
         weight, scale = ref.random_fp8_weight(n, k, block, device, log2_scale=-8)
-        for rows in (1, 3, 64):
+        for rows in _token_counts(quick):
             pair = quant.quantize(_random_rows(rows, k, device), fmt)
             out = gemm.fp8_gemm(pair, weight, scale, weight_block=block)
             want = ref.fp8_gemm(pair, weight, scale, block).double()
@@ -147,7 +151,7 @@ def check_gemm(device, quick) -> str:
 
     fmt = ActFormat.SM90_G32_FP32_MN
     weight, scale = ref.random_fp8_weight(2 * n, k, 32, device, log2_scale=-8)
-    for rows in (1, 3, 64):
+    for rows in _token_counts(quick):
         pair = quant.quantize(_random_rows(rows, k, device), fmt)
         y, h_pair = gemm.fp8_gemm_silu_mul(pair, weight, scale, weight_block=32, limit=10.0, out_format=fmt)
         want_y = act.silu_mul(gemm.fp8_gemm(pair, weight, scale, weight_block=32), limit=10.0)
@@ -164,7 +168,7 @@ def check_router(device, quick) -> str:
     weight = (torch.randn(experts, hidden, device=device) * 2 / hidden ** 0.5).bfloat16()
     bias = torch.randn(experts, device=device) * 0.1
     worst, untied = 0.0, 0
-    for rows in (1, 3) if quick else (1, 3, 64):
+    for rows in _token_counts(quick):
         x = torch.randn(rows, hidden, device=device).bfloat16()
         idx, weights = router.router_topk(x, weight, bias, 6, 1.5)
         want_idx, want_weights = ref.router_topk(x, weight, bias, 6, 1.5)

@@ -310,3 +310,30 @@ def test_load_weights_refuses_a_tensor_given_twice(tiny):
     items.append(("layers.0.attn.wq_b.scale", dict(items)[scale]))
     with pytest.raises(ValueError, match="given twice"):
         DeepseekV41ForCausalLM(tiny).load_weights(items)
+
+
+def test_dense_scale_alias_reads_as_weight_scale_inv(tiny):
+    """``<x>.scale`` for a dense weight's block scales: the model and the fp32 reference both read it
+    as ``<x>.weight_scale_inv`` (an expert's ``.scale`` stays an MXFP4 scale), and refuse both names."""
+    from fp8chain.models.deepseek_v41 import DeepseekV41ForCausalLM, DeepseekV41Reference
+
+    canonical = dict(random_checkpoint_tensors(tiny, seed=5))
+    aliased = {(name[: -len("weight_scale_inv")] + "scale" if name.endswith(".weight_scale_inv") else name): t
+               for name, t in canonical.items()}
+    assert sum(name.endswith(".weight_scale_inv") for name in aliased) == 0
+    models = []
+    for tensors in (canonical, aliased):
+        model = DeepseekV41ForCausalLM(tiny)
+        model.load_weights(tensors.items())
+        models.append(model.state_dict())
+    assert models[0].keys() == models[1].keys()
+    for key in models[0]:
+        assert torch.equal(models[0][key], models[1][key]), key
+
+    want, got = DeepseekV41Reference(tiny, canonical).w, DeepseekV41Reference(tiny, aliased).w
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+    twice = dict(canonical, **{"layers.0.attn.wq_b.scale": canonical["layers.0.attn.wq_b.weight_scale_inv"]})
+    with pytest.raises(ValueError, match="given twice"):
+        DeepseekV41Reference(tiny, twice)

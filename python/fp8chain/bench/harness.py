@@ -289,10 +289,10 @@ def markdown_table(records: list[dict], columns: list[str]) -> str:
 
 
 def progress(iterable, desc: str, total: int | None = None):
-    """A progress bar on stderr (tqdm), quiet when stderr is not a terminal-friendly stream."""
+    """A progress bar on stderr (tqdm); none when stderr is not a terminal (a log file, a pipe)."""
     from tqdm import tqdm
 
-    return tqdm(iterable, desc=desc, total=total, dynamic_ncols=True, leave=False)
+    return tqdm(iterable, desc=desc, total=total, dynamic_ncols=True, leave=False, disable=None)
 
 
 def add_results_dir(parser: argparse.ArgumentParser) -> None:

@@ -505,6 +505,14 @@ class Embedding(nn.Module):
         return self.weight[ids]
 
 
+def _dense_scale_name(name: str) -> str:
+    """A dense weight's block scales under the alias ``<x>.scale`` -> ``<x>.weight_scale_inv``; any
+    other name (an MXFP4 expert's ``.scale`` among them) unchanged (docs/model.md)."""
+    if name.endswith(".scale") and not re.search(r"\.experts\.\d+\.", name):
+        return name[: -len(".scale")] + ".weight_scale_inv"
+    return name
+
+
 def _capturing_graph(device: torch.device) -> bool:
     """Whether a CUDA graph is being captured on ``device`` (host reads are forbidden then)."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -741,11 +749,10 @@ class DeepseekV41ForCausalLM(nn.Module):
 
         for name, tensor in weights:
             if name not in expected:
-                alias = re.sub(r"\.scale$", ".weight_scale_inv", name)
-                if alias in expected and not re.search(r"\.experts\.\d+\.", name):
-                    name = alias
-                else:
+                alias = _dense_scale_name(name)
+                if alias == name or alias not in expected:
                     raise KeyError(f"unexpected checkpoint tensor {name!r}")
+                name = alias
             if name in loaded:
                 raise ValueError(f"checkpoint tensor {name!r} given twice (as .scale and .weight_scale_inv?)")
             _check_checkpoint_tensor(name, tensor, layout[name])
@@ -878,6 +885,10 @@ class DeepseekV41Reference:
         self.config = config
         self.device = torch.device(device)
         c = config
+        canonical = {_dense_scale_name(name): t for name, t in tensors.items()}
+        if len(canonical) != len(tensors):
+            raise ValueError("a dense weight's block scales are given twice (as .scale and .weight_scale_inv)")
+        tensors = canonical
         w: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
             if name.endswith(".weight_scale_inv") or re.search(r"experts\.\d+\..*\.scale$", name):

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import numbers
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -82,8 +82,6 @@ class Engine:
                              f"got {graph_batch_sizes!r}")
         self.graph_batch_sizes = sorted({int(b) for b in graph_batch_sizes})
         self._runners: dict[bool, object] = {}
-        #: called after every forward (prefill and each decode step) with ("prefill"|"decode", rows)
-        self.step_hook: Callable[[str, int], None] | None = None
 
     @property
     def chain(self) -> bool:
@@ -106,10 +104,6 @@ class Engine:
             self._runners[key] = runner
         return runner
 
-    def drop_graphs(self) -> None:
-        """Forget captured graphs (e.g. after a reload that rebound storage)."""
-        self._runners.clear()
-
     # ---- steps -------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -123,10 +117,7 @@ class Engine:
         slots = torch.cat([torch.full((n,), i, dtype=torch.long, device=dev) for i, n in enumerate(lens)])
         last = torch.tensor(lens, device=dev).cumsum(0) - 1
         # _check_prompts bounds every id, position and slot: no host read in the model
-        logits = self.model(ids, positions, slots, self.kv_caches, logits_indices=last, check_indices=False)
-        if self.step_hook is not None:
-            self.step_hook("prefill", int(ids.numel()))
-        return logits
+        return self.model(ids, positions, slots, self.kv_caches, logits_indices=last, check_indices=False)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, *, check_indices: bool = True) -> torch.Tensor:
@@ -136,7 +127,11 @@ class Engine:
         ``1..max_batch``. Each position must be below ``max_len`` and each token id below the
         vocabulary size. A step run eagerly has the model refuse other values (one host read per
         step) unless ``check_indices=False``, as ``generate``, which makes both itself, passes; a
-        step replaying a CUDA graph is never checked (no host sync there)."""
+        step replaying a CUDA graph is never checked (no host sync there).
+
+        A replayed step returns a view of its graph's output buffer, which the next replay of the
+        same batch bucket overwrites: clone the logits to keep them past the next ``decode``
+        (``generate(return_logits=True)`` does). An eager step returns a tensor of its own."""
         for name, t in (("tokens", tokens), ("positions", positions)):
             if not isinstance(t, torch.Tensor) or t.dtype not in INDEX_DTYPES:
                 raise TypeError(f"{name} must be an int32/int64 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
@@ -152,8 +147,6 @@ class Engine:
             logits = self.graph_runner().run(tokens, positions, slots)
         else:
             logits = self.model(tokens, positions, slots, self.kv_caches, check_indices=check_indices)
-        if self.step_hook is not None:
-            self.step_hook("decode", b)
         return logits
 
     # ---- generation --------------------------------------------------------------------

@@ -87,14 +87,15 @@ class Fp8Config:
 
     @classmethod
     def get_name(cls) -> str:
+        """The ``quant_method`` this config reads (upstream's ``QuantizationConfig.get_name``)."""
         return "fp8"
 
     @classmethod
     def from_config(cls, config: dict) -> "Fp8Config":
         """From a checkpoint's ``quantization_config`` dict (config.json)."""
         method = config.get("quant_method")
-        if method != "fp8":
-            raise ValueError(f"Fp8Config reads quant_method 'fp8', got {method!r}")
+        if method != cls.get_name():
+            raise ValueError(f"Fp8Config reads quant_method {cls.get_name()!r}, got {method!r}")
         if not config.get("is_checkpoint_fp8_serialized", True):
             raise ValueError("fp8: only FP8-serialized checkpoints are supported")
         block = config.get("weight_block_size")
