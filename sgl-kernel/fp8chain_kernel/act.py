@@ -89,8 +89,8 @@ _GRID_AXIS_1_MAX = 65535
 
 def check_limit(limit) -> None:
     """``swiglu_limit``: a positive number or None (ValueError otherwise), a normal fp32 value or
-    inf: Triton passes a float outside fp32's normal range to a kernel as fp64, which would run
-    the clamp and SiLU*mul in fp64."""
+    inf: Triton passes a float argument as fp32, so a larger finite value would arrive as inf (no
+    clamp) and a tinier one as a subnormal or 0 (every gate clamped to about 0), not the limit given."""
     if limit is not None:
         if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0:
             raise ValueError(f"limit must be a positive number or None, got {limit!r}")

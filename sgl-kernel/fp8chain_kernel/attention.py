@@ -79,6 +79,8 @@ _SMEM_BYTES = 227 << 10  # an H200 program's shared memory
 # 17.6 on 2).
 _MERGE_COLUMNS = 16
 _MERGE_ELEMS = 8192  # at most this many partial elements per merge program: 64 registers at 4 warps
+# most key splits the merge takes: a merge program holds at least one column pair (the inverse RoPE)
+_MERGE_MAX_SPLITS = _MERGE_ELEMS // (_BLOCK_H * 2)
 _MERGE_WARPS = {2: 4, 4: 2, 8: 4, 16: 8}  # by key splits rounded up to a power of two; else 4
 # Key splits per (token, head block), from an H200 sweep (`fp8chain bench attention --splits`,
 # docs/benchmarks.md): as many as one wave of split programs holds (one per SM: 150-168 KB of
@@ -410,7 +412,7 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     """See the module docstring for shapes, dtypes and numerics.
 
     ``tile``: (query heads per program, keys per step) of the split kernel, powers of two >= 16;
-    ``splits``: programs sharing one token's keys, 1 .. key steps (benchmarks, tests; default: by
+    ``splits``: programs sharing one token's keys, 1 .. key steps and at most 256 (benchmarks, tests; default: by
     tokens x heads, ``key_splits``). The numerics do not depend on either beyond fp32 summation
     order.
     """
@@ -449,8 +451,9 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     key_steps = triton.cdiv(length, block_l)
     if splits is None:
         splits = _splits(tokens, heads, block_h, key_steps, sms)
-    elif not is_int(splits) or not 1 <= splits <= key_steps:
-        raise ValueError(f"splits must be an int in 1..{key_steps} (steps of {block_l} keys), got {splits!r}")
+    elif not is_int(splits) or not 1 <= splits <= min(key_steps, _MERGE_MAX_SPLITS):
+        raise ValueError(f"splits must be an int in 1..{min(key_steps, _MERGE_MAX_SPLITS)} (steps of {block_l} keys, "
+                         f"at most {_MERGE_MAX_SPLITS} for the merge), got {splits!r}")
     steps = triton.cdiv(key_steps, splits)
     block_d = triton.next_power_of_2(dim)
     if splits == 1:  # the split kernel writes ``out`` itself: no partials, no merge launch

@@ -77,9 +77,6 @@ class ActFormat(str, enum.Enum):
         groups = self.num_groups(cols)
         return (rows, cdiv(groups, 4) if self.packed else groups)
 
-    def scale_strides(self, rows: int, cols: int) -> tuple[int, int]:
-        return (1, align4(rows))
-
     def __str__(self) -> str:
         return self.value
 

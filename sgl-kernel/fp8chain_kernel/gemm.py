@@ -31,6 +31,11 @@ One Triton kernel serves both, see docs/gemm.md:
 
 One to four tokens of a problem in ``gemv.GEMV_TABLE`` run ``gemv``'s CUDA-core kernel instead,
 the same product with another fp32 summation order (the H200 measured it faster there).
+
+Scale values are read, not checked (checking them would take a host read per call, which CUDA-graph
+capture forbids): 32x32 block scales that are not powers of two are refused where the weights are
+prepared (``backends``' Triton backend, ``derive_weight_tensors``); passed here directly, they make
+the dequantized mode inexact, so results would depend on the batch size's config.
 """
 
 from __future__ import annotations
@@ -793,6 +798,8 @@ def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     m, kx = x.shape
     if kx != k:
         raise ValueError(f"x has K={kx}, weight has K={k}")
+    if x.device != weight.device:
+        raise ValueError(f"x on {x.device}, weight on {weight.device}")
     out = _prepare_out(out, m, n, weight.device, [("x", x), ("weight", weight), ("weight_scale", weight_scale)])
     return _launch(x, None, weight, weight_scale, out, weight_block, False, config)
 

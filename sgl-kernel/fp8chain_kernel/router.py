@@ -14,8 +14,8 @@
 Launch 1 (``_router_logits_kernel``): each program sums bf16 products in fp32 (``dot_bf16``) for a
 ``[BLOCK_E experts, BLOCK_T tokens]`` tile over one slice of H and stores the partial logits in a
 workspace ``[SPLIT, T, E]``. At decode 16 x 16 tiles leave Flash's 256 experts 16 programs, so H is
-split into up to 8 slices (about two programs per SM); from 65 tokens on 64 x 64 tiles, split while
-they number fewer than the SMs.
+split into up to 8 slices (about two programs per SM); from 65 tokens on 64 x 64 tiles, split into
+SMs // tiles slices (about one program per SM): only while the tiles number at most half the SMs.
 Launch 2 (``_router_topk_kernel``): per token, the slices' partials summed in slice order
 (the split depends on T alone, so the bits do too), the scores, ``top_k`` rounds of arg-max over
 all experts (one tile: E <= ``MAX_EXPERTS``), the weights. Logits and scores differ from torch's

@@ -160,6 +160,18 @@ def test_explicit_key_splits(splits):
 
 
 @pytest.mark.cpu
+def test_most_key_splits_the_merge_takes():
+    """256 splits (a merge program then holds one column pair) are merged; 257 are refused before
+    any launch, whatever the key steps allow (here 544 steps of 16 keys)."""
+    problem = _problem(1, 4, 128, 8704, 1, "cpu", positions=torch.tensor([8703]))
+    out = torch.full(problem[0].shape, float("nan"), dtype=torch.bfloat16)
+    _assert_attention_close(mqa_attention(*problem, out=out, tile=(16, 16), splits=256), problem)
+    for bad in (257, 544):
+        with pytest.raises(ValueError, match="at most 256"):
+            mqa_attention(*problem, tile=(16, 16), splits=bad)
+
+
+@pytest.mark.cpu
 def test_key_splits_are_merged():
     """A shape whose keys are split over several programs (merge path, empty splits included)."""
     assert key_splits(2, 4, 256) > 1

@@ -266,6 +266,13 @@ def test_attention_refuses_tensors_on_another_device():
                                 out=torch.empty(2, 2, 128, dtype=torch.bfloat16, device="meta"))
 
 
+def test_w8a16_refuses_an_activation_on_another_device():
+    weight, scale = ref.random_fp8_weight(64, 128, 32, "cpu", log2_scale=-8)
+    elsewhere = torch.empty(2, 128, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="x on meta, weight on cpu"):
+        gemm.w8a16_gemm(elsewhere, weight, scale, weight_block=32)
+
+
 def test_attention_refuses_outputs_over_its_inputs():
     cos, sin, cache, slots, positions = attention_inputs()
     q = bf16(2, 2, 128)

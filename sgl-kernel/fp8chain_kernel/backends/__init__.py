@@ -25,7 +25,7 @@ from ..norm import check_rows
 
 __all__ = [
     "Capabilities", "GemmBackend", "probe", "input_format_for", "select_backend", "get_backend",
-    "backend_names", "BACKEND_NAMES", "weight_block_of",
+    "backend_names", "BACKEND_NAMES",
 ]
 
 logger = logging.getLogger("fp8chain.backends")
@@ -77,11 +77,6 @@ class GemmBackend:
 
     def __repr__(self) -> str:
         return f"<GemmBackend {self.name}>"
-
-
-def weight_block_of(fmt: ActFormat) -> int:
-    """The weight block the backends pair with an activation format (its K group)."""
-    return fmt.group_size
 
 
 def _check_operands(pair, weight, weight_scale, weight_block: int, out) -> tuple[int, int, int]:
@@ -145,8 +140,9 @@ def _try_backend(backend: GemmBackend, device, fmt: ActFormat, weight_block: int
 
 
 def probe(refresh: bool = False, arch: tuple[int, int] | None = None) -> Capabilities:
-    """Capabilities of this process, probed once and cached (``refresh=True`` probes again;
-    ``arch`` overrides the detected compute capability, for tests)."""
+    """Capabilities of this process, probed once and cached (``refresh=True`` probes again).
+    ``arch`` overrides the detected compute capability (tests); the capabilities probed with it
+    stay cached, so later plain calls see that arch until ``probe(refresh=True)``."""
     global _CAPS
     if _CAPS is not None and not refresh and arch is None:
         return _CAPS
