@@ -187,6 +187,34 @@ def test_many_key_splits_are_merged():
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("length,tile", [(256, None), (64, (16, 64))], ids=["split-merge", "one-split"])
+def test_nan_reaches_only_its_readers(length, tile):
+    """A NaN in one query head makes that head's output NaN and nothing else; a NaN cache row makes
+    every head of the tokens that attend to it NaN, while a token of that slot whose position is
+    before the row, and the other slots' tokens, keep their clean outputs bit for bit (a stale NaN in
+    a reused slot must not reach a new sequence). The kernel and the reference alike."""
+    problem = list(_problem(3, 4, 128, length, 2, "cpu", positions=torch.tensor([length - 1, 10, 40])))
+    problem[2] = torch.tensor([0, 1, 1])
+    for attend in (lambda *p: mqa_attention(*p, tile=tile), ref.mqa_attention):
+        clean = attend(*problem)
+        assert torch.isfinite(clean.float()).all()
+        with_nan_q = list(problem)
+        with_nan_q[0] = problem[0].clone()
+        with_nan_q[0][1, 2, 5] = float("nan")
+        got = attend(*with_nan_q)
+        assert torch.isnan(got[1, 2]).all()
+        others = torch.ones(3, 4, dtype=torch.bool)
+        others[1, 2] = False
+        assert torch.equal(got[others], clean[others])
+        with_nan_row = list(problem)
+        with_nan_row[1] = problem[1].clone()
+        with_nan_row[1][1, 30] = float("nan")  # slot 1, position 30: read by token 2 (40), not token 1 (10)
+        got = attend(*with_nan_row)
+        assert torch.isnan(got[2]).all()
+        assert torch.equal(got[:2], clean[:2])
+
+
+@pytest.mark.cpu
 def test_prefill_positions_and_a_heavy_sink():
     """Causal prefill of one slot (positions 0..T-1, position 0 sees one key) and the sink."""
     tokens = 7
@@ -255,6 +283,10 @@ def test_rope_qkv_normalizes_the_raw_latent(tokens, dim):
 def test_zero_tokens_and_bad_input():
     q, kv_cache, slots, positions, sink, scale, cos, sin = _problem(0, 4, 128, 16, 2, "cpu")
     assert mqa_attention(q, kv_cache, slots, positions, sink, scale, cos, sin).shape == (0, 4, 128)
+    cache_before = kv_cache.clone()
+    roped = rope_qkv(q.reshape(0, 4 * 128), torch.empty(0, 128, dtype=torch.bfloat16), cos, sin, kv_cache, slots,
+                     positions, 1e-6)
+    assert roped.shape == (0, 4, 128) and torch.equal(kv_cache, cache_before)
     q, kv_cache, slots, positions, sink, scale, cos, sin = _problem(2, 4, 128, 16, 2, "cpu")
     with pytest.raises(TypeError, match="q must be bfloat16"):
         mqa_attention(q.float(), kv_cache, slots, positions, sink, scale, cos, sin)

@@ -33,8 +33,13 @@ def make_activation(m, k, device):
     return x.bfloat16()
 
 
-def poisoned_out(m, n, device):
-    return torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+def poisoned_out(m, n, device, value=float("nan")):
+    """A bf16 out buffer no kernel writes by chance: NaN, or a finite sentinel where a NaN row is
+    expected (an unwritten NaN row would otherwise pass)."""
+    return torch.full((m, n), value, dtype=torch.bfloat16, device=device)
+
+
+SENTINEL = 12345.0  # finite, far beyond any test product
 
 
 def check_against_reference(out, pair, w, scale, block):
@@ -105,7 +110,8 @@ def test_nan_row_stays_in_its_row(config, bad, device):
     w, scale = ref.random_fp8_weight(n, k, 32, device)
     x = make_activation(m, k, device)
     x[4, 77] = float(bad)
-    out = gemm.fp8_gemm(x, w, scale, weight_block=32, fmt=G32, config=config)
+    out = gemm.fp8_gemm(x, w, scale, weight_block=32, fmt=G32, config=config,
+                        out=poisoned_out(m, n, device, SENTINEL))
     assert torch.isnan(out[4]).all()
     keep = [r for r in range(m) if r != 4]
     assert torch.isfinite(out[keep]).all()
@@ -215,15 +221,25 @@ def test_zero_rows_and_caller_buffers(device):
 @pytest.mark.parametrize("block", [32, 128])
 @pytest.mark.parametrize("dequant", [False, True])
 def test_w8a16_matches_reference_cpu(block, dequant, device):
-    m, n, k = 3, 192, 256
+    """M = 1, 3 (an all-zero row) and 21 (two token tiles, the second partial; a NaN token whose
+    row comes out NaN, the others finite and right); M = 0 writes nothing."""
+    n, k = 192, 256
     w, s = ref.random_fp8_weight(n, k, block, device)
-    x = make_activation(m, k, device)
     cfg = gemm.GemmConfig(64, 16, 128, 1, 2, 4, 8, dequant=dequant)
-    out = gemm.w8a16_gemm(x, w, s, weight_block=block, out=poisoned_out(m, n, device), config=cfg)
-    err = rel_error(out, ref.w8a16_gemm(x, w, s, block))
-    assert err < TOL, err
+    for m in (1, 3, 21):
+        x = make_activation(m, k, device)
+        nan_row = 19 if m == 21 else None
+        if nan_row is not None:
+            x[nan_row, 100] = float("nan")
+        out = gemm.w8a16_gemm(x, w, s, weight_block=block, out=poisoned_out(m, n, device, SENTINEL), config=cfg)
+        rows = [r for r in range(m) if r != nan_row]
+        err = rel_error(out[rows], ref.w8a16_gemm(x[rows], w, s, block))
+        assert err < TOL, (m, err)
+        if nan_row is not None:
+            assert torch.isnan(out[nan_row]).all()
+    assert gemm.w8a16_gemm(make_activation(0, k, device), w, s, weight_block=block, config=cfg).shape == (0, n)
     with pytest.raises(TypeError, match="bfloat16"):
-        gemm.w8a16_gemm(x.float(), w, s, weight_block=block)
+        gemm.w8a16_gemm(make_activation(3, k, device).float(), w, s, weight_block=block)
 
 
 # ------------------------------------------------------------------------------------------
@@ -351,13 +367,13 @@ def test_fp8_gemm_dsv41_shapes_gpu(fmt, block, n, k):
         if m >= 4:
             x[m - 1, k // 3] = float("nan")
         pair = quant.quantize(x, fmt)
-        out = gemm.fp8_gemm(pair, w, s, weight_block=block, out=poisoned_out(m, n, "cuda"))
+        out = gemm.fp8_gemm(pair, w, s, weight_block=block, out=poisoned_out(m, n, "cuda", SENTINEL))
         want = ref.dequantize(pair).double() @ w_ref.t()
         finite = [r for r in range(m) if not (m >= 4 and r == m - 1)]
         err = rel_error(out[finite], want[finite])
         assert err < TOL, f"M={m}: relative error {err:.3g}"
         if m >= 4:
-            assert not torch.isfinite(out[m - 1]).any(), f"M={m}: NaN row lost"
+            assert torch.isnan(out[m - 1]).all(), f"M={m}: NaN row lost or not written"
         if m >= 3:
             assert torch.equal(out[1].float(), torch.zeros_like(out[1].float()))
         if m in (3, 64, 2048):

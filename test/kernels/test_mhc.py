@@ -80,6 +80,11 @@ def nan_poison(shape, device, dtype=torch.bfloat16):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
+def sentinel_poison(shape, device):
+    """A finite poison for outputs whose rows may rightly be NaN."""
+    return torch.full(shape, 12345.0, dtype=torch.bfloat16, device=device)
+
+
 def assert_bitwise(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype
     a, b = got.contiguous().view(torch.int16).cpu(), want.contiguous().view(torch.int16).cpu()
@@ -630,7 +635,8 @@ def test_row_split_and_whole_row_programs(monkeypatch, targets):
     residual[2] = float("nan")
     for _ in range(2):
         for fmt in (FORMATS[0], FORMATS[-1]):
-            out_r, out_x = nan_poison((t, 4, h), "cpu"), nan_poison((t, h), "cpu")
+            # finite poison: row 2 must come out NaN, which a NaN poison left unwritten would fake
+            out_r, out_x = sentinel_poison((t, 4, h), "cpu"), sentinel_poison((t, h), "cpu")
             new_r, x, pair = mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, EPS, out_format=fmt,
                                                    out_residual=out_r, out_bf16=out_x,
                                                    out=poisoned_pair(t, h, fmt, "cpu"))
@@ -639,8 +645,9 @@ def test_row_split_and_whole_row_programs(monkeypatch, targets):
             check_boundary_outputs(y[ok], residual[ok], pre[ok], post[ok], comb[ok], weight, new_r[ok], x[ok],
                                    reference.quantize(x[ok], fmt), fmt)
             assert_pairs_equal(pair, reference.quantize(x, fmt))
-            out_x = nan_poison((t, h), "cpu")
+            out_x = sentinel_poison((t, h), "cpu")
             x_only = mhc.mhc_combine_norm(new_r, pre, weight, EPS, out_bf16=out_x)
+            assert torch.isnan(x_only[2]).all()
             assert_close_bf16(x_only[ok], ref_mhc.mhc_norm_fp32(ref_mhc.mhc_combine(new_r[ok], pre[ok]), weight, EPS),
                               ulps=1.0)
 

@@ -15,11 +15,14 @@ ALL_FORMATS = list(ActFormat)
 
 
 def _activation(rows, cols, device):
-    """Fresh random rows of very different magnitudes, one all-zero row, one NaN, one huge value."""
+    """Fresh random rows of very different magnitudes, one all-zero row, one NaN (in the last row
+    below three rows, so one and two rows see it too), one huge value."""
     x = torch.randn(rows, cols, device=device) * torch.exp2(torch.randint(-12, 12, (rows, 1), device=device).float())
     if rows >= 3:
         x[1] = 0
         x[2, cols // 2] = float("nan")
+    elif rows:
+        x[rows - 1, cols // 2] = float("nan")
     if rows >= 4:
         x[3, 0] = 3.0e38  # beyond 448 * any scale of its group's neighbours
     return x.bfloat16()
@@ -114,10 +117,12 @@ def test_quantize_fp32_input_and_zero_rows(fmt):
     x = torch.randn(7, 384)
     assert_pairs_equal(quant.quantize(x, fmt), ref.quantize(x, fmt))
     empty = quant.quantize(torch.empty(0, 384, dtype=torch.bfloat16), fmt)
-    assert empty.data.shape == (0, 384)
-    zeros = quant.quantize(torch.zeros(5, 256, dtype=torch.bfloat16), fmt)
-    assert (zeros.data.view(torch.uint8) == 0).all()
-    assert torch.isfinite(ref.scales_as_float(zeros)).all()
+    assert empty.data.shape == (0, 384) and empty.scale.shape == fmt.scale_shape(0, 384)
+    zeros = torch.zeros(5, 256, dtype=torch.bfloat16)
+    got = quant.quantize(zeros, fmt, out=poisoned_pair(5, 256, fmt, "cpu"))
+    assert_pairs_equal(got, ref.quantize(zeros, fmt))
+    assert (got.data.view(torch.uint8) == 0).all()
+    assert torch.isfinite(ref.scales_as_float(got)).all()
 
 
 @pytest.mark.cpu

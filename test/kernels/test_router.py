@@ -154,10 +154,11 @@ def test_router_in_a_cuda_graph_gpu(device):
     eager = router.router_topk(x, weight, bias, 6, SCALING)
     out = _poisoned_out(4, 6, device)
     router.router_topk(x, weight, bias, 6, SCALING, out=out)  # compile outside the capture
-    out[1].fill_(float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         router.router_topk(x, weight, bias, 6, SCALING, out=out)
+    out[0].fill_(-7)  # poisoned again after the eager call and the capture: only the replay writes
+    out[1].fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])

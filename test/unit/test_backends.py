@@ -276,6 +276,20 @@ def test_select_prefers_deep_gemm_then_triton(fake_deep_gemm, caplog):
         assert backends.select_backend(G32, 32, 256, 160).name == "triton"
 
 
+def test_blockwise_refuses_other_formats_where_it_runs(monkeypatch):
+    """Where cuBLAS blockwise serves (probed working), it still refuses a format or block it does not
+    read, and the shapes its scale layout cannot take."""
+    import dataclasses
+
+    working = dataclasses.replace(backends.probe(), scaled_mm_blockwise=True, scaled_mm_reason="")
+    monkeypatch.setattr(backends, "probe", lambda *args, **kwargs: working)
+    blockwise = backends.get_backend("torch_blockwise")
+    assert "sm90_g128_fp32_mn with 128x128" in blockwise.rejection(G32, 32, 1792, 5120)
+    assert "sm90_g128_fp32_mn with 128x128" in blockwise.rejection(G128, 32, 1792, 5120)
+    assert "N % 16 == 0" in blockwise.rejection(G128, 128, 1800, 5120)
+    assert blockwise.rejection(G128, 128, 1792, 5120) is None
+
+
 def test_select_rejections_and_errors():
     triton_backend = backends.get_backend("triton")
     assert triton_backend.rejection(G32, 32, 1792, 5120) is None
@@ -284,8 +298,6 @@ def test_select_rejections_and_errors():
     assert "reads sm90_g32_fp32_mn" in triton_backend.rejection(PACKED, 32, 1792, 5120)
     assert "multiple of the 128-column group" in triton_backend.rejection(G128, 128, 256, 320)
     blockwise = backends.get_backend("torch_blockwise")
-    assert "sm90_g128_fp32_mn with 128x128" in blockwise.rejection(G32, 32, 1792, 5120) or \
-        not backends.probe().scaled_mm_blockwise
     if not backends.probe().scaled_mm_blockwise:
         assert blockwise.rejection(G128, 128, 1792, 5120) == backends.probe().scaled_mm_reason
     with pytest.raises(ValueError, match="torch_blockwise"):

@@ -19,7 +19,7 @@ from fp8chain_kernel import backends
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import ActFormat
 from fp8chain_kernel.quant import quantize
-from helpers import rel_error
+from helpers import DerivingBackend, rel_error
 
 pytestmark = pytest.mark.cpu
 
@@ -159,12 +159,24 @@ def test_a_device_fp8chain_does_not_serve_keeps_upstreams_weights(monkeypatch, c
     assert layer.weight.dtype == torch.int32 and layer.weight.data_ptr() == marlin_packed.data_ptr()
 
 
-def test_reprocessing_after_a_reload_keeps_derived_storage():
+def test_reprocessing_after_a_reload_keeps_derived_storage(monkeypatch):
+    """A reload runs the hook again: the derived tensors keep their storage (captured graphs still
+    read them) and hold the new weights' values, so the GEMM after the reload is that of the new
+    weights (the deriving backend runs on its derived copy only: stale values would show)."""
+    real = backends.select_backend
+    monkeypatch.setattr(backends, "select_backend",
+                        lambda fmt, block, n, k, prefer=None: DerivingBackend(real(fmt, block, n, k)))
     weight, scale = ref.random_fp8_weight(128, 256, 32)
     layer = UpstreamLinear(weight, scale)
     plugin.after_process_weights(None, upstream_method(), layer)
+    assert layer.derived_weight_names  # the deriving backend wrote one
     before = {name: getattr(layer, name).data_ptr() for name in layer.derived_weight_names}
-    layer.weight.data.copy_(ref.random_fp8_weight(128, 256, 32)[0])
+    new_weight, new_scale = ref.random_fp8_weight(128, 256, 32)
+    layer.weight.data.copy_(new_weight)
+    layer.weight_scale_inv.data.copy_(new_scale)
     layer.deepgemm_mxfp8_input = True
     plugin.after_process_weights(None, upstream_method(), layer)
     assert {name: getattr(layer, name).data_ptr() for name in layer.derived_weight_names} == before
+    pair = quantize(torch.randn(5, 256).bfloat16(), layer.input_format)
+    out = plugin.around_apply(upstream_apply, upstream_method(), layer, pair)
+    assert rel_error(out, ref.fp8_gemm(pair, new_weight, new_scale, 32)) < 5e-3

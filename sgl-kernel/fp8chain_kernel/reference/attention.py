@@ -84,7 +84,9 @@ def attention_with_sinks(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tenso
     """``q [T, nh, D]``, ``keys [T, L, D]`` (keys = values), ``valid [T, L]`` bool, ``sink [nh]``
     -> ``o [T, nh, D]``: ``softmax([q.k * scale, sink]) @ [keys, 0]``, fp32. The two products
     run in the dtype of ``q`` and ``keys`` (fp32: the specification; bf16: tensor-core products with
-    bf16 results, the softmax in fp32 and its probabilities rounded to bf16)."""
+    bf16 results, the softmax in fp32 and its probabilities rounded to bf16). Keys outside ``valid``
+    are not read: a NaN left in a reused cache row would otherwise reach the token as 0 * NaN."""
+    keys = keys.masked_fill(~valid[:, :, None], 0)
     scores = torch.einsum("thd,tld->thl", q, keys).float() * scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     sink = sink.float().view(1, -1, 1)
