@@ -20,18 +20,22 @@ BENCH_DIR = REPO_ROOT / "benchmark"
 BENCHMARKS = ["quant", "producers", "gemm", "attention", "layer"]
 
 
-def _use_interpreter_for_cpu(argv: list[str] | None) -> None:
-    """Kernels run on the Triton CPU interpreter when there is no GPU, or when ``demo --device cpu``
-    asks for the CPU on a machine with one. Set before any kernel module loads (``build_parser``
-    loads the benchmarks, which import them): a kernel compiled for the GPU cannot run on CPU
-    tensors."""
-    import torch
-
+def _named(argv: list[str] | None) -> argparse.Namespace:
+    """The subcommand and ``--device`` on the command line, read before the full parser is built."""
     wanted = argparse.ArgumentParser(add_help=False)
     wanted.add_argument("command", nargs="?")
     wanted.add_argument("--device")
-    known, _ = wanted.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if not torch.cuda.is_available() or (known.command == "demo" and known.device == "cpu"):
+    return wanted.parse_known_args(sys.argv[1:] if argv is None else argv)[0]
+
+
+def _use_interpreter_for_cpu(named: argparse.Namespace) -> None:
+    """Kernels run on the Triton CPU interpreter when there is no GPU, or when ``demo --device cpu``
+    asks for the CPU on a machine with one. Set before any kernel module loads (``build_parser``
+    loads the benchmarks for ``bench``, which import them): a kernel compiled for the GPU cannot run
+    on CPU tensors."""
+    import torch
+
+    if not torch.cuda.is_available() or (named.command == "demo" and named.device == "cpu"):
         os.environ["TRITON_INTERPRET"] = "1"  # the only way kernels run there (a 0 set by hand included)
 
 
@@ -45,12 +49,16 @@ def _load_benchmark(name: str):
     return module
 
 
-def _bench_parser(sub) -> None:
+def _bench_parser(sub, benchmarks: bool) -> None:
+    """``bench`` and, with ``benchmarks``, each benchmark's own options (loading benchmark/*.py,
+    which imports torch and the kernels: only for a ``bench`` command line)."""
     from fp8chain.bench import harness
 
     bench = sub.add_parser("bench", help="run benchmarks on the GPU found (JSON + PNG + markdown)",
                            description="Per-op and per-layer benchmarks: CUDA-graph replay, median "
                                        "of many, both arms in one process.")
+    if not benchmarks:
+        return
     which = bench.add_subparsers(dest="benchmark", required=True, metavar="{" + ",".join(BENCHMARKS + ["all"]) + "}")
     for name in BENCHMARKS:
         path = BENCH_DIR / f"{name}.py"
@@ -183,7 +191,8 @@ def _sglang_plugin_status() -> str:
     return f"SGLang plugin: {PLUGIN_GROUP} entry point {registered}; sglang {sglang}"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
+    """The whole command line; ``benchmarks=False`` leaves ``bench``'s own options out (other commands)."""
     parser = argparse.ArgumentParser(prog="fp8chain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -194,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_demo_arguments(demo)
-    _bench_parser(sub)
+    _bench_parser(sub, benchmarks)
     verify = sub.add_parser("verify", help="correctness checks of the kernels on the hardware present")
     verify.add_argument("--quick", action="store_true", help="fewer shapes")
     sub.add_parser("info", help="GPU, arch, backends found and rejected")
@@ -202,8 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _use_interpreter_for_cpu(argv)
-    args = build_parser().parse_args(argv)
+    named = _named(argv)
+    _use_interpreter_for_cpu(named)
+    args = build_parser(benchmarks=named.command == "bench").parse_args(argv)
     command = {"demo": _cmd_demo, "bench": _cmd_bench, "verify": _cmd_verify, "info": _cmd_info}
     return command[args.command](args)
 

@@ -64,11 +64,25 @@ def test_kernels_load_for_the_interpreter_where_they_run_on_cpu(monkeypatch, arg
     Triton interpreter: TRITON_INTERPRET=1 before any kernel module loads."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
-    cli._use_interpreter_for_cpu(argv)
+    cli._use_interpreter_for_cpu(cli._named(argv))
     import os
 
     on_cpu = not gpu or (argv[0] == "demo" and any("cpu" in a for a in argv))
     assert os.environ.get("TRITON_INTERPRET") == ("1" if on_cpu else None)
+
+
+def test_only_bench_loads_the_benchmark_scripts(monkeypatch):
+    """demo, verify and info parse without loading benchmark/*.py (a broken benchmark script cannot
+    break them, and they start faster); bench loads them for its options."""
+    def refuse(name):
+        raise AssertionError(f"benchmark/{name}.py loaded")
+
+    monkeypatch.setattr(cli, "_load_benchmark", refuse)
+    for argv in (["info"], ["verify", "--quick"], ["demo", "--layers", "1"]):
+        named = cli._named(argv)
+        assert cli.build_parser(benchmarks=named.command == "bench").parse_args(argv).command == argv[0]
+    with pytest.raises(AssertionError, match="loaded"):
+        cli.build_parser(benchmarks=cli._named(["bench", "layer"]).command == "bench")
 
 
 def test_demo_on_cpu_refuses_kernels_loaded_for_the_gpu(monkeypatch):
