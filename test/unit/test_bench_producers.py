@@ -13,9 +13,8 @@ from fp8chain_kernel.formats import ActFormat
 from fp8chain_kernel.reference.norm import add_residual, rms_norm_fp32
 from helpers import assert_close_bf16, assert_pairs_equal, poisoned_pair
 
-pytestmark = pytest.mark.cpu
 
-
+@pytest.mark.cpu
 @pytest.mark.parametrize("name,cols", [("rms_norm", 5120), ("q_norm", 1280), ("silu_mul", 2304)])
 @pytest.mark.parametrize("rows", [1, 4, 16, 64, 256, 2048])
 def test_launch_candidates_hold_the_rule(name, cols, rows):
@@ -35,6 +34,7 @@ def test_launch_candidates_hold_the_rule(name, cols, rows):
         bench.launch_candidates("wo_a_g8", rows)
 
 
+@pytest.mark.cpu
 def test_sweep_launch_option_and_report(tmp_path):
     bench = _load_benchmark("producers")
     parser = argparse.ArgumentParser()
