@@ -144,10 +144,8 @@ class Engine:
         slots = torch.arange(b, device=self.device)
         if self.replays_graphs(b):
             self.model.check_weights_loaded()  # a replay does not go through forward's checks
-            logits = self.graph_runner().run(tokens, positions, slots)
-        else:
-            logits = self.model(tokens, positions, slots, self.kv_caches, check_indices=check_indices)
-        return logits
+            return self.graph_runner().run(tokens, positions, slots)
+        return self.model(tokens, positions, slots, self.kv_caches, check_indices=check_indices)
 
     # ---- generation --------------------------------------------------------------------
 
