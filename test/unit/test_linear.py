@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp8chain.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from fp8chain.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from fp8chain.layers.loading import load_weights
 from fp8chain.layers.quantization.fp8 import Fp8Config
 from fp8chain_kernel.formats import FP8_DTYPE
@@ -99,10 +99,38 @@ def test_unquantized_row_parallel_partials_sum_to_full(tp_size):
     torch.testing.assert_close(total, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-def test_row_parallel_without_all_reduce_refuses_to_return_partials():
+def test_row_parallel_without_a_process_group_refuses_to_return_partials():
     layer = RowParallelLinear(64, 32, tp_rank=0, tp_size=2)
-    with pytest.raises(NotImplementedError, match="all-reduce"):
+    with pytest.raises(RuntimeError, match="needs torch.distributed initialized"):
         layer(torch.randn(2, 32).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_merged_column_parallel_shards_each_part(tp_size):
+    """gate and up in one weight: each rank holds its shard of gate, then its shard of up (weight,
+    block scales, bias), from the full checkpoint tensor or from an already-sharded one."""
+    inter, k, block = 64 * tp_size, 128, 32
+    config = Fp8Config(weight_block_size=(block, block), scale_fmt="ue8m0")
+    full_w, full_s = _fp8_weight(2 * inter, k), _pow2_scales(2 * inter // block, k // block)
+    full_b = torch.randn(2 * inter).to(torch.bfloat16)
+    def shard(full, rank):  # this rank's rows of the first part, then of the second
+        part = full.shape[0] // 2
+        rows = part // tp_size
+        return torch.cat([full[rank * rows:(rank + 1) * rows], full[part + rank * rows:part + (rank + 1) * rows]])
+
+    for rank in range(tp_size):
+        layer = MergedColumnParallelLinear(k, [inter, inter], bias=True, quant_config=config, tp_rank=rank,
+                                           tp_size=tp_size)
+        layer.weight_loader(layer.weight, full_w)
+        layer.weight_loader(layer.weight_scale_inv, full_s)
+        layer.weight_loader(layer.bias, full_b)
+        assert torch.equal(layer.weight.view(torch.uint8), shard(full_w, rank).view(torch.uint8))
+        assert torch.equal(layer.weight_scale_inv, shard(full_s, rank))
+        assert torch.equal(layer.bias, shard(full_b, rank))
+        layer.weight_loader(layer.weight_scale_inv, shard(full_s, rank) * 2)  # already sharded: as it is
+        assert torch.equal(layer.weight_scale_inv, shard(full_s, rank) * 2)
+    with pytest.raises(ValueError, match="not divisible by tp_size"):
+        MergedColumnParallelLinear(k, [inter + 1, inter - 1], tp_size=tp_size)
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])

@@ -184,9 +184,15 @@ def test_router_top_k_must_be_in_1_to_num_experts(top_k):
         TopKRouter(256, 8, top_k, 1.5)
 
 
-def test_shared_expert_refuses_tensor_parallelism():
-    with pytest.raises(NotImplementedError, match="SharedExpert supports tp_size=1, got tp_size=2"):
-        SharedExpert(256, 128, swiglu_limit=10.0, tp_rank=0, tp_size=2)
+def test_shared_expert_shards_refuse_what_does_not_split():
+    """Each rank's shard of gate, of up and of down's K must be whole 32x32 weight blocks."""
+    from fp8chain.layers.quantization.fp8 import Fp8Config
+
+    config = Fp8Config(weight_block_size=(32, 32), scale_fmt="ue8m0")
+    expert = SharedExpert(256, 128, swiglu_limit=10.0, quant_config=config, tp_rank=1, tp_size=2)
+    assert expert.gate_up.weight.shape == (128, 256) and expert.down.weight.shape == (256, 64)
+    with pytest.raises(ValueError, match=r"per-rank part sizes \[48, 48\] are not multiples of the 32x32"):
+        SharedExpert(256, 96, swiglu_limit=10.0, quant_config=config, tp_rank=0, tp_size=2)
 
 
 @pytest.mark.parametrize("idx_shape,weights_shape", [

@@ -12,8 +12,11 @@ block-quantized checkpoints). The producer -> consumer protocol (docs/layers.md)
    straight to the GEMM; ``layer(bf16)`` quantizes first (the unchained path).
 
 Tensor parallelism: ``ColumnParallelLinear`` shards N, ``RowParallelLinear`` shards K across
-``tp_size`` ranks. Each parameter's ``weight_loader`` accepts a checkpoint tensor either full
-(narrowed to this rank's shard) or already sharded, and copies it into the existing storage.
+``tp_size`` ranks (and sums the ranks' partial products with an all-reduce over ``tp_group``,
+``torch.distributed``). ``MergedColumnParallelLinear`` holds several column-parallel outputs in one
+weight (gate and up) and shards each of them. Each parameter's ``weight_loader`` accepts a
+checkpoint tensor either full (narrowed to this rank's shard) or already sharded, and copies it
+into the existing storage.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "LinearMethodBase", "UnquantizedLinearMethod", "LinearBase", "ReplicatedLinear",
-    "ColumnParallelLinear", "RowParallelLinear", "divide", "check_dense_input",
+    "ColumnParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear", "divide", "check_dense_input",
 ]
 
 # What the dense (bf16) path computes on: F.linear here, the activation quantizer in the FP8 method.
@@ -217,21 +220,55 @@ class ColumnParallelLinear(LinearBase):
         return self.input_size, divide(self.output_size, self.tp_size, "output_size")
 
 
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one weight, ``output_sizes`` rows each (the shared
+    expert's gate and up): rank r holds rows ``[r*n/tp, (r+1)*n/tp)`` of every part, in part order,
+    so its output is ``[gate shard | up shard]``. A full checkpoint tensor (all parts, in order)
+    is sharded part by part; its block scales and bias the same way."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], **kwargs):
+        self.output_sizes = list(output_sizes)
+        tp_size = kwargs.get("tp_size", 1)
+        for size in self.output_sizes:
+            divide(size, tp_size, "each merged output size")
+        super().__init__(input_size, sum(self.output_sizes), **kwargs)
+        block = getattr(self, "weight_block_size", None)  # set by a block-quantized method
+        if block is not None and self.tp_size > 1 and any(size // self.tp_size % block[0] for size in self.output_sizes):
+            raise ValueError(f"{self.display_name}: per-rank part sizes {[size // self.tp_size for size in self.output_sizes]} "
+                             f"are not multiples of the {block[0]}x{block[1]} weight block; block scales cannot be sharded")
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if (self.tp_size > 1 and isinstance(loaded, torch.Tensor) and loaded.dim() == param.dim()
+                and getattr(param, "shard_dim", None) == 0 and loaded.shape[0] == param.shape[0] * self.tp_size):
+            # each part's rows scale with its share of the outputs (weight rows, block-scale rows)
+            total = sum(self.output_sizes)
+            sizes = [loaded.shape[0] * size // total for size in self.output_sizes]
+            if sum(sizes) != loaded.shape[0] or any(size % self.tp_size for size in sizes):
+                raise ValueError(f"{self.display_name}.{self._param_name(param)}: {loaded.shape[0]} rows do not "
+                                 f"split into parts {self.output_sizes} over {self.tp_size} ranks")
+            loaded = torch.cat([part.narrow(0, self.tp_rank * (part.shape[0] // self.tp_size),
+                                            part.shape[0] // self.tp_size)
+                                for part in loaded.split(sizes, 0)], 0)
+        super().weight_loader(param, loaded)
+
+
 class RowParallelLinear(LinearBase):
     """Shards the input dimension K: rank r holds columns ``[r*K/tp, (r+1)*K/tp)`` and reads the
     matching slice of the input. The bias is whole on every rank and added by rank 0 only, so
     the sum over ranks (the all-reduce) adds it once.
 
-    With ``tp_size > 1`` the forward returns this rank's partial sum; the cross-rank all-reduce
-    belongs to the distributed runtime and is not wired here yet (``reduce_results=True`` then
-    raises instead of returning a partial result).
+    With ``tp_size > 1`` and ``reduce_results`` the forward sums the ranks' bf16 partial products
+    with ``torch.distributed.all_reduce`` over ``tp_group`` (None: the default group, which must
+    then have ``tp_size`` ranks); ``reduce_results=False`` returns this rank's partial sum.
     """
 
     weight_shard_dim = 1
 
-    def __init__(self, input_size: int, output_size: int, *, reduce_results: bool = True, **kwargs):
+    def __init__(self, input_size: int, output_size: int, *, reduce_results: bool = True, tp_group=None,
+                 **kwargs):
         super().__init__(input_size, output_size, **kwargs)
         self.reduce_results = reduce_results
+        self.tp_group = tp_group
 
     def _partition_sizes(self):
         return divide(self.input_size, self.tp_size, "input_size"), self.output_size
@@ -244,8 +281,21 @@ class RowParallelLinear(LinearBase):
         return self.bias if self.tp_rank == 0 else None
 
     def forward(self, x):
+        out = self.quant_method.apply(self, x)
         if self.tp_size > 1 and self.reduce_results:
-            raise NotImplementedError(
-                f"{self.display_name}: the tensor-parallel all-reduce is not wired yet; construct "
-                f"with reduce_results=False to get this rank's partial sum")
-        return self.quant_method.apply(self, x)
+            all_reduce(out, self.tp_group, self.tp_size, self.display_name)
+        return out
+
+
+def all_reduce(t: torch.Tensor, group, tp_size: int, name: str) -> None:
+    """Sum ``t`` over the ``tp_size`` ranks of ``group`` in place; a clear error where no process
+    group of that size is set up (a partial sum must not pass for the whole one)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{name}: tp_size={tp_size} needs torch.distributed initialized (init_process_group) "
+                           "for its all-reduce")
+    if dist.get_world_size(group) != tp_size:
+        raise RuntimeError(f"{name}: the tensor-parallel group has {dist.get_world_size(group)} ranks, "
+                           f"the layer was built for tp_size={tp_size}")
+    dist.all_reduce(t, group=group)

@@ -17,7 +17,7 @@ from fp8chain_kernel import act as act_kernels
 from fp8chain_kernel import router as router_kernels
 from fp8chain_kernel.formats import QuantizedActivation, is_int
 
-from .linear import ColumnParallelLinear, RowParallelLinear
+from .linear import MergedColumnParallelLinear, RowParallelLinear
 from .quantization.fp8 import consumer_gemm_silu_mul
 
 __all__ = [
@@ -144,6 +144,10 @@ class TopKRouter(nn.Module):
 class SharedExpert(nn.Module):
     """FP8 gate_up (column parallel) -> SiLU*mul producer -> FP8 down (row parallel).
 
+    With ``tp_size > 1`` each rank holds its shard of the gate rows and of the up rows
+    (``MergedColumnParallelLinear``), runs SiLU*mul on its shard of the intermediate, and ``down``
+    sums the ranks' partial products (all-reduce over ``tp_group``).
+
     Both linears request a pre-quantized input (``deepgemm_mxfp8_input``). With ``chain`` on,
     the SiLU*mul launch writes ``down``'s FP8 pair itself; off, it writes bf16 and ``down``
     quantizes its own input. Chained, with ``fuse_silu_mul`` (the default) and a gate_up backend
@@ -152,19 +156,17 @@ class SharedExpert(nn.Module):
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, swiglu_limit: float | None,
-                 quant_config=None, prefix: str = "", tp_rank: int = 0, tp_size: int = 1):
+                 quant_config=None, prefix: str = "", tp_rank: int = 0, tp_size: int = 1, tp_group=None):
         super().__init__()
-        if tp_size != 1:  # a gate_up shard holds gate rows only or up rows only: SiLU*mul would mix them up
-            raise NotImplementedError(f"SharedExpert supports tp_size=1, got tp_size={tp_size}")
         self.intermediate_size = intermediate_size
         self.swiglu_limit = swiglu_limit
         self.chain = True
-        self.gate_up = ColumnParallelLinear(hidden_size, 2 * intermediate_size, bias=False,
-                                            quant_config=quant_config, prefix=f"{prefix}.gate_up",
-                                            tp_rank=tp_rank, tp_size=tp_size)
+        self.gate_up = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False,
+                                                  quant_config=quant_config, prefix=f"{prefix}.gate_up",
+                                                  tp_rank=tp_rank, tp_size=tp_size)
         self.down = RowParallelLinear(intermediate_size, hidden_size, bias=False,
                                       quant_config=quant_config, prefix=f"{prefix}.down",
-                                      tp_rank=tp_rank, tp_size=tp_size)
+                                      tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         self.gate_up.deepgemm_mxfp8_input = True
         self.down.deepgemm_mxfp8_input = True
         self.fuse_silu_mul = True

@@ -21,8 +21,13 @@ without quantizing; off, producers write bf16 only and every FP8 linear quantize
 (the upstream Hopper path). Since a producer's pair equals a standalone quantize of its bf16
 output bit for bit, both arms compute the same logits, bit for bit.
 
+Tensor parallelism (``tp_rank``, ``tp_size``, ``tp_group``: a ``torch.distributed`` group) shards
+the attention's heads and wo_a groups and the shared expert as SGLang does; each producer then
+writes its rank's shard of the pair, and the all-reduces after ``wo_b`` and the shared ``down``
+come before the mHC boundaries, which run whole on every rank.
+
 Out of scope here (see docs/model.md): DSv4.1's sparse attention (indexer, compressor, sliding
-window), hash-routed layers, multi-token prediction, tensor parallelism > 1.
+window), hash-routed layers, multi-token prediction, expert parallelism.
 """
 
 from __future__ import annotations
@@ -312,20 +317,26 @@ class MQALayer(nn.Module):
     RMS-normalized per head (no weight) and roped the same way; per-head attention sinks.
     DSv4.1's sparse indexer and compressor are not modelled; the bf16 ``x`` and ``q_lora`` they
     would read are still produced (``last_x``/``last_q_lora`` keep them when ``keep_indexer_inputs``).
+
+    With ``tp_size > 1`` (as SGLang shards it) each rank holds ``heads / tp`` query heads and
+    ``o_groups / tp`` wo_a groups (``wq_b`` column parallel, ``wo_b`` row parallel with its
+    all-reduce over ``tp_group``, the heads' sinks); ``wqkv_a``, the norms and the latent KV cache
+    are whole on every rank.
     """
 
     def __init__(self, config: DeepseekV41Config, layer_idx: int = 0, quant_config=None,
-                 prefix: str = "attn", tp_rank: int = 0, tp_size: int = 1):
+                 prefix: str = "attn", tp_rank: int = 0, tp_size: int = 1, tp_group=None):
         super().__init__()
-        if tp_size != 1:
-            raise NotImplementedError("MQALayer runs at TP=1 (the reference model)")
         c = config
+        if c.o_groups % tp_size:  # the heads split with them (heads are a multiple of the groups)
+            raise ValueError(f"o_groups={c.o_groups} is not divisible by tp_size {tp_size}")
         self.layer_idx = layer_idx
-        self.num_heads = c.num_attention_heads
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_heads = c.num_attention_heads // tp_size  # this rank's
         self.head_dim = c.head_dim
         self.rope_dim = c.qk_rope_head_dim
         self.q_lora_rank = c.q_lora_rank
-        self.o_groups = c.o_groups
+        self.o_groups = c.o_groups // tp_size  # this rank's
         self.o_lora_rank = c.o_lora_rank
         self.rope_theta = c.rope_theta
         self.eps = c.rms_norm_eps
@@ -340,12 +351,12 @@ class MQALayer(nn.Module):
                                          bias=False, quant_config=quant_config,
                                          prefix=f"{prefix}.wq_b", tp_rank=tp_rank, tp_size=tp_size)
         self.kv_norm = RMSNorm(c.kv_dim, c.rms_norm_eps)  # its weight; applied inside rope_qkv
-        self.wo_a = nn.Parameter(torch.zeros(c.o_groups, c.o_lora_rank, c.o_group_dim,
+        self.wo_a = nn.Parameter(torch.zeros(self.o_groups, c.o_lora_rank, c.o_group_dim,
                                              dtype=torch.bfloat16), requires_grad=False)
         self.wo_b = RowParallelLinear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False,
                                       quant_config=quant_config, prefix=f"{prefix}.wo_b",
-                                      tp_rank=tp_rank, tp_size=tp_size)
-        self.attn_sink = nn.Parameter(torch.zeros(c.num_attention_heads, dtype=torch.float32),
+                                      tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+        self.attn_sink = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32),
                                       requires_grad=False)
         # The producer -> consumer request (docs/layers.md, Construction).
         self.wqkv_a.deepgemm_mxfp8_input = True
@@ -420,17 +431,20 @@ class DeepseekV41MoE(nn.Module):
     """Router + FP8 shared expert (chained) + MXFP4 routed experts (torch reference).
 
     ``y = bf16(sum_k w_k * expert_k(x) + shared(x))`` with ``w`` already scaled by
-    ``routed_scaling_factor``.
+    ``routed_scaling_factor``. With ``tp_size > 1`` the shared expert is sharded (its ``down``
+    sums over the ranks); the router and the routed experts' reference run whole on every rank.
     """
 
-    def __init__(self, config: DeepseekV41Config, quant_config=None, prefix: str = "ffn"):
+    def __init__(self, config: DeepseekV41Config, quant_config=None, prefix: str = "ffn", tp_rank: int = 0,
+                 tp_size: int = 1, tp_group=None):
         super().__init__()
         c = config
         self.gate = TopKRouter(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok,
                                c.routed_scaling_factor, renormalize=c.norm_topk_prob)
         self.shared_experts = SharedExpert(c.hidden_size, c.moe_intermediate_size,
                                            swiglu_limit=c.swiglu_limit, quant_config=quant_config,
-                                           prefix=f"{prefix}.shared_experts")
+                                           prefix=f"{prefix}.shared_experts", tp_rank=tp_rank, tp_size=tp_size,
+                                           tp_group=tp_group)
         self.experts = RoutedExpertsReference(c.n_routed_experts, c.hidden_size,
                                               c.moe_intermediate_size, c.swiglu_limit)
 
@@ -454,7 +468,8 @@ class DeepseekV41MoE(nn.Module):
 class DeepseekV41DecoderLayer(nn.Module):
     """Attention and MoE sublayers joined by mHC boundaries (shifted ordering)."""
 
-    def __init__(self, config: DeepseekV41Config, layer_idx: int, quant_config=None):
+    def __init__(self, config: DeepseekV41Config, layer_idx: int, quant_config=None, *, tp_rank: int = 0,
+                 tp_size: int = 1, tp_group=None):
         super().__init__()
         c = config
         self.layer_idx = layer_idx
@@ -466,8 +481,9 @@ class DeepseekV41DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hc_attn = HyperConnection(c.hidden_size, **hc)
         self.hc_ffn = HyperConnection(c.hidden_size, **hc)
-        self.attn = MQALayer(c, layer_idx, quant_config, prefix=f"layers.{layer_idx}.attn")
-        self.ffn = DeepseekV41MoE(c, quant_config, prefix=f"layers.{layer_idx}.ffn")
+        tp = dict(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+        self.attn = MQALayer(c, layer_idx, quant_config, prefix=f"layers.{layer_idx}.attn", **tp)
+        self.ffn = DeepseekV41MoE(c, quant_config, prefix=f"layers.{layer_idx}.ffn", **tp)
 
     def forward(self, x, x_pair, residual, positions, slots, kv_cache, next_norm: RMSNorm,
                 next_linear):
@@ -522,15 +538,18 @@ class DeepseekV41ForCausalLM(nn.Module):
     """The whole decoder: embedding -> 4-stream residual -> layers -> final combine + norm ->
     head. ``chain`` switches every producer's FP8 output (``set_chain``)."""
 
-    def __init__(self, config: DeepseekV41Config, *, chain: bool = True, device=None):
+    def __init__(self, config: DeepseekV41Config, *, chain: bool = True, device=None, tp_rank: int = 0,
+                 tp_size: int = 1, tp_group=None):
         super().__init__()
         config.validate()
         self.config = config
         self.quant_config = Fp8Config.from_config(config.quantization_config)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         with torch.device(device if device is not None else "cpu"):
             self.embed = Embedding(config.vocab_size, config.hidden_size)
             self.layers = nn.ModuleList(
-                DeepseekV41DecoderLayer(config, i, self.quant_config)
+                DeepseekV41DecoderLayer(config, i, self.quant_config, tp_rank=tp_rank, tp_size=tp_size,
+                                        tp_group=tp_group)
                 for i in range(config.num_hidden_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.head = LMHead(config.vocab_size, config.hidden_size)
@@ -546,12 +565,13 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.weights_error: str | None = None
 
     @classmethod
-    def from_pretrained(cls, path, *, device=None, chain: bool = True) -> "DeepseekV41ForCausalLM":
-        """Config + weights from a checkpoint directory (``models.checkpoint`` format)."""
+    def from_pretrained(cls, path, *, device=None, chain: bool = True, **tp) -> "DeepseekV41ForCausalLM":
+        """Config + weights from a checkpoint directory (``models.checkpoint`` format); ``tp``:
+        ``tp_rank``, ``tp_size``, ``tp_group`` (each rank reads the whole checkpoint, keeps its shard)."""
         from .checkpoint import load_checkpoint
 
         config, tensors = load_checkpoint(path)
-        model = cls(config, chain=chain, device=device)
+        model = cls(config, chain=chain, device=device, **tp)
         model.load_weights((name, t.to(device)) if device is not None else (name, t)
                            for name, t in tensors)
         return model
@@ -763,8 +783,10 @@ class DeepseekV41ForCausalLM(nn.Module):
             m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
             i, rest = int(m.group(1)), m.group(2)
             pfx = f"layers.{i}"
-            if rest in ("attn_norm.weight", "ffn_norm.weight", "attn.q_norm.weight",
-                        "attn.kv_norm.weight", "attn.attn_sink", "ffn.gate.weight", "ffn.gate.bias"):
+            if rest == "attn.attn_sink":  # one per query head: this rank's heads
+                copy_into(f"{pfx}.{rest}", self._shard(tensor))
+            elif rest in ("attn_norm.weight", "ffn_norm.weight", "attn.q_norm.weight",
+                          "attn.kv_norm.weight", "ffn.gate.weight", "ffn.gate.bias"):
                 copy_into(f"{pfx}.{rest}", tensor)
             elif (h := re.fullmatch(r"hc_(attn|ffn)_(fn|base|scale)", rest)):
                 copy_into(f"{pfx}.hc_{h.group(1)}.{h.group(2)}", tensor)
@@ -810,11 +832,18 @@ class DeepseekV41ForCausalLM(nn.Module):
         loading.load_weights(self, linear_items)  # then every layer's processing, the experts' bf16 copies too
         return loaded
 
+    def _shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's ``1 / tp_size`` of ``tensor``'s rows (query heads, wo_a groups)."""
+        rows = tensor.shape[0] // self.tp_size
+        return tensor.narrow(0, self.tp_rank * rows, rows)
+
     def _load_wo_a(self, attn: MQALayer, name: str, weight: torch.Tensor, scale: torch.Tensor, started) -> None:
         """FP8 ``[G*R, D]`` + 32x32 scales -> bf16 ``[G, R, D]`` (dequantized once, in place),
         after the checks the FP8 linears' tensors get (``check_weights``); ``started()`` before
         the write."""
         check_weights(weight, scale, self.quant_config.block, self.quant_config.scale_fmt, name)
+        # this rank's groups: their rows of the weight and of the 32-row scale blocks
+        weight, scale = self._shard(weight), self._shard(scale)
         w = dequantize_weight(weight.to(attn.wo_a.device), scale.to(attn.wo_a.device),
                               self.config.weight_block_size)
         started()
