@@ -70,6 +70,9 @@ class Engine:
         self.kv_caches = model.make_kv_cache(self.max_batch + 1, self.max_len, self.device)
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
+        if cuda_graphs and getattr(model, "tp_size", 1) > 1:  # capturing its all-reduces is not verified here
+            raise ValueError(f"CUDA-graph decode runs tp_size=1 only; this model has tp_size={model.tp_size} "
+                             "(run it with cuda_graphs=False)")
         self.cuda_graphs = bool(cuda_graphs)
         if graph_batch_sizes is None:
             graph_batch_sizes, b = [], 1
