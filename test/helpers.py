@@ -124,3 +124,27 @@ def assert_unit_chain_on_equals_off(unit) -> None:
     assert torch.equal(residual_on, residual_off) and torch.equal(x_on, x_off)
     assert pair_off is None
     assert_pairs_equal(pair_on, reference.quantize(x_on, unit.layer.attn.wqkv_a.input_format))
+
+
+def run_ranks(target, world: int, *args) -> None:
+    """``target(rank, *args)`` in ``world`` processes joined by a gloo process group (CPU tensors, or
+    CUDA tensors of several ranks on one GPU); returns when every rank has ended (a rank's exception
+    is raised here). ``target`` must be a module-level function (the processes import it)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:  # a free port for the group's rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_in_group, args=(target, world, port, args), nprocs=world, join=True)
+
+
+def _in_group(rank: int, target, world: int, port: int, args) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        target(rank, *args)
+    finally:
+        dist.destroy_process_group()

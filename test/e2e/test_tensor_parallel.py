@@ -11,17 +11,13 @@ holding its shard of the attention heads, wo_a groups and shared expert.
   step, each 0.036-0.066 from the reference, one position at 0.21 in both).
 """
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fp8chain.models.checkpoint import load_checkpoint, write_random_checkpoint
 from fp8chain.models.deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM, DeepseekV41Reference
 from fp8chain.runtime.engine import Engine
-from helpers import rel_error
+from helpers import rel_error, run_ranks
 
 pytestmark = pytest.mark.cpu
 
@@ -43,19 +39,9 @@ def _generate(model) -> dict:
     return runs
 
 
-def _rank(rank: int, port: int, checkpoint: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP)
-    try:
-        model = DeepseekV41ForCausalLM.from_pretrained(checkpoint, tp_rank=rank, tp_size=TP)
-        torch.save(_generate(model), f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank(rank: int, checkpoint: str, out: str) -> None:
+    model = DeepseekV41ForCausalLM.from_pretrained(checkpoint, tp_rank=rank, tp_size=TP)
+    torch.save(_generate(model), f"{out}/rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +49,7 @@ def runs(tmp_path_factory):
     checkpoint = tmp_path_factory.mktemp("tp_ckpt")
     write_random_checkpoint(checkpoint, DeepseekV41Config.tiny(), seed=11)
     out = tmp_path_factory.mktemp("tp_out")
-    mp.spawn(_rank, args=(_free_port(), str(checkpoint), str(out)), nprocs=TP, join=True)
+    run_ranks(_rank, TP, str(checkpoint), str(out))
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(TP)]
     config, tensors = load_checkpoint(checkpoint)
     reference = DeepseekV41Reference(config, dict(tensors))

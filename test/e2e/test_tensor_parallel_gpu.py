@@ -3,16 +3,14 @@ takes one GPU per rank), the compiled kernels, eager steps: each rank's tokens a
 the chain on and off and equal on both ranks, bit for bit. (CUDA-graph decode runs TP1 only.)"""
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fp8chain.models.checkpoint import write_random_checkpoint
 from fp8chain.models.deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
 from fp8chain.runtime.engine import Engine
+from helpers import run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -21,38 +19,28 @@ PROMPT_LENS = (5, 3, 8, 6, 1, 7, 4, 2)
 NEW_TOKENS = 16
 
 
-def _rank(rank: int, port: int, checkpoint: str, out: str) -> None:
+def _rank(rank: int, checkpoint: str, out: str) -> None:
     # two processes share the GPU: the boundary's row barrier needs a GPU to itself (docs/model.md)
     os.environ["FP8CHAIN_ROW_BARRIER"] = "0"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP)
-    try:
-        model = DeepseekV41ForCausalLM.from_pretrained(checkpoint, device="cuda", tp_rank=rank, tp_size=TP)
-        gen = torch.Generator().manual_seed(5)
-        prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-        engine = Engine(model, max_batch=len(prompts), max_len=32)
-        results = {}
-        for chain in (True, False):
-            model.set_chain(chain)
-            run = engine.generate(prompts, NEW_TOKENS, return_logits=True)
-            results[chain] = (run.tokens, torch.stack(run.logits).cpu())
-        torch.save(results, f"{out}/rank{rank}.pt")
-        with pytest.raises(ValueError, match="CUDA-graph decode runs tp_size=1 only"):
-            Engine(model, cuda_graphs=True)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    model = DeepseekV41ForCausalLM.from_pretrained(checkpoint, device="cuda", tp_rank=rank, tp_size=TP)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    engine = Engine(model, max_batch=len(prompts), max_len=32)
+    results = {}
+    for chain in (True, False):
+        model.set_chain(chain)
+        run = engine.generate(prompts, NEW_TOKENS, return_logits=True)
+        results[chain] = (run.tokens, torch.stack(run.logits).cpu())
+    torch.save(results, f"{out}/rank{rank}.pt")
+    with pytest.raises(ValueError, match="CUDA-graph decode runs tp_size=1 only"):
+        Engine(model, cuda_graphs=True)
 
 
 def test_tp2_ranks_and_chain_arms_agree_gpu(tmp_path):
     checkpoint, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
     write_random_checkpoint(checkpoint, DeepseekV41Config.tiny(), seed=3)
-    mp.spawn(_rank, args=(_free_port(), str(checkpoint), str(out)), nprocs=TP, join=True)
+    run_ranks(_rank, TP, str(checkpoint), str(out))
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(TP)]
     first_tokens, first_logits = ranks[0][True]
     assert len({tok for seq in first_tokens for tok in seq}) > NEW_TOKENS  # not a degenerate run

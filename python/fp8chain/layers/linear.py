@@ -283,11 +283,11 @@ class RowParallelLinear(LinearBase):
     def forward(self, x):
         out = self.quant_method.apply(self, x)
         if self.tp_size > 1 and self.reduce_results:
-            all_reduce(out, self.tp_group, self.tp_size, self.display_name)
+            _all_reduce(out, self.tp_group, self.tp_size, self.display_name)
         return out
 
 
-def all_reduce(t: torch.Tensor, group, tp_size: int, name: str) -> None:
+def _all_reduce(t: torch.Tensor, group, tp_size: int, name: str) -> None:
     """Sum ``t`` over the ``tp_size`` ranks of ``group`` in place; a clear error where no process
     group of that size is set up (a partial sum must not pass for the whole one)."""
     import torch.distributed as dist
