@@ -2,7 +2,10 @@
 holding its shard of the attention heads, wo_a groups and shared expert.
 
 * each rank generates the same greedy tokens with the chain on and off, with bitwise-equal logits
-  (each producer writes its rank's shard of the pair; the all-reduces come before the boundaries);
+  (wo_a and SiLU*mul write their rank's shard of the pair, the boundaries and q_norm the whole pair;
+  the all-reduces come before the boundaries);
+* each rank's parameters are exactly its slices of the TP1 model's (heads, wo_a groups, gate and up
+  rows, the row-parallel K columns), at a shape with several heads per group and groups per rank;
 * both ranks compute the same logits bit for bit (the all-reduce leaves one sum on every rank);
 * TP2 is as accurate as TP1 against the fp32 reference on dequantized weights, and generates the
   same tokens. The two differ beyond bf16 rounding: the ranks' partial products are rounded to bf16
@@ -11,10 +14,13 @@ holding its shard of the attention heads, wo_a groups and shared expert.
   step, each 0.036-0.066 from the reference, one position at 0.21 in both).
 """
 
+import re
+
 import pytest
 import torch
 
-from fp8chain.models.checkpoint import load_checkpoint, write_random_checkpoint
+from fp8chain.layers.linear import RowParallelLinear
+from fp8chain.models.checkpoint import load_checkpoint, random_checkpoint_tensors, write_random_checkpoint
 from fp8chain.models.deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM, DeepseekV41Reference
 from fp8chain.runtime.engine import Engine
 from helpers import rel_error, run_ranks
@@ -56,18 +62,51 @@ def runs(tmp_path_factory):
     return ranks, _generate(DeepseekV41ForCausalLM.from_pretrained(checkpoint)), reference
 
 
-def test_each_rank_holds_its_shard(tmp_path):
-    config = DeepseekV41Config.tiny()
-    model = DeepseekV41ForCausalLM(config, tp_rank=1, tp_size=TP)
-    attn, shared = model.layers[0].attn, model.layers[0].ffn.shared_experts
-    assert attn.num_heads == config.num_attention_heads // TP and attn.o_groups == config.o_groups // TP
-    assert attn.wq_b.weight.shape[0] == config.num_attention_heads * config.head_dim // TP
-    assert tuple(attn.wo_a.shape) == (config.o_groups // TP, config.o_lora_rank, config.o_group_dim)
-    assert attn.wo_b.weight.shape[1] == config.o_groups * config.o_lora_rank // TP
-    assert shared.gate_up.weight.shape[0] == 2 * config.moe_intermediate_size // TP
-    assert shared.down.weight.shape[1] == config.moe_intermediate_size // TP
-    with pytest.raises(ValueError, match="o_groups=2 is not divisible by tp_size 4"):
-        DeepseekV41ForCausalLM(config, tp_rank=0, tp_size=4)
+def _expected_shard(name: str, whole: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s part of the TP1 parameter ``name``: heads / wo_a groups by rows, the row-parallel
+    linears' K columns, gate and up rows each, everything else whole."""
+    if re.search(r"attn\.(wq_b\.weight|wq_b\.weight_scale_inv|attn_sink|wo_a)$", name):
+        return whole.chunk(TP, 0)[rank]
+    if re.search(r"(attn\.wo_b|shared_experts\.down)\.(weight|weight_scale_inv)$", name):
+        return whole.chunk(TP, 1)[rank]
+    if re.search(r"shared_experts\.gate_up\.(weight|weight_scale_inv)$", name):
+        gate, up = whole.chunk(2, 0)
+        return torch.cat([gate.chunk(TP, 0)[rank], up.chunk(TP, 0)[rank]])
+    return whole
+
+
+def test_each_rank_holds_exactly_its_slices():
+    """Several heads per wo_a group and several groups per rank (8 heads, 4 groups at TP2), so head
+    and group offsets differ: every parameter of each rank is exactly its slice of the TP1 model's."""
+    config = DeepseekV41Config.tiny(num_attention_heads=8, o_groups=4)
+    tensors = list(random_checkpoint_tensors(config, seed=2))
+    whole = DeepseekV41ForCausalLM(config)
+    whole.load_weights(tensors)
+    whole_params = dict(whole.named_parameters())
+    for rank in range(TP):
+        model = DeepseekV41ForCausalLM(config, tp_rank=rank, tp_size=TP)
+        model.load_weights(tensors)
+        attn = model.layers[0].attn
+        assert (attn.num_heads, attn.o_groups) == (4, 2)
+        for name, param in model.named_parameters():
+            want = _expected_shard(name, whole_params[name], rank)
+            bits = (lambda t: t.view(torch.uint8)) if param.dtype == torch.float8_e4m3fn else (lambda t: t)
+            assert param.shape == want.shape and torch.equal(bits(param), bits(want)), (rank, name)
+    with pytest.raises(ValueError, match="o_groups=4 is not divisible by tp_size 3"):
+        DeepseekV41ForCausalLM(config, tp_rank=0, tp_size=3)
+    with pytest.raises(ValueError, match="invalid tensor-parallel rank 0 of size 0"):
+        DeepseekV41ForCausalLM(config, tp_rank=0, tp_size=0)
+
+
+def _holds_the_other_shard(rank: int) -> None:
+    layer = RowParallelLinear(64, 32, tp_rank=TP - 1 - rank, tp_size=TP, params_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match=f"holds rank {TP - 1 - rank}'s shard but this process is rank {rank}"):
+        layer(torch.randn(2, 32))
+
+
+def test_a_rank_holding_another_ranks_shard_is_refused():
+    """The all-reduce would count one shard twice and drop another: refused before it runs."""
+    run_ranks(_holds_the_other_shard, TP)
 
 
 def test_chain_on_off_identical_on_every_rank(runs):

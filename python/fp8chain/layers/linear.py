@@ -36,11 +36,18 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "LinearMethodBase", "UnquantizedLinearMethod", "LinearBase", "ReplicatedLinear",
-    "ColumnParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear", "divide", "check_dense_input",
+    "ColumnParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear", "divide", "check_tp",
+    "check_dense_input",
 ]
 
 # What the dense (bf16) path computes on: F.linear here, the activation quantizer in the FP8 method.
 _DENSE_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def check_tp(tp_rank: int, tp_size: int) -> None:
+    """``ValueError`` unless ``tp_size >= 1`` and ``0 <= tp_rank < tp_size`` (ints)."""
+    if not (isinstance(tp_size, int) and isinstance(tp_rank, int)) or tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"invalid tensor-parallel rank {tp_rank!r} of size {tp_size!r}")
 
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:
@@ -122,8 +129,7 @@ class LinearBase(nn.Module):
                  quant_config=None, prefix: str = "", tp_rank: int = 0, tp_size: int = 1,
                  params_dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
-        if tp_size < 1 or not 0 <= tp_rank < tp_size:
-            raise ValueError(f"invalid tensor-parallel rank {tp_rank} of size {tp_size}")
+        check_tp(tp_rank, tp_size)
         if params_dtype not in _DENSE_DTYPES:  # an unquantized layer's weights, any layer's bias
             raise TypeError(f"{prefix or type(self).__name__}: params_dtype (an unquantized layer's weights, the "
                             f"bias) must be bfloat16 or float32, got params_dtype={params_dtype}")
@@ -229,6 +235,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], **kwargs):
         self.output_sizes = list(output_sizes)
         tp_size = kwargs.get("tp_size", 1)
+        check_tp(kwargs.get("tp_rank", 0), tp_size)
         for size in self.output_sizes:
             divide(size, tp_size, "each merged output size")
         super().__init__(input_size, sum(self.output_sizes), **kwargs)
@@ -283,13 +290,14 @@ class RowParallelLinear(LinearBase):
     def forward(self, x):
         out = self.quant_method.apply(self, x)
         if self.tp_size > 1 and self.reduce_results:
-            _all_reduce(out, self.tp_group, self.tp_size, self.display_name)
+            _all_reduce(out, self.tp_group, self.tp_rank, self.tp_size, self.display_name)
         return out
 
 
-def _all_reduce(t: torch.Tensor, group, tp_size: int, name: str) -> None:
+def _all_reduce(t: torch.Tensor, group, tp_rank: int, tp_size: int, name: str) -> None:
     """Sum ``t`` over the ``tp_size`` ranks of ``group`` in place; a clear error where no process
-    group of that size is set up (a partial sum must not pass for the whole one)."""
+    group of that size is set up, or where this process is another rank of it than the shard it
+    holds (a partial sum, or one shard twice, must not pass for the whole sum)."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -298,4 +306,7 @@ def _all_reduce(t: torch.Tensor, group, tp_size: int, name: str) -> None:
     if dist.get_world_size(group) != tp_size:
         raise RuntimeError(f"{name}: the tensor-parallel group has {dist.get_world_size(group)} ranks, "
                            f"the layer was built for tp_size={tp_size}")
+    if dist.get_rank(group) != tp_rank:
+        raise RuntimeError(f"{name}: holds rank {tp_rank}'s shard but this process is rank "
+                           f"{dist.get_rank(group)} of the tensor-parallel group")
     dist.all_reduce(t, group=group)

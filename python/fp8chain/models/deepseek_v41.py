@@ -22,9 +22,10 @@ without quantizing; off, producers write bf16 only and every FP8 linear quantize
 output bit for bit, both arms compute the same logits, bit for bit.
 
 Tensor parallelism (``tp_rank``, ``tp_size``, ``tp_group``: a ``torch.distributed`` group) shards
-the attention's heads and wo_a groups and the shared expert as SGLang does; each producer then
-writes its rank's shard of the pair, and the all-reduces after ``wo_b`` and the shared ``down``
-come before the mHC boundaries, which run whole on every rank.
+the attention's heads and wo_a groups and the shared expert as SGLang does; wo_a and SiLU*mul then
+write their rank's shard of the pair (the rows of K its wo_b / down shard reads), the boundaries
+and q_norm the whole pair (wqkv_a is replicated, wq_b reads all of K), and the all-reduces after
+``wo_b`` and the shared ``down`` come before the mHC boundaries, which run whole on every rank.
 
 Out of scope here (see docs/model.md): DSv4.1's sparse attention (indexer, compressor, sliding
 window), hash-routed layers, multi-token prediction, expert parallelism.
@@ -49,7 +50,7 @@ from fp8chain_kernel.reference import (apply_rope, attention_with_sinks, dequant
                                        rope_tables)
 from fp8chain_kernel.formats import QuantizedActivation, is_int, overlaps
 
-from ..layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from ..layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, check_tp
 from ..layers.mhc import HyperConnection, at_start, expand_streams, run_sublayer
 from ..layers.moe import RoutedExpertsReference, SharedExpert, TopKRouter
 from ..layers.norm import RMSNorm
@@ -328,6 +329,7 @@ class MQALayer(nn.Module):
                  prefix: str = "attn", tp_rank: int = 0, tp_size: int = 1, tp_group=None):
         super().__init__()
         c = config
+        check_tp(tp_rank, tp_size)
         if c.o_groups % tp_size:  # the heads split with them (heads are a multiple of the groups)
             raise ValueError(f"o_groups={c.o_groups} is not divisible by tp_size {tp_size}")
         self.layer_idx = layer_idx
