@@ -129,21 +129,20 @@ def assert_unit_chain_on_equals_off(unit) -> None:
 def run_ranks(target, world: int, *args) -> None:
     """``target(rank, *args)`` in ``world`` processes joined by a gloo process group (CPU tensors, or
     CUDA tensors of several ranks on one GPU); returns when every rank has ended (a rank's exception
-    is raised here). ``target`` must be a module-level function (the processes import it)."""
-    import socket
+    is raised here). ``target`` must be a module-level function (the processes import it). The ranks
+    meet through a file (no port to race for)."""
+    import tempfile
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:  # a free port for the group's rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_in_group, args=(target, world, port, args), nprocs=world, join=True)
+    with tempfile.TemporaryDirectory() as rendezvous:
+        mp.spawn(_in_group, args=(target, world, f"file://{rendezvous}/group", args), nprocs=world, join=True)
 
 
-def _in_group(rank: int, target, world: int, port: int, args) -> None:
+def _in_group(rank: int, target, world: int, init_method: str, args) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
         target(rank, *args)
     finally:
