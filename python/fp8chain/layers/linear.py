@@ -247,15 +247,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if (self.tp_size > 1 and isinstance(loaded, torch.Tensor) and loaded.dim() == param.dim()
                 and getattr(param, "shard_dim", None) == 0 and loaded.shape[0] == param.shape[0] * self.tp_size):
-            # each part's rows scale with its share of the outputs (weight rows, block-scale rows)
+            # this rank's rows of each part scale with the part's share of the outputs (weight rows,
+            # block-scale rows); the constructor made every part's shard whole blocks
             total = sum(self.output_sizes)
-            sizes = [loaded.shape[0] * size // total for size in self.output_sizes]
-            if sum(sizes) != loaded.shape[0] or any(size % self.tp_size for size in sizes):
-                raise ValueError(f"{self.display_name}.{self._param_name(param)}: {loaded.shape[0]} rows do not "
-                                 f"split into parts {self.output_sizes} over {self.tp_size} ranks")
-            loaded = torch.cat([part.narrow(0, self.tp_rank * (part.shape[0] // self.tp_size),
-                                            part.shape[0] // self.tp_size)
-                                for part in loaded.split(sizes, 0)], 0)
+            local = [param.shape[0] * size // total for size in self.output_sizes]
+            parts = loaded.split([rows * self.tp_size for rows in local], 0)
+            loaded = torch.cat([part.narrow(0, self.tp_rank * rows, rows) for part, rows in zip(parts, local)], 0)
         super().weight_loader(param, loaded)
 
 

@@ -333,7 +333,6 @@ class MQALayer(nn.Module):
         if c.o_groups % tp_size:  # the heads split with them (heads are a multiple of the groups)
             raise ValueError(f"o_groups={c.o_groups} is not divisible by tp_size {tp_size}")
         self.layer_idx = layer_idx
-        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.num_heads = c.num_attention_heads // tp_size  # this rank's
         self.head_dim = c.head_dim
         self.rope_dim = c.qk_rope_head_dim
