@@ -126,6 +126,28 @@ def assert_unit_chain_on_equals_off(unit) -> None:
     assert_pairs_equal(pair_on, reference.quantize(x_on, unit.layer.attn.wqkv_a.input_format))
 
 
+def generate_chain_arms(model, prompts, new_tokens: int, max_len: int) -> dict:
+    """Greedy generation with the chain on and off (eager steps): ``{chain: (tokens, logits on CPU,
+    standalone quantizes counted)}``. First checks that every FP8 linear accepted a pre-quantized
+    input: otherwise both arms would quantize in the linears and agree without testing the chain."""
+    from fp8chain.runtime.engine import Engine
+
+    refused = [name for name, linear in model.fp8_linears().items() if linear.input_format is None]
+    assert not refused, f"these FP8 linears take no producer pair: {refused}"
+    engine = Engine(model, max_batch=len(prompts), max_len=max_len)
+    counter = model.quantize_counter
+    runs = {}
+    for chain in (True, False):
+        model.set_chain(chain)
+        counter.reset()
+        counter.enabled = True
+        run = engine.generate(prompts, new_tokens, return_logits=True)
+        counter.enabled = False
+        runs[chain] = (run.tokens, torch.stack(run.logits).cpu(), counter.count)
+    model.set_chain(True)
+    return runs
+
+
 def run_ranks(target, world: int, *args) -> None:
     """``target(rank, *args)`` in ``world`` processes joined by a gloo process group (CPU tensors, or
     CUDA tensors of several ranks on one GPU); returns when every rank has ended (a rank's exception

@@ -23,7 +23,7 @@ from fp8chain.layers.linear import RowParallelLinear
 from fp8chain.models.checkpoint import load_checkpoint, random_checkpoint_tensors, write_random_checkpoint
 from fp8chain.models.deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM, DeepseekV41Reference
 from fp8chain.runtime.engine import Engine
-from helpers import rel_error, run_ranks
+from helpers import generate_chain_arms, rel_error, run_ranks
 
 pytestmark = pytest.mark.cpu
 
@@ -36,13 +36,7 @@ REL_MEDIAN_BOUND = 0.06
 
 
 def _generate(model) -> dict:
-    engine = Engine(model, max_batch=len(PROMPTS), max_len=16)
-    runs = {}
-    for chain in (True, False):
-        model.set_chain(chain)
-        run = engine.generate(PROMPTS, NEW_TOKENS, return_logits=True)
-        runs[chain] = (run.tokens, torch.stack(run.logits))
-    return runs
+    return generate_chain_arms(model, PROMPTS, NEW_TOKENS, max_len=16)
 
 
 def _rank(rank: int, checkpoint: str, out: str) -> None:
@@ -109,10 +103,40 @@ def test_a_rank_holding_another_ranks_shard_is_refused():
     run_ranks(_holds_the_other_shard, TP)
 
 
+def _outside_or_too_small_a_group(rank: int) -> None:
+    import torch.distributed as dist
+
+    first_only = dist.new_group([0])  # every rank takes part in creating it
+    layer = RowParallelLinear(64, 32, tp_rank=rank, tp_size=TP, params_dtype=torch.float32, tp_group=first_only)
+    refusal = "the tensor-parallel group has 1 ranks" if rank == 0 else "not a member of the tensor-parallel group"
+    with pytest.raises(RuntimeError, match=refusal):
+        layer(torch.randn(2, 32))
+
+
+def test_a_group_that_is_not_the_layers_is_refused():
+    """A group without this process, or of another size than the layer's tp_size: refused by name."""
+    run_ranks(_outside_or_too_small_a_group, TP)
+
+
+def test_decode_graphs_refuse_a_tensor_parallel_model():
+    """However it is reached (the runner itself, or an Engine switched to graphs after construction),
+    capture refuses a TP model before touching the device: its all-reduces are not verified in a graph."""
+    from fp8chain.runtime.cuda_graph import DecodeGraphRunner
+
+    model = DeepseekV41ForCausalLM(DeepseekV41Config.tiny(), tp_rank=0, tp_size=TP)
+    engine = Engine(model, max_batch=2, max_len=8)
+    with pytest.raises(ValueError, match="CUDA-graph decode runs tp_size=1 only; this model has tp_size=2"):
+        DecodeGraphRunner(model, engine.kv_caches, [1, 2], scratch_slot=engine.scratch_slot)
+    engine.cuda_graphs = True
+    with pytest.raises(ValueError, match="CUDA-graph decode runs tp_size=1 only"):
+        engine.graph_runner()
+
+
 def test_chain_on_off_identical_on_every_rank(runs):
     ranks = runs[0]
     for rank in ranks:
-        (tokens_on, logits_on), (tokens_off, logits_off) = rank[True], rank[False]
+        (tokens_on, logits_on, quantizes_on), (tokens_off, logits_off, quantizes_off) = rank[True], rank[False]
+        assert quantizes_on == 0 and quantizes_off > 0  # the chain ran: no linear quantized its input
         assert tokens_on == tokens_off
         assert torch.equal(logits_on, logits_off)
 
@@ -126,7 +150,7 @@ def test_ranks_agree_bit_for_bit(runs):
 
 def test_tp2_as_accurate_as_tp1(runs):
     ranks, single, reference = runs
-    (tp2_tokens, tp2_logits), (tp1_tokens, tp1_logits) = ranks[0][True], single[True]
+    (tp2_tokens, tp2_logits, _), (tp1_tokens, tp1_logits, _) = ranks[0][True], single[True]
     assert tp2_tokens == tp1_tokens
     errors = {"tp2": [], "tp1": []}
     for step in range(NEW_TOKENS):

@@ -10,7 +10,7 @@ import torch
 from fp8chain.models.checkpoint import write_random_checkpoint
 from fp8chain.models.deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
 from fp8chain.runtime.engine import Engine
-from helpers import run_ranks
+from helpers import generate_chain_arms, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -25,13 +25,7 @@ def _rank(rank: int, checkpoint: str, out: str) -> None:
     model = DeepseekV41ForCausalLM.from_pretrained(checkpoint, device="cuda", tp_rank=rank, tp_size=TP)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    engine = Engine(model, max_batch=len(prompts), max_len=32)
-    results = {}
-    for chain in (True, False):
-        model.set_chain(chain)
-        run = engine.generate(prompts, NEW_TOKENS, return_logits=True)
-        results[chain] = (run.tokens, torch.stack(run.logits).cpu())
-    torch.save(results, f"{out}/rank{rank}.pt")
+    torch.save(generate_chain_arms(model, prompts, NEW_TOKENS, max_len=32), f"{out}/rank{rank}.pt")
     with pytest.raises(ValueError, match="CUDA-graph decode runs tp_size=1 only"):
         Engine(model, cuda_graphs=True)
 
@@ -42,9 +36,10 @@ def test_tp2_ranks_and_chain_arms_agree_gpu(tmp_path):
     write_random_checkpoint(checkpoint, DeepseekV41Config.tiny(), seed=3)
     run_ranks(_rank, TP, str(checkpoint), str(out))
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(TP)]
-    first_tokens, first_logits = ranks[0][True]
+    first_tokens, first_logits, _ = ranks[0][True]
     assert len({tok for seq in first_tokens for tok in seq}) > NEW_TOKENS  # not a degenerate run
     for results in ranks:
-        for chain, (tokens, logits) in results.items():
+        for chain, (tokens, logits, quantizes) in results.items():
+            assert (quantizes == 0) == chain, (chain, quantizes)  # the chained arm quantizes nothing
             assert torch.isfinite(logits).all(), chain
             assert tokens == first_tokens and torch.equal(logits, first_logits), chain

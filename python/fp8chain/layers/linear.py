@@ -293,13 +293,15 @@ class RowParallelLinear(LinearBase):
 
 def _all_reduce(t: torch.Tensor, group, tp_rank: int, tp_size: int, name: str) -> None:
     """Sum ``t`` over the ``tp_size`` ranks of ``group`` in place; a clear error where no process
-    group of that size is set up, or where this process is another rank of it than the shard it
-    holds (a partial sum, or one shard twice, must not pass for the whole sum)."""
+    group of that size is set up, where this process is not in it, or where it is another rank of
+    it than the shard it holds (a partial sum, or one shard twice, must not pass for the whole sum)."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{name}: tp_size={tp_size} needs torch.distributed initialized (init_process_group) "
                            "for its all-reduce")
+    if dist.get_rank(group) < 0:  # torch reports -1 (rank and size) to a process outside the group
+        raise RuntimeError(f"{name}: this process is not a member of the tensor-parallel group it was given")
     if dist.get_world_size(group) != tp_size:
         raise RuntimeError(f"{name}: the tensor-parallel group has {dist.get_world_size(group)} ranks, "
                            f"the layer was built for tp_size={tp_size}")

@@ -17,12 +17,22 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["DecodeGraphRunner"]
+__all__ = ["DecodeGraphRunner", "check_capturable"]
+
+
+def check_capturable(model) -> None:
+    """Decode graphs are captured for TP1 models only: capturing a tensor-parallel model's
+    all-reduces is not verified (ValueError)."""
+    tp_size = getattr(model, "tp_size", 1)
+    if tp_size > 1:
+        raise ValueError(f"CUDA-graph decode runs tp_size=1 only; this model has tp_size={tp_size} "
+                         "(run it with cuda_graphs=False)")
 
 
 class DecodeGraphRunner:
     def __init__(self, model, kv_caches: list[torch.Tensor], batch_sizes: Sequence[int], *,
                  scratch_slot: int):
+        check_capturable(model)
         if not torch.cuda.is_available():
             raise RuntimeError("CUDA graphs need a CUDA device")
         self.model = model

@@ -21,6 +21,8 @@ import torch
 
 from fp8chain_kernel.attention import INDEX_DTYPES
 
+from .cuda_graph import DecodeGraphRunner, check_capturable
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "GenerationResult"]
@@ -70,9 +72,8 @@ class Engine:
         self.kv_caches = model.make_kv_cache(self.max_batch + 1, self.max_len, self.device)
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
-        if cuda_graphs and getattr(model, "tp_size", 1) > 1:  # capturing its all-reduces is not verified here
-            raise ValueError(f"CUDA-graph decode runs tp_size=1 only; this model has tp_size={model.tp_size} "
-                             "(run it with cuda_graphs=False)")
+        if cuda_graphs:
+            check_capturable(model)
         self.cuda_graphs = bool(cuda_graphs)
         if graph_batch_sizes is None:
             graph_batch_sizes, b = [], 1
@@ -96,8 +97,6 @@ class Engine:
 
     def graph_runner(self):
         """The decode graph runner of the current chain state (captured on first use)."""
-        from .cuda_graph import DecodeGraphRunner
-
         key = self.chain
         runner = self._runners.get(key)
         if runner is None:
