@@ -159,6 +159,19 @@ def test_a_device_fp8chain_does_not_serve_keeps_upstreams_weights(monkeypatch, c
     assert layer.weight.dtype == torch.int32 and layer.weight.data_ptr() == marlin_packed.data_ptr()
 
 
+def test_weights_repacked_for_amx_are_not_read(caplog):
+    """Upstream's CPU path repacks the weights for Intel AMX (``use_intel_amx_backend``): the CPU
+    under the interpreter is served, but such a layer is refused without reading them as e4m3."""
+    amx_packed = torch.zeros(64, 128, dtype=torch.float8_e4m3fn)  # the right dtype and shape, another layout
+    layer = UpstreamLinear(amx_packed, torch.ones(2, 4))
+    layer.use_intel_amx_backend = True
+    with caplog.at_level(logging.WARNING, logger="fp8chain.integrations.sglang"):
+        plugin.after_process_weights(None, upstream_method(), layer)
+    assert layer.deepgemm_mxfp8_input is False and layer.input_format is None
+    assert "no fp8chain consumer for weights repacked for Intel AMX" in caplog.text
+    assert not getattr(layer, "derived_weight_names", None)
+
+
 def test_reprocessing_after_a_reload_keeps_derived_storage(monkeypatch):
     """A reload runs the hook again: the derived tensors keep their storage (captured graphs still
     read them) and hold the new weights' values, so the GEMM after the reload is that of the new

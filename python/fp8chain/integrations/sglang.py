@@ -15,8 +15,9 @@ process, calls each plugin's function, then applies the hooks it registered
   refused (flag False, reason logged) and the layer keeps upstream's bf16 path. Before that, its
   weight and scales pass the checks fp8chain's own ``Fp8LinearMethod`` runs (``check_weights``),
   which raise at load rather than at the first forward. Before Hopper, on ROCm and where the
-  method repacked the weights for Marlin (``use_marlin``, e.g. ``SGLANG_FORCE_FP8_MARLIN``) the
-  request is refused without reading them as e4m3; Blackwell and later are upstream's.
+  method repacked the weights for Marlin (``use_marlin``, e.g. ``SGLANG_FORCE_FP8_MARLIN``) or for
+  Intel AMX on the CPU (``layer.use_intel_amx_backend``) the request is refused without reading
+  them as e4m3; Blackwell and later are upstream's.
 * around ``apply(layer, x, bias=None)``: a ``QuantizedActivation`` goes to that backend's GEMM,
   never re-quantized (a pair in another format, or for a layer that did not ask for one, raises
   ``TypeError``); any other input runs upstream's ``apply`` unchanged.
@@ -107,6 +108,8 @@ def after_process_weights(result, method, layer, *args, **kwargs):
         return _refuse(layer, name, f"on {reason}")
     if getattr(method, "use_marlin", False):  # SGLANG_FORCE_FP8_MARLIN: the weights were repacked
         return _refuse(layer, name, "for weights repacked for Marlin")
+    if getattr(layer, "use_intel_amx_backend", False):  # upstream's CPU path repacked them for AMX
+        return _refuse(layer, name, "for weights repacked for Intel AMX")
     block = _block_size(method)
     if block is None or layer.weight.dim() != 2:
         return _refuse(layer, name, "for weight block "
