@@ -116,11 +116,12 @@ def _cmd_bench(args) -> int:
     if args.benchmark != "all":
         _run_benchmark(args.benchmark, args)
         return 0
-    failed = []
+    failed, ran = [], 0
     for name in BENCHMARKS:
         if not (BENCH_DIR / f"{name}.py").exists():
             print(f"[skip] benchmark/{name}.py is not in this checkout")
             continue
+        ran += 1
         # each benchmark in a process of its own: after one benchmark's torch.profiler launch
         # counts, every kernel a later one times would be slower (fp8chain.bench.harness)
         command = [sys.executable, "-m", "fp8chain", "bench", name] + (["--quick"] if args.quick else [])
@@ -130,6 +131,9 @@ def _cmd_bench(args) -> int:
             failed.append(name)
     if failed:
         print("failed benchmarks:\n  " + "\n  ".join(failed), file=sys.stderr)
+        return 1
+    if not ran:
+        print(f"no benchmark ran: {BENCH_DIR} holds none (run from a source checkout)", file=sys.stderr)
         return 1
     return 0
 

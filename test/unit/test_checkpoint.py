@@ -265,8 +265,36 @@ def test_loader_refuses_an_index_entry_no_shard_holds(written, tmp_path):
         dict(load_checkpoint(path)[1])
 
 
+def test_a_checkpoint_missing_a_shard_fails_before_a_live_model_is_touched(written, tmp_path):
+    """Every shard's header is read before the first tensor: reloading a live model from a
+    checkpoint whose last shard is gone (or unreadable) raises before anything is written, so the
+    model keeps serving its weights."""
+    from fp8chain.models.deepseek_v41 import DeepseekV41ForCausalLM
+    from fp8chain.runtime.engine import Engine
+
+    model = DeepseekV41ForCausalLM.from_pretrained(written)
+    engine = Engine(model, max_batch=1, max_len=8)
+    before = engine.prefill([[1, 2, 3]])
+    path = _copy_checkpoint(written, tmp_path / "gone")
+    last = sorted(set(_shards(path).values()))[-1]
+    (path / last).unlink()
+    with pytest.raises(FileNotFoundError, match=f"{last}: the index names this shard"):
+        model.load_weights(load_checkpoint(path)[1])
+    (path / last).write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=f"{last}: cannot read the shard"):
+        model.load_weights(load_checkpoint(path)[1])
+    assert model.weights_error is None and torch.equal(engine.prefill([[1, 2, 3]]), before)
+
+
 def test_loader_names_a_corrupt_index_or_shard(written, tmp_path):
     path = _copy_checkpoint(written, tmp_path / "corrupt")
+    config = (path / "config.json").read_text()
+    for text, match in ((config[: len(config) // 2], "config.json: not a JSON file"),
+                        ("[1, 2]", "config.json: a config.json holds a JSON object, got a list")):
+        (path / "config.json").write_text(text)
+        with pytest.raises(ValueError, match=match):
+            load_checkpoint(path)
+    (path / "config.json").write_text(config)
     index = (path / INDEX_FILE).read_text()
     (path / INDEX_FILE).write_text(index[: len(index) // 2])
     with pytest.raises(ValueError, match=INDEX_FILE):

@@ -28,6 +28,18 @@ def test_bench_refuses_without_gpu(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_bench_all_without_benchmark_scripts_fails(tmp_path, monkeypatch, capsys):
+    """An install without the benchmark/ scripts: `bench all` says nothing ran and fails."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "BENCH_DIR", tmp_path)
+    assert cli.main(["bench", "all", "--results-dir", str(tmp_path / "results")]) == 1
+    captured = capsys.readouterr()
+    assert "[skip] benchmark/layer.py is not in this checkout" in captured.out
+    assert f"no benchmark ran: {tmp_path} holds none" in captured.err
+
+
 def test_verify_passes_and_reports_a_broken_kernel(monkeypatch, capsys):
     assert verify.run_checks(quick=True)
 
@@ -115,6 +127,16 @@ def test_counts_must_be_positive(argv, capsys):
         cli.main(argv)
     assert exit_info.value.code == 2
     assert "integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**63), str(2**64)])
+def test_demo_seed_names_one_checkpoint(seed, capsys):
+    """torch's generator folds a negative seed onto a large one and refuses 2**64: a seed outside
+    [0, 2**63) is refused by the parser."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--seed", seed])
+    assert exit_info.value.code == 2
+    assert "is not a seed in [0, 2**63)" in capsys.readouterr().err
 
 
 def test_demo_refuses_an_out_path_that_is_a_file(tmp_path):

@@ -101,6 +101,10 @@ def test_validation_rejects_unsupported_structures(bad):
      r"weight_block_size must be \[32, 32\] or \[128, 128\]"),
     (dict(quantization_config={**DeepseekV41Config.tiny().quantization_config, "quant_method": "awq"}),
      "quantization_config: "),
+    # the checkpoint layout has every dense linear in FP8: a layer kept in bf16 could never load
+    (dict(quantization_config={**DeepseekV41Config.tiny().quantization_config,
+                               "modules_to_not_convert": ["layers.0.attn.wq_b"]}),
+     r"keeps \['layers.0.attn.wq_b'\] unquantized"),
 ])
 def test_from_dict_names_values_of_the_wrong_kind(bad, named):
     with pytest.raises(ValueError, match=named):

@@ -54,8 +54,33 @@ def test_generate_takes_numpy_integers(loaded):
 
     engine = Engine(loaded, max_batch=1, max_len=16)
     want = engine.generate([[1, 2]], 3).tokens
-    assert engine.generate([np.array([1, 2], dtype=np.int64).tolist()], np.int64(3)).tokens == want
+    assert engine.generate([list(np.array([1, 2], dtype=np.int64))], np.int64(3)).tokens == want
     assert engine.generate([list(np.array([1, 2], dtype=np.int32))], np.int32(3)).tokens == want
+
+
+def test_engine_steps_run_with_the_models_cuda_device_current(model, monkeypatch):
+    """Triton launches, streams, capture and synchronize act on the current CUDA device: every
+    Engine entry point makes the model's device current first (a model on cuda:1, cuda:0 current)."""
+    import contextlib
+
+    from fp8chain.runtime import engine as engine_module
+
+    entered = []
+
+    @contextlib.contextmanager
+    def current(device):
+        entered.append(device)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", current)
+    engine = Engine(model, max_batch=1, max_len=8)
+    engine.device = torch.device("cuda", 1)
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):  # this machine has none
+        engine.graph_runner()
+    assert entered == [torch.device("cuda", 1)]
+    wrapper = engine_module._on_model_device(lambda self: None).__code__
+    for name in ("graph_runner", "prefill", "decode", "generate"):
+        assert getattr(Engine, name).__code__ is wrapper, name
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -186,7 +186,10 @@ def load_checkpoint(path) -> tuple[DeepseekV41Config, Iterator[tuple[str, torch.
 
     With an index, every tensor must sit in the shard the index names and appear once; without
     one, the ``*.safetensors`` files are read in name order and a name in two of them is an error.
-    A corrupt index or shard raises ``ValueError`` naming the file."""
+    Every shard's header is read and checked here, before the iterator yields a tensor: a missing,
+    corrupt or misplaced shard fails before any parameter is written (a live model being reloaded
+    keeps its weights). A corrupt index or shard raises ``ValueError`` naming the file, a shard
+    the index names but the directory lacks ``FileNotFoundError``."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -208,25 +211,33 @@ def load_checkpoint(path) -> tuple[DeepseekV41Config, Iterator[tuple[str, torch.
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
 
+    def shard(fname):
+        if not (path / fname).is_file():
+            raise FileNotFoundError(f"{path / fname}: the index names this shard, the directory has no such file")
+        try:
+            return safe_open(str(path / fname), framework="pt")
+        except SafetensorError as exc:
+            raise ValueError(f"{path / fname}: cannot read the shard ({exc})") from exc
+
+    seen: dict[str, str] = {}
+    for fname in files:
+        with shard(fname) as f:
+            for name in f.keys():
+                if name in seen:
+                    raise ValueError(f"{name} is in both {seen[name]} and {fname}")
+                if weight_map is not None and weight_map.get(name) != fname:
+                    raise ValueError(f"{fname} holds {name}, which the index maps to {weight_map.get(name)!r}")
+                seen[name] = fname
+    absent = sorted(set(weight_map or ()) - set(seen))
+    if absent:  # a truncated shard or a stale index: the loader would never see these
+        raise ValueError(f"{len(absent)} tensors of the index are in no shard (first: {absent[0]}, "
+                         f"mapped to {weight_map[absent[0]]})")
+
     def tensors():
-        seen: dict[str, str] = {}
         for fname in files:
-            try:
-                with safe_open(str(path / fname), framework="pt") as f:
-                    for name in f.keys():
-                        if name in seen:
-                            raise ValueError(f"{name} is in both {seen[name]} and {fname}")
-                        if weight_map is not None and weight_map.get(name) != fname:
-                            raise ValueError(f"{fname} holds {name}, which the index maps to "
-                                             f"{weight_map.get(name)!r}")
-                        seen[name] = fname
-                        yield name, f.get_tensor(name)
-            except SafetensorError as exc:  # a corrupt shard (a missing one raises FileNotFoundError)
-                raise ValueError(f"{path / fname}: cannot read the shard ({exc})") from exc
-        absent = sorted(set(weight_map or ()) - set(seen))
-        if absent:  # a truncated shard or a stale index: the loader would never see these
-            raise ValueError(f"{len(absent)} tensors of the index are in no shard (first: {absent[0]}, "
-                             f"mapped to {weight_map[absent[0]]})")
+            with shard(fname) as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
 
     return config, tensors()
 

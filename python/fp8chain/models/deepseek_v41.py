@@ -125,7 +125,9 @@ class DeepseekV41Config:
             raise ValueError(f"model_type {d['model_type']!r} is not a DeepSeek-V4 config (deepseek_v4)")
         if d.get("rope_scaling"):
             logger.warning("config rope_scaling %r is not implemented: positions rotate with plain RoPE "
-                           "(rope_theta), exact only within the unscaled context", d["rope_scaling"])
+                           "(rope_theta); scaling such as YaRN changes the frequencies and the attention "
+                           "scale at every position, so the logits differ from the scaled model's "
+                           "everywhere", d["rope_scaling"])
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in d.items() if k in names}
         identity = ("architectures", "model_type", "extra")  # to_dict writes these itself
@@ -142,8 +144,15 @@ class DeepseekV41Config:
 
     @classmethod
     def from_json(cls, path) -> "DeepseekV41Config":
+        """From a ``config.json`` file; one that is not a JSON object raises ``ValueError`` naming it."""
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            try:
+                d = json.load(f)
+            except ValueError as exc:
+                raise ValueError(f"{path}: not a JSON file ({exc})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: a config.json holds a JSON object, got a {type(d).__name__}")
+        return cls.from_dict(d)
 
     def to_dict(self) -> dict:
         """The HF ``config.json`` dict (``architectures``/``model_type`` included)."""
@@ -249,9 +258,12 @@ class DeepseekV41Config:
         if errors:  # the structural checks below do arithmetic on these values
             raise ValueError("invalid DeepseekV41Config: " + "; ".join(errors))
         try:  # what the FP8 linears will read: refused here rather than when the model is built
-            Fp8Config.from_config(self.quantization_config)
+            fp8 = Fp8Config.from_config(self.quantization_config)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"invalid DeepseekV41Config: quantization_config: {exc}") from None
+        if fp8.ignored_layers:  # the checkpoint layout and its loader have every dense linear in FP8
+            raise ValueError(f"invalid DeepseekV41Config: quantization_config keeps {list(fp8.ignored_layers)} "
+                             "unquantized; a DSv4.1 checkpoint has every dense linear in FP8 (not supported)")
         if self.num_attention_heads % self.o_groups:
             errors.append(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                           f"o_groups={self.o_groups}")

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..argtypes import positive_int
+from ..argtypes import positive_int, seed_int
 
 __all__ = ["add_demo_arguments", "run_demo"]
 
@@ -32,7 +32,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="prompts in the batch (default: 2 on CPU, 8 on GPU)")
     parser.add_argument("--tokens", type=positive_int, default=None,
                         help="greedy tokens generated per prompt (default: 8 on CPU, 32 on GPU)")
-    parser.add_argument("--seed", type=int, default=0, help="checkpoint and prompt seed")
+    parser.add_argument("--seed", type=seed_int, default=0, help="checkpoint and prompt seed (0 to 2**63 - 1)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to run (auto: cuda if available)")
     parser.add_argument("--out", default=None,

@@ -12,6 +12,7 @@ are kept per chain state, since the captured kernels differ.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import numbers
 import time
@@ -26,6 +27,19 @@ from .cuda_graph import DecodeGraphRunner, check_capturable
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "GenerationResult"]
+
+
+def _on_model_device(method):
+    """Run an Engine method with the model's CUDA device current: Triton launches, new streams,
+    graph capture and ``synchronize`` act on the current device, not on the tensors' (a model on
+    ``cuda:1`` while ``cuda:0`` is current)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self.device.type != "cuda":
+            return method(self, *args, **kwargs)
+        with torch.cuda.device(self.device):
+            return method(self, *args, **kwargs)
+    return run
 
 
 @dataclasses.dataclass
@@ -95,6 +109,7 @@ class Engine:
         """Whether decode steps of ``batch`` sequences replay a captured graph (else run eagerly)."""
         return self.cuda_graphs and batch <= max(self.graph_batch_sizes)
 
+    @_on_model_device
     def graph_runner(self):
         """The decode graph runner of the current chain state (captured on first use)."""
         key = self.chain
@@ -108,6 +123,7 @@ class Engine:
 
     # ---- steps -------------------------------------------------------------------------
 
+    @_on_model_device
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Run every prompt (sequence ``i`` in slot ``i``); fp32 logits of each last token ``[B, V]``."""
@@ -121,6 +137,7 @@ class Engine:
         # _check_prompts bounds every id, position and slot: no host read in the model
         return self.model(ids, positions, slots, self.kv_caches, logits_indices=last, check_indices=False)
 
+    @_on_model_device
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, *, check_indices: bool = True) -> torch.Tensor:
         """One token per sequence (sequence ``i`` in slot ``i``) -> fp32 logits ``[B, V]``.
@@ -131,8 +148,9 @@ class Engine:
         step) unless ``check_indices=False``, as ``generate``, which makes both itself, passes; a
         step replaying a CUDA graph is never checked (no host sync there).
 
-        A replayed step returns a view of its graph's output buffer, which the next replay of the
-        same batch bucket overwrites: clone the logits to keep them past the next ``decode``
+        A replayed step returns a view of its graph's output buffer, which the next replay may
+        overwrite, of any batch bucket (the buckets' graphs share one memory pool, so another
+        bucket's temporaries may sit there): clone the logits to keep them past the next ``decode``
         (``generate(return_logits=True)`` does). An eager step returns a tensor of its own."""
         for name, t in (("tokens", tokens), ("positions", positions)):
             if not isinstance(t, torch.Tensor) or t.dtype not in INDEX_DTYPES:
@@ -151,6 +169,7 @@ class Engine:
 
     # ---- generation --------------------------------------------------------------------
 
+    @_on_model_device
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  return_logits: bool = False) -> GenerationResult:
