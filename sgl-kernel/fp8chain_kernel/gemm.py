@@ -1,7 +1,7 @@
 """FP8 GEMM consumers: a ``QuantizedActivation`` as its producer wrote it, times block-scaled FP8
 weights, bf16 out. Nothing here re-quantizes a pair.
 
-``fp8_gemm(pair, weight, weight_scale, weight_block=32)`` reads ``SM90_G32_FP32_MN`` pairs against
+``fp8_gemm(pair, weight, weight_scale, *, weight_block=32)`` (``weight_block`` has no default) reads ``SM90_G32_FP32_MN`` pairs against
 DSv4.1 weights (e4m3 ``[N, K]``, power-of-two fp32 scales per 32x32 block);
 ``weight_block=128`` reads ``SM90_G128_FP32_MN`` pairs against V3/V4-style 128x128 blocks with
 arbitrary fp32 scales. A bf16 ``[M, K]`` tensor plus ``fmt`` is quantized first with

@@ -757,8 +757,10 @@ def mhc_combine_norm(residual: torch.Tensor, pre: torch.Tensor, norm_weight: tor
     """``x = bf16(RMSNorm(bf16(sum_k pre[k]*R[k]), norm_weight))`` ``[T, H]``.
 
     Returns ``x``; ``(x, pair)`` with ``out_format`` (or ``out``); only ``pair`` with
-    ``return_bf16=False`` (``x`` is then still written when ``out_bf16`` is given). Used for
-    layer 0 (with a given ``pre``) and for the model's final norm.
+    ``return_bf16=False`` (``x`` is then still written when ``out_bf16`` is given). The
+    combine + norm half of ``mhc_mega_boundary`` for a caller that holds ``pre`` and no
+    finished sublayer (fp8chain's model needs none: layer 0 normalizes ``R[:, 0]`` with
+    ``norm.rms_norm``, the final norm is the last boundary).
     """
     rows, cols = _check_residual(residual)
     device = residual.device

@@ -25,8 +25,9 @@ return_bf16=True, config=None)``
 The same return convention (and the helpers ``resolve_outputs`` / ``producer_result`` below)
 is shared by ``act.silu_mul`` and ``einsum.wo_a_einsum``.
 
-Errors: ``TypeError`` for a wrong type or dtype or a pair of another format; ``ValueError`` for
-a wrong shape, stride or device, or for outputs that overlap. ``T = 0`` launches nothing.
+Errors: ``TypeError`` for a wrong tensor type or dtype or a pair of another format; ``ValueError``
+for a wrong shape, stride or device, a bad ``eps`` or ``config``, or outputs that overlap.
+``T = 0`` launches nothing.
 """
 
 from __future__ import annotations
