@@ -591,7 +591,8 @@ def report(meta: dict, records: list[dict], results_dir=None) -> str:
     if routed:
         harness.plot_records("layer_routed", routed, "M", ["routed_us", "router_us", "router_torch_us", "routed_floor_us",
                                                            "chained_us"],
-                             "us per decode step (router + routed experts)", group="panel", results_dir=results_dir)
+                             "us per decode step (router + routed experts; chained_us: the attention + "
+                             "shared-expert unit, for scale)", group="panel", results_dir=results_dir)
         text += "\n\nRouter and routed experts (the model's torch reference; the same in both arms):\n"
         text += harness.markdown_table(routed, ROUTED_COLUMNS)
     return text

@@ -90,7 +90,12 @@ def _peer_quantize(x: torch.Tensor, fmt: ActFormat):
 
 def peer_function(name: str, fmt: ActFormat):
     """The compiled peer's eager body: torch reference producer + reference quantize."""
-    if name in ("rms_norm", "q_norm"):
+    if name == "rms_norm":  # the bf16 x too, as the FP8 arm writes it (DSv4.1's router reads it)
+        def norm_with_x(x, w, res):
+            y = reference.rms_norm(x, w, EPS, residual=res)
+            return y, *_peer_quantize(y, fmt)
+        return norm_with_x
+    if name == "q_norm":  # the pair alone, as the FP8 arm (wq_b reads nothing else)
         return lambda x, w, res: _peer_quantize(reference.rms_norm(x, w, EPS, residual=res), fmt)
     if name == "silu_mul":
         return lambda gu: _peer_quantize(reference.silu_mul(gu, limit=SWIGLU_LIMIT), fmt)
@@ -240,7 +245,8 @@ def run_wo_a_sweep(args) -> tuple[dict, list[dict]]:
         o = torch.randn(rows, g, d, device=DEVICE).bfloat16()
         pair = empty_pair(rows, g * r, fmt, DEVICE)
 
-        floor_us = (weight_bytes + rows * g * d * 2) / (meta["copy_bandwidth_TBps"] * 1e12) * 1e6
+        floor_us = ((weight_bytes + rows * g * d * 2 + _pair_bytes(rows, g * r, fmt))
+                    / (meta["copy_bandwidth_TBps"] * 1e12) * 1e6)
         mine = []
         for config in [None] + wo_a_candidates(rows, d, args.splits):
             try:
@@ -313,6 +319,8 @@ def best_launches(records: list[dict]) -> list[dict]:
 
 
 def run(args) -> tuple[dict, list[dict]]:
+    if (args.sweep_wo_a or args.sweep_launch) and len(args.formats) > 1:
+        raise SystemExit("--sweep-wo-a and --sweep-launch time one format; pass one --formats value")
     if not torch.cuda.is_available():
         raise SystemExit("benchmark producers needs a CUDA GPU (kernel logic is tested on CPU instead)")
     if args.sweep_wo_a:
@@ -392,8 +400,10 @@ def report(meta: dict, records: list[dict], results_dir=None) -> str:
         return f"{json_path}\n" + harness.markdown_table(list(best.values()),
                                                          ["producer", "T", "fp8_us", "floor_us", "config"])
     json_path = harness.save_results("producers", meta, records, results_dir)
-    if records:
-        harness.plot_records("producers", records, "T",
+    if records:  # a panel per case, and per format where several were timed
+        several = len({r["format"] for r in records}) > 1
+        panels = [{**r, "case": f"{r['case']} {r['format']}"} for r in records] if several else records
+        harness.plot_records("producers", panels, "T",
                              ["bf16_us", "bf16_quant_us", "fp8_us", "compiled_peer_us", "floor_fp8_us"],
                              "us per call", group="case", results_dir=results_dir)
     return f"{json_path}\n" + harness.markdown_table(records, COLUMNS)

@@ -9,7 +9,7 @@ import torch
 from fp8chain.cli import _load_benchmark
 from fp8chain_kernel import act, norm
 from fp8chain_kernel import reference as ref
-from fp8chain_kernel.formats import ActFormat
+from fp8chain_kernel.formats import ActFormat, QuantizedActivation
 from fp8chain_kernel.reference.norm import add_residual, rms_norm_fp32
 from helpers import assert_close_bf16, assert_pairs_equal, poisoned_pair
 
@@ -54,6 +54,31 @@ def test_sweep_launch_option_and_report(tmp_path):
     text = bench.report({"date": "today"}, records, tmp_path)
     assert "| silu_mul | 16 | 1.6 | 1.8 | 1.1 |" in text
     assert json.loads((tmp_path / "producers_launch_sweep.json").read_text())["records"] == records
+
+
+@pytest.mark.cpu
+def test_sweeps_take_one_format():
+    bench = _load_benchmark("producers")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    formats = [ActFormat.SM90_G32_FP32_MN.value, ActFormat.SM100_G32_UE8M0_PACKED_MN.value]
+    for sweep in ("--sweep-wo-a", "--sweep-launch"):
+        with pytest.raises(SystemExit, match="time one format"):
+            bench.run(parser.parse_args([sweep, "--formats", *formats]))
+
+
+@pytest.mark.cpu
+def test_the_compiled_peer_writes_what_the_fp8_arm_writes():
+    """RMSNorm's FP8 arm writes the bf16 x (DSv4.1's router reads it) and the pair, q_norm's the
+    pair alone: the peer returns the same outputs, so torch.compile cannot skip a store the arm makes."""
+    bench = _load_benchmark("producers")
+    fmt = ActFormat.SM90_G32_FP32_MN
+    x, w, res = torch.randn(3, 256).bfloat16(), torch.randn(256).bfloat16(), torch.randn(3, 256).bfloat16()
+    y, data, scale = bench.peer_function("rms_norm", fmt)(x, w, res.clone())
+    want = ref.rms_norm(x, w, bench.EPS, residual=res.clone())
+    assert torch.equal(y, want)
+    assert_pairs_equal(QuantizedActivation(data, scale, fmt), ref.quantize(want, fmt))
+    assert len(bench.peer_function("q_norm", fmt)(x, w, None)) == 2
 
 
 @pytest.mark.gpu
