@@ -39,7 +39,7 @@ from .fp8_tile import interpreting
 
 __all__ = ["ARRIVAL_SLOTS", "H200_SMS", "arrival_counters", "arrive", "arrive_last", "await_arrivals", "await_producer",
            "compiled_for_gpu",
-           "enabled", "gather_partials", "programmatic_launches", "pdl_options", "publish_partial", "rearm",
+           "enabled", "gather_partials", "on_device", "programmatic_launches", "pdl_options", "publish_partial", "rearm",
            "sm_count", "split_workspace", "supported", "zeroed_workspace"]
 
 _override: list[bool] = []  # innermost programmatic_launches() block last
@@ -88,6 +88,13 @@ def supported() -> bool:
     if interpreting() or not torch.cuda.is_available():
         return False
     return _capability_major(torch.cuda.current_device()) >= 9
+
+
+def on_device(device: torch.device):
+    """A block with ``device`` the current CUDA device (nothing for another device type): Triton
+    launches on the current device's current stream, whatever device its tensors are on, and so do
+    new streams, ``synchronize`` and graph capture."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

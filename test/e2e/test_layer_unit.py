@@ -295,9 +295,9 @@ def test_run_sublayer_requires_exactly_one_stats_fork():
 
 
 def test_run_sublayer_joins_the_stats_stream_when_the_sublayer_raises(monkeypatch):
-    """A sublayer that fails after forking its stats still leaves the current stream waiting on
-    the side stream (no unjoined stream in a capture, no race with later work); one that fails
-    before forking has nothing to join."""
+    """A sublayer that fails after forking its stats, or stats that fail once forked, still leave
+    the current stream waiting on the side stream (no unjoined stream in a capture, no race with
+    later work); a sublayer that fails before forking has nothing to join."""
     from fp8chain.layers import mhc
     from fp8chain.layers.norm import RMSNorm
 
@@ -322,6 +322,14 @@ def test_run_sublayer_joins_the_stats_stream_when_the_sublayer_raises(monkeypatc
     with pytest.raises(ValueError, match="sublayer failed"):
         mhc.run_sublayer(hc, failing_sublayer(fork_first=False), residual, norm)
     assert joined == [side]
+
+    def stats_failing_on_the_side_stream(residual, side_stream):  # e.g. out of memory for its partials
+        raise RuntimeError("stats launch failed")
+
+    monkeypatch.setattr(hc, "stats", stats_failing_on_the_side_stream)
+    with pytest.raises(RuntimeError, match="stats launch failed"):
+        mhc.run_sublayer(hc, lambda fork: (fork(), None)[-1], residual, norm)
+    assert joined == [side, side]  # the side stream may have waited on this one: joined all the same
 
 
 @pytest.mark.parametrize("module_name,kernels_attr,kernel,switch", [

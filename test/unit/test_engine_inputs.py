@@ -83,6 +83,29 @@ def test_engine_steps_run_with_the_models_cuda_device_current(model, monkeypatch
         assert getattr(Engine, name).__code__ is wrapper, name
 
 
+def test_model_forward_makes_its_device_current(loaded, monkeypatch):
+    """A model called directly (not through the Engine) makes its inputs' device current too: its
+    kernels and the mHC stats' side stream must not land on another GPU's stream."""
+    import contextlib
+
+    from fp8chain.models import deepseek_v41
+    from fp8chain_kernel import launch
+
+    made_current = []
+
+    def on_device(device):
+        made_current.append(device)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(deepseek_v41, "on_device", on_device)
+    ids = torch.tensor([1, 2])
+    loaded(ids, torch.tensor([0, 1]), torch.tensor([0, 0]), loaded.make_kv_cache(1, 4))
+    assert made_current == [ids.device]
+    monkeypatch.setattr(torch.cuda, "device", lambda device: ("current", device))
+    assert launch.on_device(torch.device("cuda", 1)) == ("current", torch.device("cuda", 1))
+    assert isinstance(launch.on_device(torch.device("cpu")), contextlib.nullcontext)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_len=0), "max_len must be a positive int"),
     (dict(max_batch=0), "max_batch must be a positive int"),

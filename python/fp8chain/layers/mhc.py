@@ -127,7 +127,8 @@ def run_sublayer(hc: HyperConnection, sublayer, residual: torch.Tensor, next_nor
     def fork_stats() -> None:
         if forked:
             raise RuntimeError("the sublayer forked its mHC stats twice")
-        forked.append(hc.stats(residual, side_stream=side))
+        forked.append(None)  # the side stream may wait on this one from here: joined below even if stats raises
+        forked[0] = hc.stats(residual, side_stream=side)
 
     try:
         y = sublayer(fork_stats)

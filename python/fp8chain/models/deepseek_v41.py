@@ -49,6 +49,7 @@ from fp8chain_kernel import einsum as einsum_kernels
 from fp8chain_kernel.reference import (apply_rope, attention_with_sinks, dequantize_weight, rope_cos_sin,
                                        rope_tables)
 from fp8chain_kernel.formats import QuantizedActivation, is_int, overlaps
+from fp8chain_kernel.launch import on_device
 
 from ..layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, check_tp
 from ..layers.mhc import HyperConnection, at_start, expand_streams, run_sublayer
@@ -633,8 +634,12 @@ class DeepseekV41ForCausalLM(nn.Module):
         """
         self.check_weights_loaded()
         self._check_inputs(input_ids, positions, slots, kv_caches, logits_indices)
-        if check_indices and not _capturing_graph(input_ids.device):
-            self._check_index_values(input_ids, positions, slots, kv_caches, logits_indices)
+        with on_device(input_ids.device):  # the kernels and the stats' side stream act on the current device
+            if check_indices and not _capturing_graph(input_ids.device):
+                self._check_index_values(input_ids, positions, slots, kv_caches, logits_indices)
+            return self._layers_forward(input_ids, positions, slots, kv_caches, logits_indices)
+
+    def _layers_forward(self, input_ids, positions, slots, kv_caches, logits_indices):
         c = self.config
         residual = expand_streams(self.embed(input_ids), c.hc_mult)
         first = self.layers[0]

@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 from fp8chain_kernel.attention import INDEX_DTYPES
+from fp8chain_kernel.launch import on_device
 
 from .cuda_graph import DecodeGraphRunner, check_capturable
 
@@ -30,14 +31,11 @@ __all__ = ["Engine", "GenerationResult"]
 
 
 def _on_model_device(method):
-    """Run an Engine method with the model's CUDA device current: Triton launches, new streams,
-    graph capture and ``synchronize`` act on the current device, not on the tensors' (a model on
+    """Run an Engine method with the model's device current (``launch.on_device``: a model on
     ``cuda:1`` while ``cuda:0`` is current)."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        if self.device.type != "cuda":
-            return method(self, *args, **kwargs)
-        with torch.cuda.device(self.device):
+        with on_device(self.device):
             return method(self, *args, **kwargs)
     return run
 
