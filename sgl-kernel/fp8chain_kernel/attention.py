@@ -10,7 +10,8 @@
 
 ``mqa_attention(q, kv_cache, slots, positions, sink, scale, cos_table, sin_table, *, out=None) -> o``
     ``q`` bf16 ``[T, nh, D]``, ``kv_cache`` bf16 ``[S, L, D]`` contiguous (one latent head, keys =
-    values), ``sink`` fp32 ``[nh]`` -> ``o`` bf16 ``[T, nh, D]``: token ``t`` attends to
+    values), ``sink`` fp32 ``[nh]``, ``scale`` the logits' factor (a number finite in fp32, else
+    ``ValueError``) -> ``o`` bf16 ``[T, nh, D]``: token ``t`` attends to
     ``kv_cache[slots[t], 0..positions[t]]`` with per-head sinks, then the last ``rd`` dims are
     rotated back (inverse RoPE). Launch 1 spreads (token, head block, key split) over the GPU,
     each program an online softmax over its share of the keys on the tensor cores: ``q.k`` from
@@ -43,7 +44,7 @@ import triton.language as tl
 from .formats import check_distinct_elements, check_no_overlap, is_int
 from .fp8_tile import dot_bf16, interpreting, rms_rstd, round_bf16
 from .launch import H200_SMS, await_producer, pdl_options, sm_count
-from .norm import check_eps
+from .norm import check_eps, check_finite
 
 __all__ = ["INDEX_DTYPES", "rope_qkv", "mqa_attention", "key_splits"]
 
@@ -416,6 +417,7 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     tokens x heads, ``key_splits``). The numerics do not depend on either beyond fp32 summation
     order.
     """
+    check_finite(scale, "scale")
     if q.dtype != torch.bfloat16 or q.dim() != 3 or (q.numel() and q.stride(2) != 1):
         raise TypeError(f"q must be bfloat16 [T, nh, D] with unit last stride, got {q.dtype} "
                         f"{tuple(q.shape)} strides {q.stride()}")

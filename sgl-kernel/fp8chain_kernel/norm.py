@@ -32,6 +32,8 @@ for a wrong shape, stride or device, a bad ``eps`` or ``config``, or outputs tha
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import triton
 import triton.language as tl
@@ -63,6 +65,13 @@ def check_eps(eps, name: str = "eps") -> None:
     (a bool, a string, a tensor or a negative value raise ``ValueError``)."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"{name} must be a non-negative number, got {eps!r}")
+
+
+def check_finite(value, name: str) -> None:
+    """A real number a kernel receives as a finite fp32 value (a bool, a string, a tensor, NaN,
+    +-inf or a magnitude past fp32's largest raise ``ValueError``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not abs(value) <= FP32_MAX:
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 def check_rows(t: torch.Tensor, name: str, shape: tuple[int, int], device,
@@ -119,6 +128,7 @@ def produced(pair, y) -> list:
     return [("out_bf16", y)] + pair_parts(pair)
 
 
+FP32_MAX = torch.finfo(torch.float32).max
 MAX_TILE_ELEMS = 1 << 20  # the most elements Triton allows in one tensor (one program's tile)
 
 

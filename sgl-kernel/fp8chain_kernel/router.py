@@ -8,8 +8,8 @@
 * ``idx`` int64 ``[T, top_k]`` (best first) and ``weights`` fp32 ``[T, top_k]``, as
   ``reference.router_topk``: ``logits = x @ weight.T`` in fp32, ``scores = sqrt(softplus(logits))``,
   the ``top_k`` largest ``scores + bias`` (NaN counts as +inf, ties go to the lower index), their
-  unbiased scores renormalized to sum 1 (``renormalize``) and times ``scaling``. A token with a
-  NaN logit gets NaN weights. ``out``: ``(idx, weights)`` buffers of those shapes to write.
+  unbiased scores renormalized to sum 1 (``renormalize``) and times ``scaling`` (a number finite
+  in fp32, else ``ValueError``). A token with a NaN logit gets NaN weights. ``out``: ``(idx, weights)`` buffers of those shapes to write.
 
 Launch 1 (``_router_logits_kernel``): each program sums bf16 products in fp32 (``dot_bf16``) for a
 ``[BLOCK_E experts, BLOCK_T tokens]`` tile over one slice of H and stores the partial logits in a
@@ -25,8 +25,6 @@ the choice wherever the keys it compares are not within that tolerance of a tie.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 import triton
 import triton.language as tl
@@ -34,7 +32,7 @@ import triton.language as tl
 from .formats import check_disjoint, check_no_overlap, is_int
 from .fp8_tile import dot_bf16, interpreting
 from .launch import H200_SMS, await_producer, pdl_options, sm_count
-from .norm import check_rows, check_tensor
+from .norm import check_finite, check_rows, check_tensor
 
 __all__ = ["MAX_EXPERTS", "MAX_TOP_K", "router_topk"]
 
@@ -167,8 +165,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
     if not is_int(top_k) or not 1 <= top_k <= min(experts, MAX_TOP_K):
         raise ValueError(f"top_k must be an int in 1..{min(experts, MAX_TOP_K)}, got {top_k!r}")
-    if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real):
-        raise ValueError(f"scaling must be a number, got {scaling!r}")
+    check_finite(scaling, "scaling")
     if out is None:
         idx = torch.empty(tokens, top_k, dtype=torch.int64, device=x.device)
         weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)

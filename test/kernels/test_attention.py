@@ -300,6 +300,9 @@ def test_zero_tokens_and_bad_input():
         mqa_attention(q, kv_cache, slots, positions, sink, scale, cos.double(), sin)
     with pytest.raises(ValueError, match="even"):
         mqa_attention(q[..., :127], kv_cache[..., :127].contiguous(), slots, positions, sink, scale, cos, sin)
+    for bad_scale in (float("nan"), float("inf"), "0.04", True):  # NaN would make every output NaN
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            mqa_attention(q, kv_cache, slots, positions, sink, bad_scale, cos, sin)
     with pytest.raises(TypeError, match="q must be bfloat16"):
         rope_qkv(q.float().reshape(2, -1), kv_cache[0, :2], cos, sin, kv_cache, slots, positions, 1e-6)
     # index and sink views with a stride: the kernels read element t at base + t

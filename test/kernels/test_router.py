@@ -128,7 +128,9 @@ def test_router_no_tokens_and_bad_input(device):
         (ValueError, "top_k must be an int in 1..32", dict(top_k=33)),
         (ValueError, "top_k must be an int", dict(top_k=0)),
         (ValueError, "x must have unit column stride", dict(x=x.t().contiguous().t())),
-        (ValueError, "scaling must be a number", dict(scaling="1.5")),
+        (ValueError, "scaling must be a finite number", dict(scaling="1.5")),
+        (ValueError, "scaling must be a finite number", dict(scaling=float("nan"))),
+        (ValueError, "scaling must be a finite number", dict(scaling=1e39)),  # inf once passed as fp32
         (ValueError, r"out idx must have shape \(3, 6\)", dict(out=_poisoned_out(2, 6, device))),
         (ValueError, "the router runs 1 to 1024 experts",
          dict(weight=torch.zeros(1025, 64, dtype=torch.bfloat16, device=device),
