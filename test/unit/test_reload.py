@@ -144,6 +144,51 @@ def test_reload_with_another_shape_fails_and_keeps_storage(caplog):
     assert storage(layer) == ptrs
 
 
+def test_a_load_failing_after_a_write_leaves_the_layer_refusing_to_run(backend_kind):
+    """Scales of B written, then B's weight refused: the layer holds parts of two checkpoints, so
+    it refuses bf16 and pairs alike (its derived tensors poisoned) until a load succeeds; the
+    request for a pre-quantized input stands for that load."""
+    a, b = checkpoint(), checkpoint()
+    x = torch.randn(3, K).to(torch.bfloat16)
+    layer = make_layer()
+    load_weights(layer, a.items())
+    pair = quantize(x, layer.input_format)
+    with pytest.raises(ValueError, match="checkpoint shape"):
+        load_weights(layer, [("weight_scale_inv", b["weight_scale_inv"]), ("weight", checkpoint(n=N + 32)["weight"])])
+    with pytest.raises(RuntimeError, match="weights not processed"):
+        layer(x)
+    with pytest.raises(TypeError, match="reads bf16 input"):
+        layer(pair)
+    assert all(torch.isnan(getattr(layer, name)).all() for name in layer.derived_weight_names)
+    fresh = make_layer()
+    load_weights(fresh, b.items())
+    load_weights(layer, b.items())
+    assert layer.input_format is ActFormat.SM90_G32_FP32_MN
+    for got, want in zip(outputs(layer, x), outputs(fresh, x)):
+        assert torch.equal(bits(got), bits(want))
+
+
+def test_processing_goes_on_past_a_layer_that_fails(backend_kind):
+    """A reload whose scales one layer refuses (not powers of two under ``scale_fmt: ue8m0``):
+    that layer refuses to run, every other layer is processed from its new weights (with a
+    deriving backend, unprocessed it would keep tensors derived from the old ones)."""
+    from torch import nn
+
+    x = torch.randn(3, K).to(torch.bfloat16)
+    model = nn.ModuleDict({"bad": make_layer(), "good": make_layer()})
+    a, b = checkpoint(), checkpoint()
+    load_weights(model, [(f"{layer}.{name}", t) for layer in model for name, t in a.items()])
+    corrupt = dict(b, weight_scale_inv=b["weight_scale_inv"] * 1.5)
+    with pytest.raises(ValueError, match="not positive, finite powers of two"):
+        load_weights(model, [(f"bad.{n}", t) for n, t in corrupt.items()] + [(f"good.{n}", t) for n, t in b.items()])
+    with pytest.raises(RuntimeError, match="weights not processed"):
+        model["bad"](x)
+    fresh = make_layer()
+    load_weights(fresh, b.items())
+    for got, want in zip(outputs(model["good"], x), outputs(fresh, x)):
+        assert torch.equal(bits(got), bits(want))
+
+
 def test_layer_loader_reprocesses_the_routed_experts_and_reads_e8m0_scales_as_bytes():
     """The routed experts derive bf16 copies of their MXFP4 weights: a reload through
     ``layers.loading.load_weights`` re-derives them (before, they kept the old weights). Their

@@ -20,7 +20,8 @@ from fp8chain_kernel.formats import FP8_DTYPE
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_loadable_dtype", "default_weight_loader", "load_weights", "process_weights_after_loading"]
+__all__ = ["check_loadable_dtype", "default_weight_loader", "invalidate_processed", "load_weights",
+           "process_weights_after_loading"]
 
 
 def check_loadable_dtype(param: nn.Parameter, loaded: torch.Tensor, what: str = "checkpoint") -> None:
@@ -49,17 +50,32 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 def process_weights_after_loading(model: nn.Module) -> int:
     """Run ``process_weights_after_loading`` of every submodule's ``quant_method``, or the
     module's own where it derives tensors itself (the routed experts' bf16 copies); returns the
-    number of layers processed."""
-    count = 0
+    number of layers processed. Every module is processed even where one fails (the valid ones
+    must not keep tensors derived from earlier weights); the first error is raised at the end."""
+    count, errors = 0, []
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
-            count += 1
-        elif method is None and callable(getattr(module, "process_weights_after_loading", None)):
-            module.process_weights_after_loading()
-            count += 1
+        try:
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+                count += 1
+            elif method is None and callable(getattr(module, "process_weights_after_loading", None)):
+                module.process_weights_after_loading()
+                count += 1
+        except Exception as exc:  # noqa: BLE001 - raised below, after the other modules
+            errors.append(exc)
+    if errors:
+        raise errors[0]
     return count
+
+
+def invalidate_processed(model: nn.Module) -> None:
+    """Every quantized layer of ``model`` refuses to run until it is processed again (its
+    ``quant_method.invalidate``): after a load that wrote some tensors and then failed."""
+    for module in model.modules():
+        invalidate = getattr(getattr(module, "quant_method", None), "invalidate", None)
+        if invalidate is not None:
+            invalidate(module)
 
 
 @torch.no_grad()
@@ -77,19 +93,24 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     skipped: list[str] = []
-    for name, tensor in weights:
-        if name in loaded:  # the second copy would silently win
-            raise ValueError(f"checkpoint tensor {name!r} is given twice")
-        param = params.get(name)
-        if param is None:
-            if strict:
-                raise KeyError(f"checkpoint tensor {name!r} has no parameter in "
-                               f"{type(model).__name__}")
-            skipped.append(name)
-            continue
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        loader(param, tensor)
-        loaded.add(name)
+    try:
+        for name, tensor in weights:
+            if name in loaded:  # the second copy would silently win
+                raise ValueError(f"checkpoint tensor {name!r} is given twice")
+            param = params.get(name)
+            if param is None:
+                if strict:
+                    raise KeyError(f"checkpoint tensor {name!r} has no parameter in "
+                                   f"{type(model).__name__}")
+                skipped.append(name)
+                continue
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor)
+            loaded.add(name)
+    except Exception:
+        if loaded:  # some parameters hold the new checkpoint, the rest the old one
+            invalidate_processed(model)
+        raise
     if skipped:
         logger.warning("load_weights: skipped %d tensors with no parameter (first: %s)",
                        len(skipped), skipped[0])

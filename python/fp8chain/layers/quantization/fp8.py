@@ -157,10 +157,27 @@ class Fp8LinearMethod(LinearMethodBase):
         """
         from ..warmup import linear_warmup, register_warmup
 
-        check_weights(layer.weight, layer.weight_scale_inv, self.quant_config.block, self.quant_config.scale_fmt,
-                      getattr(layer, "display_name", type(layer).__name__))
+        try:
+            check_weights(layer.weight, layer.weight_scale_inv, self.quant_config.block, self.quant_config.scale_fmt,
+                          getattr(layer, "display_name", type(layer).__name__))
+        except (TypeError, ValueError):
+            self.invalidate(layer)  # the raw weights are the refused ones: nothing derived from earlier ones may run
+            raise
         prepare_consumer(layer, self.quant_config.block, prefer=self.quant_config.backend)
         register_warmup(layer, linear_warmup)
+
+    @staticmethod
+    def invalidate(layer) -> None:
+        """The layer's raw weights changed without a successful processing (a load or a check that
+        failed part-way): its derived tensors are poisoned and it refuses to run (``apply`` raises
+        "weights not processed") until ``process_weights_after_loading`` succeeds. A request for a
+        pre-quantized input stands for that processing."""
+        for name in getattr(layer, "derived_weight_names", ()):
+            _poison(getattr(layer, name))
+        layer.fp8chain_refused_request = input_requested(layer)
+        layer.deepgemm_mxfp8_input = False
+        layer.input_format = None
+        layer.act_format = None
 
     # ---- forward ----------------------------------------------------------------------------
     def apply(self, layer, x) -> torch.Tensor:
