@@ -68,17 +68,22 @@ def test_sweeps_take_one_format():
 
 
 @pytest.mark.cpu
-def test_the_compiled_peer_writes_what_the_fp8_arm_writes():
-    """RMSNorm's FP8 arm writes the bf16 x (DSv4.1's router reads it) and the pair, q_norm's the
-    pair alone: the peer returns the same outputs, so torch.compile cannot skip a store the arm makes."""
+@pytest.mark.parametrize("name", ["rms_norm", "q_norm", "silu_mul"])
+def test_the_compiled_peer_writes_what_the_fp8_arm_writes(name):
+    """The peer returns what the benchmark's FP8 arm writes (RMSNorm: the bf16 x, which DSv4.1's
+    router reads, and the pair; q_norm and SiLU*mul: the pair alone), so torch.compile cannot skip
+    a store the arm makes; its bf16 output is the arm's within bf16 rounding."""
     bench = _load_benchmark("producers")
     fmt = ActFormat.SM90_G32_FP32_MN
-    x, w, res = torch.randn(3, 256).bfloat16(), torch.randn(256).bfloat16(), torch.randn(3, 256).bfloat16()
-    y, data, scale = bench.peer_function("rms_norm", fmt)(x, w, res.clone())
-    want = ref.rms_norm(x, w, bench.EPS, residual=res.clone())
-    assert torch.equal(y, want)
-    assert_pairs_equal(QuantizedActivation(data, scale, fmt), ref.quantize(want, fmt))
-    assert len(bench.peer_function("q_norm", fmt)(x, w, None)) == 2
+    case = bench.Case(name, 3, fmt, "cpu")
+    inputs = [t.clone() if isinstance(t, torch.Tensor) else t for t in case.peer_arg_sets[0]]  # the arm adds the residual in place
+    arm = case.fp8()
+    arm_outputs = [arm.data, arm.scale] if isinstance(arm, QuantizedActivation) else [arm[0], arm[1].data, arm[1].scale]
+    peer_outputs = bench.peer_function(name, fmt)(*inputs)
+    assert len(peer_outputs) == len(arm_outputs) == (3 if name == "rms_norm" else 2)
+    assert peer_outputs[-2].shape == arm_outputs[-2].shape and peer_outputs[-2].dtype == arm_outputs[-2].dtype
+    if name == "rms_norm":
+        assert_close_bf16(peer_outputs[0], arm_outputs[0])
 
 
 @pytest.mark.gpu
