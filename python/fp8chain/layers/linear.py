@@ -300,12 +300,13 @@ def _all_reduce(t: torch.Tensor, group, tp_rank: int, tp_size: int, name: str) -
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{name}: tp_size={tp_size} needs torch.distributed initialized (init_process_group) "
                            "for its all-reduce")
-    if dist.get_rank(group) < 0:  # torch reports -1 (rank and size) to a process outside the group
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:  # torch reports -1 (rank and size) to a process outside the group
         raise RuntimeError(f"{name}: this process is not a member of the tensor-parallel group it was given")
-    if dist.get_world_size(group) != tp_size:
-        raise RuntimeError(f"{name}: the tensor-parallel group has {dist.get_world_size(group)} ranks, "
-                           f"the layer was built for tp_size={tp_size}")
-    if dist.get_rank(group) != tp_rank:
-        raise RuntimeError(f"{name}: holds rank {tp_rank}'s shard but this process is rank "
-                           f"{dist.get_rank(group)} of the tensor-parallel group")
+    if size != tp_size:
+        raise RuntimeError(f"{name}: the tensor-parallel group has {size} ranks, the layer was built for "
+                           f"tp_size={tp_size}")
+    if rank != tp_rank:
+        raise RuntimeError(f"{name}: holds rank {tp_rank}'s shard but this process is rank {rank} of the "
+                           "tensor-parallel group")
     dist.all_reduce(t, group=group)
