@@ -165,6 +165,9 @@ def _in_group(rank: int, target, world: int, init_method: str, args) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    # Every rank's connections are up before any may finish: a rank whose target makes no
+    # collective call could otherwise tear the group down while another is still connecting.
+    dist.barrier()
     try:
         target(rank, *args)
     finally:
