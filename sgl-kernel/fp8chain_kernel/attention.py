@@ -29,10 +29,12 @@ straight from the cache. The tables need a row per cache position (``L`` rows at
 What a launch writes (``out``, the cache in ``rope_qkv``) shares no memory with what it reads.
 
 Index contract: ``0 <= slots[t] < S`` and ``0 <= positions[t] < L``, and no two tokens of one
-``rope_qkv`` call at the same (slot, position). The kernels do not check the values (that would
-take a device-to-host copy per call, which CUDA-graph capture forbids); an index out of range
-reads or writes outside the token's cache row, two tokens at one row race for it. The references
-raise ``IndexError`` for either when run eagerly (``reference.check_cache_indices``).
+``rope_qkv`` call at the same (slot, position). Raising for a value would take a device-to-host
+copy per call, which CUDA-graph capture forbids, so the kernels check on the GPU instead: a token
+whose slot or position is out of range reads and writes no cache row and gets NaN in every
+column of its output (``rope_qkv``'s query rows, ``mqa_attention``'s ``o``), so it shows
+downstream; the other tokens are unaffected. Two tokens at one row race for it (not detected).
+The references raise ``IndexError`` for either when run eagerly (``reference.check_cache_indices``).
 """
 
 from __future__ import annotations
@@ -103,6 +105,12 @@ def _rotate_pairs(even, odd, cos, sin, INVERSE: tl.constexpr):
 
 
 @triton.jit
+def _cache_row_in_range(slot, pos, S, L):
+    """Whether ``(slot, pos)`` names a row of an ``[S, L, D]`` cache (the module's index contract)."""
+    return (slot >= 0) & (slot < S) & (pos >= 0) & (pos < L)
+
+
+@triton.jit
 def _latent(src, w_ptr, offs, mask, rstd, KV_NORM: tl.constexpr, EXACT_CAST: tl.constexpr):
     """Latent columns ``offs`` in fp32: as stored, or ``bf16(h * rstd * w)`` (``norm.rms_norm``'s
     arithmetic, so the fused norm rounds exactly as a separate RMSNorm launch would)."""
@@ -115,14 +123,17 @@ def _latent(src, w_ptr, offs, mask, rstd, KV_NORM: tl.constexpr, EXACT_CAST: tl.
 
 @triton.jit
 def _rope_qkv_kernel(q_ptr, kv_ptr, kv_w_ptr, cos_ptr, sin_ptr, out_ptr, cache_ptr, slot_ptr, pos_ptr,
-                     NH, D, eps, stride_qt, stride_kvt, stride_ot, stride_oh, stride_cs, stride_cl,
+                     NH, D, S, L, eps, stride_qt, stride_kvt, stride_ot, stride_oh, stride_cs, stride_cl,
                      KV_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_HALF: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr):
     # Programs (t, 0..heads/BLOCK_H-1) rope the query heads; program (t, last) the latent kv.
     await_producer(PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
+    in_range = _cache_row_in_range(slot, pos, S, L)
+    pos = tl.where(in_range, pos, 0)  # the tables' row (the output is NaN out of range)
     offs_d = tl.arange(0, BLOCK_D)
     offs_i = tl.arange(0, BLOCK_HALF)
     i_ok = offs_i < HALF
@@ -135,7 +146,7 @@ def _rope_qkv_kernel(q_ptr, kv_ptr, kv_w_ptr, cos_ptr, sin_ptr, out_ptr, cache_p
         h_ok = offs_h < NH
         row = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * D
         q = tl.load(row + offs_d[None, :], mask=h_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-        rstd = rms_rstd(tl.sum(q * q, axis=1), D, eps)
+        rstd = tl.where(in_range, rms_rstd(tl.sum(q * q, axis=1), D, eps), float("nan"))
         pair_mask = h_ok[:, None] & i_ok[None, :]
         q_even = tl.load(row + even_d[None, :], mask=pair_mask, other=0.0).to(tl.float32) * rstd[:, None]
         q_odd = tl.load(row + even_d[None, :] + 1, mask=pair_mask, other=0.0).to(tl.float32) * rstd[:, None]
@@ -147,18 +158,18 @@ def _rope_qkv_kernel(q_ptr, kv_ptr, kv_w_ptr, cos_ptr, sin_ptr, out_ptr, cache_p
         tl.store(out + even_d[None, :] + 1, round_bf16(q_odd, EXACT_CAST), mask=pair_mask)
     else:
         src = kv_ptr + t.to(tl.int64) * stride_kvt
-        dst = cache_ptr + tl.load(slot_ptr + t).to(tl.int64) * stride_cs + pos * stride_cl
+        dst = cache_ptr + tl.where(in_range, slot, 0) * stride_cs + pos * stride_cl
         kv_rstd = 0.0
         if KV_NORM:
             h = tl.load(src + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
             kv_rstd = rms_rstd(tl.sum(h * h, axis=0), D, eps)
         kv = _latent(src, kv_w_ptr, offs_d, offs_d < nope, kv_rstd, KV_NORM, EXACT_CAST)
-        tl.store(dst + offs_d, kv.to(tl.bfloat16), mask=offs_d < nope)
+        tl.store(dst + offs_d, kv.to(tl.bfloat16), mask=(offs_d < nope) & in_range)
         kv_even = _latent(src, kv_w_ptr, even_d, i_ok, kv_rstd, KV_NORM, EXACT_CAST)
         kv_odd = _latent(src, kv_w_ptr, even_d + 1, i_ok, kv_rstd, KV_NORM, EXACT_CAST)
         kv_even, kv_odd = _rotate_pairs(kv_even, kv_odd, cos, sin, False)
-        tl.store(dst + even_d, round_bf16(kv_even, EXACT_CAST), mask=i_ok)
-        tl.store(dst + even_d + 1, round_bf16(kv_odd, EXACT_CAST), mask=i_ok)
+        tl.store(dst + even_d, round_bf16(kv_even, EXACT_CAST), mask=i_ok & in_range)
+        tl.store(dst + even_d + 1, round_bf16(kv_odd, EXACT_CAST), mask=i_ok & in_range)
 
 
 @triton.jit
@@ -203,7 +214,7 @@ def _attend_block(q, kv_ptr, slot, first, last, L, m_i, l_i, acc, scale, stride_
 
 @triton.jit
 def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
-                      sink_ptr, cos_ptr, sin_ptr, o_ptr, NH, D, L, scale,
+                      sink_ptr, cos_ptr, sin_ptr, o_ptr, NH, D, S, L, scale,
                       stride_qt, stride_qh, stride_ks, stride_kl, stride_ot, stride_oh,
                       SPLITS: tl.constexpr, STEPS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                       BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EXACT_CAST: tl.constexpr,
@@ -220,8 +231,11 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
     d_ok = offs_d < D
     q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    slot = tl.load(slot_ptr + t).to(tl.int64) * stride_ks
+    slot = tl.load(slot_ptr + t).to(tl.int64)
     last = tl.load(pos_ptr + t)
+    in_range = _cache_row_in_range(slot, last, S, L)
+    slot = slot * stride_ks
+    last = tl.where(in_range, last, -1)  # out of range: no key read, the output NaN below
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
@@ -241,20 +255,21 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
         sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
         peak = tl.maximum(sink, m_i)
         weight = tl.exp(m_i - peak)
-        denom = tl.exp(sink - peak) + l_i * weight
+        denom = tl.where(in_range, tl.exp(sink - peak) + l_i * weight, float("nan"))
         o_rows = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
-        _store_rotated_back(o_rows, acc * weight[:, None], 0, denom, h_ok, cos_ptr, sin_ptr, last.to(tl.int64), D,
-                            HALF, EXACT_CAST)
+        _store_rotated_back(o_rows, acc * weight[:, None], 0, denom, h_ok, cos_ptr, sin_ptr,
+                            tl.maximum(last, 0).to(tl.int64), D, HALF, EXACT_CAST)
     else:
         base = (t * SPLITS + split).to(tl.int64) * NH
         tl.store(part_o_ptr + (base + offs_h[:, None]) * D + offs_d[None, :], acc,
                  mask=h_ok[:, None] & d_ok[None, :])
         tl.store(part_ml_ptr + (base + offs_h) * 2, m_i, mask=h_ok)
-        tl.store(part_ml_ptr + (base + offs_h) * 2 + 1, l_i, mask=h_ok)
+        # a NaN sum makes the merge's denominator, so the token's output, NaN
+        tl.store(part_ml_ptr + (base + offs_h) * 2 + 1, tl.where(in_range, l_i, float("nan")), mask=h_ok)
 
 
 @triton.jit
-def _mqa_merge_kernel(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, pos_ptr, o_ptr, NH, D,
+def _mqa_merge_kernel(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, pos_ptr, o_ptr, NH, D, L,
                       stride_ot, stride_oh, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HALF: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, EXACT_CAST: tl.constexpr,
                       PDL: tl.constexpr):
@@ -279,8 +294,11 @@ def _mqa_merge_kernel(part_o_ptr, part_ml_ptr, sink_ptr, cos_ptr, sin_ptr, pos_p
     denom = tl.exp(sink - peak) + tl.sum(l_s * weight, axis=0)
     total = tl.sum(part * weight[:, :, None], axis=0)
     o_rows = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
-    _store_rotated_back(o_rows, total, tl.program_id(2) * BLOCK_C, denom, h_ok, cos_ptr, sin_ptr,
-                        tl.load(pos_ptr + t).to(tl.int64), D, HALF, EXACT_CAST)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    # an out-of-range token's denominator is NaN (the split kernel): any table row will do
+    pos = tl.where((pos >= 0) & (pos < L), pos, 0)
+    _store_rotated_back(o_rows, total, tl.program_id(2) * BLOCK_C, denom, h_ok, cos_ptr, sin_ptr, pos, D, HALF,
+                        EXACT_CAST)
 
 
 def _splits(tokens: int, heads: int, block_h: int, key_steps: int, sms: int) -> int:
@@ -397,7 +415,7 @@ def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_tab
         return out
     _rope_qkv_kernel[(tokens, triton.cdiv(heads, _ROPE_HEADS) + 1)](
         q, kv, kv_weight if kv_weight is not None else kv, cos_table, sin_table, out, kv_cache, slots, positions,
-        heads, dim, float(eps),
+        heads, dim, kv_cache.shape[0], kv_cache.shape[1], float(eps),
         q.stride(0), kv.stride(0), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         KV_NORM=kv_weight is not None, HALF=half, BLOCK_H=_ROPE_HEADS, BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_HALF=triton.next_power_of_2(max(half, 1)), EXACT_CAST=interpreting(),
@@ -467,7 +485,7 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     stages = {} if interpreting() else {"num_stages": _pipeline_stages(block_h, block_l, block_d)}
     _mqa_split_kernel[(tokens, head_blocks, splits)](
         q, kv_cache, slots, positions, part_o, part_ml, sink, cos_table, sin_table, out,
-        heads, dim, length, float(scale),
+        heads, dim, kv_cache.shape[0], length, float(scale),
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1),
         SPLITS=splits, STEPS=steps, HALF=half, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_D=block_d,
         EXACT_CAST=interpreting(), num_warps=warps, **stages, **pdl_options(),
@@ -478,7 +496,7 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     splits_p2 = triton.next_power_of_2(splits)
     columns = min(_MERGE_COLUMNS, _MERGE_ELEMS // (_BLOCK_H * splits_p2))
     _mqa_merge_kernel[(tokens, merge_blocks, triton.cdiv(dim, columns))](
-        part_o, part_ml, sink, cos_table, sin_table, positions, out, heads, dim, out.stride(0), out.stride(1),
+        part_o, part_ml, sink, cos_table, sin_table, positions, out, heads, dim, length, out.stride(0), out.stride(1),
         SPLITS=splits, SPLITS_P2=splits_p2, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_C=columns,
         EXACT_CAST=interpreting(), num_warps=_MERGE_WARPS.get(splits_p2, 4), **pdl_options(),
     )

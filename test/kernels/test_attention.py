@@ -214,6 +214,53 @@ def test_nan_reaches_only_its_readers(length, tile):
         assert torch.equal(got[:2], clean[:2])
 
 
+def _check_out_of_range_indices(device, length=256, tile=None):
+    """Tokens whose slot or position is out of range (-1, S / L, a large value): ``rope_qkv`` writes
+    no cache row for them and NaN query rows, ``mqa_attention`` reads none and gives them NaN; the
+    other tokens get exactly what they get with every index in range. The cache sits between guard
+    slots of one buffer, so a write one slot or one row outside it would show."""
+    slots_count, heads, dim = 3, 4, 128
+    bad = [(-1, 5), (slots_count, 5), (1, -1), (1, length), (0, 1 << 40)]
+    tokens = len(bad) + 3
+    buffer = torch.randn(slots_count + 2, length, dim, device=device).bfloat16()
+    kv_cache = buffer[1:1 + slots_count]
+    good_slots = torch.tensor([0, 1, 2] * 3, device=device)[:tokens]
+    good_positions = torch.arange(tokens, device=device) * 7
+    slots, positions = good_slots.clone(), good_positions.clone()
+    for t, (slot, position) in enumerate(bad):
+        slots[t], positions[t] = slot, position
+    is_bad = torch.arange(tokens, device=device) < len(bad)
+    q = torch.randn(tokens, heads * dim, device=device).bfloat16()
+    kv = torch.randn(tokens, dim, device=device).bfloat16()
+    cos, sin = ref.rope_tables(length, ROPE_DIM, THETA, device)
+    before = buffer.clone()
+    roped = rope_qkv(q, kv, cos, sin, kv_cache, slots, positions, 1e-6)
+    assert torch.isnan(roped[is_bad].float()).all()
+    written = torch.zeros(buffer.shape[:2], dtype=torch.bool, device=device)
+    written[good_slots[~is_bad] + 1, good_positions[~is_bad]] = True
+    assert torch.equal(buffer[~written], before[~written])
+    clean_cache = before[1:1 + slots_count].clone()
+    clean = rope_qkv(q, kv, cos, sin, clean_cache, good_slots, good_positions, 1e-6)
+    assert torch.equal(roped[~is_bad], clean[~is_bad])
+    assert torch.equal(kv_cache[written[1:1 + slots_count]], clean_cache[written[1:1 + slots_count]])
+
+    sink = torch.randn(heads, device=device)
+    attention = lambda s, p: mqa_attention(roped, buffer[1:1 + slots_count], s, p, sink, dim ** -0.5,  # noqa: E731
+                                           cos, sin, tile=tile)
+    got, want = attention(slots, positions), attention(good_slots, good_positions)
+    assert torch.isnan(got[is_bad].float()).all()
+    assert torch.isfinite(want[~is_bad].float()).all() and torch.equal(got[~is_bad], want[~is_bad])
+    with pytest.raises(IndexError):
+        ref.mqa_attention(roped, kv_cache, slots, positions, sink, dim ** -0.5, cos, sin)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("length,tile", [(256, None), (64, (16, 64))], ids=["split-merge", "one-split"])
+def test_out_of_range_indices_write_nothing_and_give_nan(length, tile):
+    assert (key_splits(8, 4, length, tile) > 1) == (tile is None)
+    _check_out_of_range_indices("cpu", length, tile)
+
+
 @pytest.mark.cpu
 def test_prefill_positions_and_a_heavy_sink():
     """Causal prefill of one slot (positions 0..T-1, position 0 sees one key) and the sink."""
@@ -320,6 +367,11 @@ def test_zero_tokens_and_bad_input():
     # no query head: the launch that writes the kv cache would not run
     with pytest.raises(ValueError, match="need columns"):
         rope_qkv(q.reshape(2, -1)[:, :0], kv, cos, sin, kv_cache, slots, positions, 1e-6)
+
+
+@pytest.mark.gpu
+def test_out_of_range_indices_write_nothing_and_give_nan_gpu():
+    _check_out_of_range_indices("cuda")
 
 
 @pytest.mark.gpu

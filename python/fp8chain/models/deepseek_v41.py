@@ -694,7 +694,7 @@ class DeepseekV41ForCausalLM(nn.Module):
     def _check_index_values(self, input_ids, positions, slots, kv_caches, logits_indices=None) -> None:
         """``forward``'s refusal of index values (one host read): an id out of range indexes the
         embedding out of bounds (a negative one wraps around), a position or slot out of range
-        writes outside the cache, two tokens at one (slot, position) race for one cache row (one
+        makes the attention kernels skip the token (no cache row, NaN output), two tokens at one (slot, position) race for one cache row (one
         token's latent is lost, and it attends to the other's), a logits index out of range picks
         no token (a negative one another token)."""
         num_slots, length = kv_caches[0].shape[:2]
