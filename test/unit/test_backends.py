@@ -6,6 +6,7 @@ every argument of ``fp8_gemm_nt`` (dtype, shape, strides, recipe, ue8m0 flag) ag
 documented contract and computes the result with the reference.
 """
 
+import copy
 import logging
 import sys
 import types
@@ -13,6 +14,9 @@ import types
 import pytest
 import torch
 
+from fp8chain.layers.linear import ReplicatedLinear
+from fp8chain.layers.loading import load_weights
+from fp8chain.layers.quantization.fp8 import Fp8Config
 from fp8chain_kernel import backends
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import ActFormat, align4, cdiv
@@ -144,6 +148,33 @@ def test_deep_gemm_sm100_packed_contract(fake_deep_gemm, m):
     assert calls[-1]["recipe"] == (1, 1, 32) and calls[-1]["disable_ue8m0_cast"] is True
     want = ref.fp8_gemm(pair, w, s, 32)
     assert ((got.double() - want).norm() / want.norm()) < 5e-3
+
+
+@pytest.mark.parametrize("fake_deep_gemm", [(10, 0)], indirect=True)
+def test_deep_gemm_packed_weight_scales_get_their_layout_back(fake_deep_gemm, caplog):
+    """N % 4 != 0: the layer's packed weight scales are a padded view (column stride align4(N)),
+    which a deepcopy of the layer makes dense (so does moving it to another device). The backend then refuses them by name before DeepGEMM
+    would, and the next ``process_weights_after_loading`` rebinds them in the padded layout (an
+    in-place copy would keep the dense strides)."""
+    _, calls, _ = fake_deep_gemm
+    n, k, m = 70, 384, 3
+    w, s = _weights(n, k, 32)
+    layer = ReplicatedLinear(k, n, quant_config=Fp8Config(weight_block_size=(32, 32), scale_fmt="ue8m0"))
+    layer.deepgemm_mxfp8_input = True
+    load_weights(layer, [("weight", w), ("weight_scale_inv", s)])
+    assert layer.gemm_backend.name == "deep_gemm" and layer.input_format is PACKED
+    assert layer.weight_scale_inv_deepgemm.stride() == (1, align4(n))
+    pair = ref.quantize(_activation(m, k), PACKED)
+    want = layer(pair)
+    copied = copy.deepcopy(layer)
+    assert copied.weight_scale_inv_deepgemm.stride() != (1, align4(n))  # the premise
+    with pytest.raises(ValueError, match=r"weight_scale_inv_deepgemm has strides .*process_weights_after_loading"):
+        copied(pair)
+    with caplog.at_level(logging.WARNING):
+        copied.quant_method.process_weights_after_loading(copied)
+    assert "rebinding storage" in caplog.text
+    assert copied.weight_scale_inv_deepgemm.stride() == (1, align4(n))
+    assert torch.equal(copied(pair), want) and calls[-1]["n"] == n
 
 
 @pytest.mark.parametrize("fake_deep_gemm", [(9, 0)], indirect=True)

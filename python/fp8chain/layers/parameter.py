@@ -28,14 +28,18 @@ def set_param_attrs(param: nn.Parameter, **attrs) -> nn.Parameter:
     return param
 
 
-def copy_or_rebind_param(module: nn.Module, name: str, tensor: torch.Tensor) -> nn.Parameter:
+def copy_or_rebind_param(module: nn.Module, name: str, tensor: torch.Tensor, *,
+                         match_strides: bool = False) -> nn.Parameter:
     """Put ``tensor``'s values into ``module.<name>``, keeping its storage whenever possible.
 
     * ``module.<name>`` is a Parameter of the same shape and dtype: copy in place. The storage
       (``data_ptr``) and the strides stay, so captured CUDA graphs read the new values.
-    * a Parameter of another shape or dtype: rebind ``.data`` to ``tensor`` (new storage) and log
-      a warning: captured graphs that read it keep reading the old storage and must be
-      re-captured. Attributes on the Parameter (``weight_loader`` ...) are kept.
+    * a Parameter of another shape or dtype, or with ``match_strides`` of other strides: rebind
+      ``.data`` to ``tensor`` (new storage) and log a warning: captured graphs that read it keep
+      reading the old storage and must be re-captured. Attributes on the Parameter
+      (``weight_loader`` ...) are kept. ``match_strides`` is for tensors whose layout is part of
+      their contract (a derived tensor a GEMM reads with padded strides: ``copy.deepcopy`` and
+      ``.to()`` of a module make such a padded parameter dense).
     * absent: register ``tensor`` as a new Parameter (``requires_grad=False``), strides as given.
 
     The last two take ``tensor``'s own storage (no copy), which later reloads write in place, so
@@ -48,7 +52,8 @@ def copy_or_rebind_param(module: nn.Module, name: str, tensor: torch.Tensor) -> 
         raise TypeError(f"{name}: expected a tensor, got {type(tensor).__name__}")
     tensor = tensor.detach()
     param = module._parameters.get(name)
-    if param is not None and param.shape == tensor.shape and param.dtype == tensor.dtype:
+    if param is not None and param.shape == tensor.shape and param.dtype == tensor.dtype \
+            and not (match_strides and param.stride() != tensor.stride()):
         with torch.no_grad():
             param.copy_(tensor)
         return param
@@ -57,9 +62,9 @@ def copy_or_rebind_param(module: nn.Module, name: str, tensor: torch.Tensor) -> 
     _check_owns_storage(module, name, tensor)
     if param is not None:
         logger.warning(
-            "%s.%s: rebinding storage (%s %s -> %s %s); CUDA graphs captured reading it are stale "
-            "and must be re-captured", type(module).__name__, name, param.dtype,
-            tuple(param.shape), tensor.dtype, tuple(tensor.shape))
+            "%s.%s: rebinding storage (%s %s strides %s -> %s %s strides %s); CUDA graphs captured "
+            "reading it are stale and must be re-captured", type(module).__name__, name, param.dtype,
+            tuple(param.shape), param.stride(), tensor.dtype, tuple(tensor.shape), tensor.stride())
         param.data = tensor
         return param
     param = nn.Parameter(tensor, requires_grad=False)

@@ -93,6 +93,10 @@ class DeepGemmBackend(GemmBackend):
             if packed_w is None:
                 raise ValueError("the SM100 DeepGEMM path needs derived['weight_scale_inv_deepgemm'] "
                                  "(derive_weight_tensors at load)")
+            if packed_w.shape[1] > 1 and packed_w.stride() != (1, align4(n)):
+                # a deepcopy or .to() of the layer makes the padded view dense (N % 4 != 0)
+                raise ValueError(f"weight_scale_inv_deepgemm has strides {packed_w.stride()}, DeepGEMM reads "
+                                 f"(1, {align4(n)}): derive it again (process_weights_after_loading)")
             deep_gemm.fp8_gemm_nt((data, scale), (weight, packed_w), dense, recipe=(1, 1, 32),
                                   disable_ue8m0_cast=True)
         else:

@@ -276,7 +276,7 @@ def prepare_consumer(layer, block: int, prefer: str | None = None, name: str | N
         fmt = ActFormat.SM90_G32_FP32_MN if block == 32 else ActFormat.SM90_G128_FP32_MN
     names = []
     for key, tensor in derived.items():
-        copy_or_rebind_param(layer, key, tensor)
+        copy_or_rebind_param(layer, key, tensor, match_strides=True)
         names.append(key)
     for stale in set(getattr(layer, "derived_weight_names", ())) - set(names):
         _poison(getattr(layer, stale))
