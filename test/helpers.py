@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8chain_kernel.formats import QuantizedActivation, empty_pair
+from fp8chain_kernel.formats import ActFormat, QuantizedActivation, empty_pair
 
 
 def assert_pairs_equal(got: QuantizedActivation, want: QuantizedActivation) -> None:
@@ -22,12 +22,29 @@ def assert_pairs_equal(got: QuantizedActivation, want: QuantizedActivation) -> N
     assert bad.numel() == 0, f"{bad.shape[0]} scales differ, first at {bad[:5].tolist()}"
 
 
+# ``poisoned_pair``'s fill. The data byte is a finite e4m3 code (13.0), not the NaN code a NaN
+# input quantizes to, so an unwritten element where the reference holds NaN fails too. Scales: -1
+# (fp32; scales are positive) and, packed, exponents 1..4 (below what the 1e-4 amax floor allows;
+# all bits set would be four infinite groups).
+POISON_DATA_BYTE = 0x55
+POISON_FP32_SCALE = -1.0
+POISON_PACKED_SCALE = 0x01020304
+
+
 def poisoned_pair(rows: int, cols: int, fmt, device) -> QuantizedActivation:
-    """An out pair whose every byte is 0x7F/0xFF, so an unwritten element cannot pass."""
+    """An out pair filled with values no producer writes where it should (``POISON_*``), so an
+    unwritten element cannot pass a comparison."""
     pair = empty_pair(rows, cols, fmt, device)
-    pair.data.view(torch.uint8).fill_(0x7F)
-    pair.scale.fill_(-1)
+    pair.data.view(torch.uint8).fill_(POISON_DATA_BYTE)
+    pair.scale.fill_(POISON_PACKED_SCALE if ActFormat(fmt).packed else POISON_FP32_SCALE)
     return pair
+
+
+def assert_rows_poisoned(pair: QuantizedActivation, first_row: int) -> None:
+    """Rows ``first_row..`` of a ``poisoned_pair`` (data and logical scales) are still poison."""
+    assert (pair.data[first_row:].view(torch.uint8) == POISON_DATA_BYTE).all()
+    poison = POISON_PACKED_SCALE if pair.fmt.packed else POISON_FP32_SCALE
+    assert (pair.scale[first_row:] == poison).all()
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -69,9 +86,7 @@ def assert_other_rows_unchanged(y, pair, clean_y, clean_pair, changed_row: int) 
 def assert_captured_rest_untouched(big: QuantizedActivation, big_y: torch.Tensor, rows: int, cols: int) -> None:
     """A producer that wrote ``rows x cols`` into poisoned buffers captured for more rows/columns
     (``poisoned_pair`` and a NaN-filled bf16 buffer) left everything else as it was."""
-    assert (big.data[rows:].view(torch.uint8) == 0x7F).all()
-    captured = big.scale.shape[0]
-    assert (big.scale.as_strided((big.scale.shape[1], captured), (captured, 1))[:, rows:] == -1).all()
+    assert_rows_poisoned(big, rows)
     assert torch.isnan(big_y[rows:]).all() and torch.isnan(big_y[:rows, cols:]).all()
 
 

@@ -37,6 +37,8 @@ def is_int(value) -> bool:
 def powers_of_two(scale: torch.Tensor) -> torch.Tensor:
     """Elementwise: the fp32 ``scale`` is a positive, finite power of two (what a UE8M0 byte holds
     exactly, and what scales a bf16 value without rounding)."""
+    if scale.dtype != torch.float32:  # the test reads the fp32 bit pattern
+        raise TypeError(f"scales must be float32, got {scale.dtype}")
     return ((scale.contiguous().view(torch.int32) & 0x7FFFFF) == 0) & (scale > 0) & torch.isfinite(scale)
 
 

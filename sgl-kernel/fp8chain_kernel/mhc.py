@@ -38,10 +38,11 @@ the last bit between batch sizes that split rows differently (the sum of squares
 another order); for a given ``T`` they are deterministic. The stats GEMV's split count follows
 ``T`` too, so a token's mixes can differ in the last fp32 bits between batch sizes.
 
-Numerics follow ``reference.mhc`` operation for operation: sums left to right in fp32, compiled
-without fused multiply-add (``enable_fp_fusion=False``), so ``R'`` and ``v`` equal the torch
-reference bit for bit, and the FP8 pair equals ``reference.quantize`` of the kernel's own bf16
-``x`` bit for bit (``fp8_tile.quantize_tile``).
+Numerics of the boundary kernels follow ``reference.mhc`` operation for operation: sums left to
+right in fp32, compiled without fused multiply-add (``enable_fp_fusion=False``), so ``R'`` and
+``v`` equal the torch reference bit for bit, and the FP8 pair equals ``reference.quantize`` of the
+kernel's own bf16 ``x`` bit for bit (``fp8_tile.quantize_tile``). The stats are held to the fp64
+reference within 1e-5 instead (their launches may fuse multiply-adds).
 """
 
 from __future__ import annotations
@@ -175,6 +176,9 @@ def _stats_finish_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_
     ok3 = t_ok[:, None, None]
     sumsq, mp, m = _split_sums(part_ptr, rows, t_ok, offs_s, NSPLIT, T, NMIX, NP)
     r3 = _rms_scale(sumsq, K, rms_eps, BT)[:, :, None]
+    # a sum of squares past fp32's range (RMS above ~1e17) would give r = 0: finite mixes of the
+    # bases alone, silently wrong; NaN instead, as for a token holding NaN or inf
+    r3 = tl.where(sumsq[:, None, None] < float("inf"), r3, float("nan"))
 
     # pre (i = 0) and post (i = 1), one value per lane; rows 2 and 3 repeat post and are not stored.
     i_pp = tl.minimum(i3, 1)
@@ -668,6 +672,10 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     """``residual [T, 4, H]`` bf16 -> fp32 ``(pre [T, 4], post [T, 4], comb [T, 4, 4])``.
 
     ``fn [24, 4H]``, ``scale [3]``, ``base [24]`` fp32 (``reference.mhc``). Two launches.
+    ``fn`` must be finite within bf16's range (it is multiplied as three bf16 parts: a value
+    beyond splits into inf - inf, NaN for every token; the model's loader refuses such a
+    checkpoint). A token holding NaN or inf, or whose sum of squares overflows fp32 (an RMS
+    above ~1e17), gets NaN mixes; the other tokens are unaffected.
     ``out``: optional caller buffers ``(pre, post, comb)``, contiguous fp32 of those shapes.
     ``max_splits``: at most this many K splits (programs per token block) for the partial
     launch, which otherwise takes about two programs per SM. Fewer programs take longer alone

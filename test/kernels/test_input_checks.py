@@ -149,8 +149,9 @@ def test_mhc_post_refuses_an_output_over_the_mixes_or_sharing_memory():
         mhc.mhc_post(y, residual, post_in_out, comb, out=out)
     with pytest.raises(ValueError, match="out has elements sharing memory"):
         mhc.mhc_post(y, residual, post, comb, out=bf16(1, 4, 64).expand(3, 4, 64))
-    assert torch.equal(mhc.mhc_post(y, residual.clone(), post, comb, out=None),
-                       mhc.mhc_post(y, residual.clone(), post, comb, out=residual))  # in place stays fine
+    in_place = residual.clone()
+    assert mhc.mhc_post(y, in_place, post, comb, out=in_place).data_ptr() == in_place.data_ptr()
+    assert torch.equal(in_place, mhc.mhc_post(y, residual, post, comb))  # in place stays fine
 
 
 def test_mhc_mega_boundary_refuses_a_residual_output_sharing_memory():

@@ -25,7 +25,7 @@ from fp8chain_kernel import mhc, reference
 from fp8chain_kernel.formats import ActFormat, QuantizedActivation, empty_pair
 from fp8chain_kernel.reference import mhc as ref_mhc
 
-from helpers import assert_close_bf16, assert_pairs_equal, poisoned_pair, rel_error
+from helpers import assert_close_bf16, assert_pairs_equal, assert_rows_poisoned, poisoned_pair, rel_error
 
 CPU_H = 256
 GPU_H = 5120
@@ -247,13 +247,20 @@ def test_stats_into_caller_buffers():
 
 @cpu
 @pytest.mark.parametrize("t,bad", [(4, 2), (5, 4), (33, 32)])
-def test_stats_nan_token_isolated(t, bad):
+@pytest.mark.parametrize("value", [float("nan"), "huge"])
+def test_stats_nan_token_isolated(t, bad, value):
     """A NaN in one token makes all 24 of its mixes NaN and leaves the others' bits alone, also
-    for the last token of a partly filled block of the finishing kernel (T = 5, 33)."""
+    for the last token of a partly filled block of the finishing kernel (T = 5, 33). So does a
+    token whose sum of squares overflows fp32 (finite values around 1e20: its RMS scale would be 0
+    and its mixes those of the bases alone)."""
     residual = torch.randn(t, 4, CPU_H).bfloat16()
     params = make_stats_params(CPU_H, "cpu")
     clean = mhc.mhc_stats(residual, *params)
-    residual[bad, 1, 7] = float("nan")
+    if value == "huge":
+        residual[bad] = residual[bad] * 1e20
+        assert torch.isfinite(residual[bad].float()).all()
+    else:
+        residual[bad, 1, 7] = value
     dirty = mhc.mhc_stats(residual, *params)
     keep = [i for i in range(t) if i != bad]
     for a, b in zip(clean, dirty):
@@ -411,7 +418,9 @@ def test_zero_rows(kind):
     y[zero] = 0
     for fmt in FORMATS:
         new_r, x, pair = mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, EPS,
-                                               out_format=fmt, out=poisoned_pair(t, h, fmt, device))
+                                               out_format=fmt, out=poisoned_pair(t, h, fmt, device),
+                                               out_residual=nan_poison((t, 4, h), device),
+                                               out_bf16=nan_poison((t, h), device))
         check_boundary_outputs(y, residual, pre, post, comb, weight, new_r, x, pair, fmt)
         assert (new_r[zero].float() == 0).all() and (x[zero].float() == 0).all()
         assert (pair.data[zero].view(torch.uint8) & 0x7F == 0).all()
@@ -470,7 +479,7 @@ def test_captured_buffers(kind):
             out_residual=big_r[:t], out=big_pair.rows(t), out_bf16=big_x[:t])
         check_boundary_outputs(y, residual, pre, post, comb, weight, new_r, x, pair, fmt)
         assert torch.isnan(big_r[t:].float()).all() and torch.isnan(big_x[t:].float()).all()
-        assert (big_pair.data[t:].view(torch.uint8) == 0x7F).all()
+        assert_rows_poisoned(big_pair, t)
         assert pair.scale.stride() == big_pair.scale.stride()
         # the same through combine_norm with a sliced pair
         big_pair2 = poisoned_pair(cap, h, fmt, device)
@@ -706,7 +715,7 @@ def test_validation_errors():
             mhc.mhc_stats(residual, fn, scale, base, sinkhorn_iters=iters)
     with pytest.raises(TypeError, match="residual"):
         mhc.mhc_stats(residual.float(), fn, scale, base)
-    for eps in (-1e-6, "1e-6", True, torch.tensor(1e-6)):
+    for eps in (-1e-6, "1e-6", True, torch.tensor(1e-6), 1e-50, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="norm_eps must be a non-negative number"):
             mega(y, residual, pre, post, comb, weight, eps)
         with pytest.raises(ValueError, match="norm_eps must be a non-negative number"):

@@ -301,10 +301,10 @@ def test_select_prefers_deep_gemm_then_triton(fake_deep_gemm, caplog):
     with caplog.at_level(logging.INFO, logger="fp8chain.backends"):
         assert backends.select_backend(G32, 32, 1792, 5120).name == "triton"
     assert "on sm90 it does not read sm90_g32_fp32_mn" in caplog.text
-    # K not a multiple of 128: DeepGEMM rejects, Triton serves, and the log says why.
-    with caplog.at_level(logging.INFO, logger="fp8chain.backends"):
-        assert backends.select_backend(G128, 128, 256, 384).name == "deep_gemm"
-        assert backends.select_backend(G32, 32, 256, 160).name == "triton"
+    # K not a multiple of 128 (nor of the 128-column group Triton reads): the error names each reason
+    assert backends.select_backend(G128, 128, 256, 384).name == "deep_gemm"
+    with pytest.raises(ValueError, match="deep_gemm: K=320 is not a multiple of 128; triton: K=320"):
+        backends.select_backend(G128, 128, 256, 320)
 
 
 def test_blockwise_refuses_other_formats_where_it_runs(monkeypatch):

@@ -5,7 +5,7 @@ import torch
 
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import (
-    FP8_DTYPE, ActFormat, QuantizedActivation, align4, check_pair, empty_pair, is_int,
+    FP8_DTYPE, ActFormat, QuantizedActivation, align4, check_pair, empty_pair, is_int, powers_of_two,
 )
 
 pytestmark = pytest.mark.cpu
@@ -45,6 +45,14 @@ def test_shapes_and_strides(rows, cols, fmt):
 
 def test_align4():
     assert [align4(m) for m in (0, 1, 3, 4, 5, 8, 257)] == [0, 4, 4, 4, 8, 8, 260]
+
+
+def test_powers_of_two_reads_fp32_only():
+    scales = torch.tensor([[0.5, 0.25], [3.0, -0.5], [0.0, float("inf")]])
+    assert powers_of_two(scales).tolist() == [[True, True], [False, False], [False, False]]
+    for dtype in (torch.float64, torch.bfloat16):  # their bits mean something else
+        with pytest.raises(TypeError, match="float32"):
+            powers_of_two(scales.to(dtype))
 
 
 def test_is_int_refuses_bools_floats_and_strings():

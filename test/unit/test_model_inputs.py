@@ -234,6 +234,18 @@ def test_load_refuses_wo_a_scales_that_are_not_positive_powers_of_two(config, va
         DeepseekV41ForCausalLM(config).load_weights(tensors.items())
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -3.4e38])
+def test_load_refuses_mhc_fn_values_the_stats_cannot_split(config, value):
+    """``fn`` is multiplied as three bf16 parts: a value past bf16's range would make every mix NaN."""
+    tensors = dict(random_checkpoint_tensors(config))
+    fn = tensors["layers.0.hc_ffn_fn"].clone()
+    fn[2, 7] = value
+    tensors["layers.0.hc_ffn_fn"] = fn
+    with pytest.raises(ValueError, match=r"layers\.0\.hc_ffn_fn: 1 values are not finite within bf16's range "
+                                         r".*first at \[2, 7\]"):
+        DeepseekV41ForCausalLM(config).load_weights(tensors.items())
+
+
 @pytest.mark.parametrize("name", ["layers.0.attn.wq_b.weight_scale_inv", "layers.0.attn.wo_a.weight_scale_inv",
                                   "layers.0.ffn.shared_experts.w2.weight_scale_inv"])
 def test_load_refuses_dense_scales_stored_as_bytes(config, name):

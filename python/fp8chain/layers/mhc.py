@@ -72,7 +72,8 @@ class HyperConnection(nn.Module):
         With ``side_stream`` the launches run there, after the current stream's work so far, so
         they overlap what the current stream does next (the sublayer: the stats are needed only
         at the boundary after it). Read the result only after
-        ``torch.cuda.current_stream().wait_stream(side_stream)``.
+        ``torch.cuda.current_stream().wait_stream(side_stream)``, and keep ``residual`` alive
+        until then (the side stream reads it; ``run_sublayer`` does both).
         """
         kwargs = dict(rms_eps=self.rms_eps, hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters,
                       max_splits=self.max_stats_splits)

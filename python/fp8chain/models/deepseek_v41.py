@@ -807,6 +807,8 @@ class DeepseekV41ForCausalLM(nn.Module):
                           "attn.kv_norm.weight", "ffn.gate.weight", "ffn.gate.bias"):
                 copy_into(f"{pfx}.{rest}", tensor)
             elif (h := re.fullmatch(r"hc_(attn|ffn)_(fn|base|scale)", rest)):
+                if h.group(2) == "fn":
+                    _check_mhc_fn(name, tensor)
                 copy_into(f"{pfx}.hc_{h.group(1)}.{h.group(2)}", tensor)
             elif (q := re.fullmatch(r"attn\.(wq_a|wkv)\.(weight|weight_scale_inv)", rest)):
                 parts = stash(f"{pfx}.attn.wqkv_a.{q.group(2)}", q.group(1), tensor, ("wq_a", "wkv"))
@@ -890,6 +892,16 @@ def _check_checkpoint_tensor(name: str, tensor, spec) -> None:
                "mxfp4_scale": MXFP4_SCALE_DTYPES}.get(spec.kind, VALUE_DTYPES)
     if tensor.dtype not in allowed:
         raise TypeError(f"{name}: {spec.kind} tensors must be one of {allowed}, got {tensor.dtype}")
+
+
+def _check_mhc_fn(name: str, fn: torch.Tensor) -> None:
+    """``mhc_stats`` multiplies ``fn`` on the tensor cores as three bf16 parts: a value that is not
+    finite or beyond bf16's range splits into inf - inf and makes every mix of every token NaN."""
+    bad = ~(fn.float().abs() <= torch.finfo(torch.bfloat16).max)  # NaN compares False
+    if bad.any():
+        first = [int(i) for i in bad.nonzero()[0]]
+        raise ValueError(f"{name}: {int(bad.sum())} values are not finite within bf16's range "
+                         f"(|fn| <= {torch.finfo(torch.bfloat16).max:.4g}), first at {first}")
 
 
 class QuantizeCounter:
