@@ -121,7 +121,9 @@ def test_hook_runs_fp8chains_weight_checks_at_load(edit, error, message):
     layer = UpstreamLinear(weight, scale)
     with pytest.raises(error, match=f"model\\.layers\\.0\\.self_attn\\.wq_b{message}"):
         plugin.after_process_weights(None, upstream_method(), layer)
-    assert not hasattr(layer, "input_format")  # nothing was prepared
+    # no pair is taken until a processing succeeds; the request stands for it
+    assert layer.input_format is None and layer.deepgemm_mxfp8_input is False
+    assert layer.fp8chain_refused_request is True
 
 
 def test_hook_refuses_weights_repacked_for_marlin(caplog):

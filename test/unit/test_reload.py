@@ -123,6 +123,47 @@ def test_deepgemm_packed_scales_follow_reloads(monkeypatch):
         assert torch.equal(layer.weight_scale_inv_deepgemm, want)
 
 
+def test_a_processing_failing_with_any_error_leaves_the_layer_refusing_to_run(backend_kind, monkeypatch):
+    """Deriving B's tensors fails with something other than a refusal (out of memory, say): the
+    layer holds B's raw weights and A's derived tensors, so it refuses bf16 and pairs alike until
+    a processing succeeds, which then equals a fresh load of B."""
+    a, b = checkpoint(), checkpoint()
+    x = torch.randn(3, K).to(torch.bfloat16)
+    layer = make_layer()
+    load_weights(layer, a.items())
+    pair = quantize(x, layer.input_format)
+    working = backends.select_backend
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(backends, "select_backend", out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        load_weights(layer, b.items())
+    with pytest.raises(RuntimeError, match="weights not processed"):
+        layer(x)
+    with pytest.raises(TypeError, match="reads bf16 input"):
+        layer(pair)
+    monkeypatch.setattr(backends, "select_backend", working)
+    layer.quant_method.process_weights_after_loading(layer)
+    fresh = make_layer()
+    load_weights(fresh, b.items())
+    assert layer.deepgemm_mxfp8_input is True
+    for got, want in zip(outputs(layer, x), outputs(fresh, x), strict=True):
+        assert torch.equal(bits(got), bits(want))
+
+
+def test_a_configured_backend_that_rejects_the_layer_fails_its_load():
+    """``Fp8Config(backend=...)`` is a requirement: cuBLAS blockwise reads no 32x32 blocks, so the
+    load fails naming it (rather than running the torch fallback GEMM) and the layer refuses to run."""
+    layer = ReplicatedLinear(K, N, quant_config=dataclasses.replace(CFG32, backend="torch_blockwise"), prefix="wo_b")
+    layer.deepgemm_mxfp8_input = True
+    with pytest.raises(ValueError, match="torch_blockwise"):
+        load_weights(layer, checkpoint().items())
+    with pytest.raises(RuntimeError, match="weights not processed"):
+        layer(torch.randn(3, K).to(torch.bfloat16))
+
+
 def test_partial_reload_and_sharded_reload():
     full_a, full_b = checkpoint(n=2 * N), checkpoint(n=2 * N)
     layer = ColumnParallelLinear(K, 2 * N, quant_config=CFG32, tp_rank=1, tp_size=2)

@@ -36,7 +36,8 @@ import torch
 from fp8chain_kernel.formats import QuantizedActivation
 from fp8chain_kernel.fp8_tile import interpreting
 
-from ..layers.quantization.fp8 import check_pair_input, check_weights, consumer_gemm, input_requested, prepare_consumer
+from ..layers.quantization.fp8 import (Fp8LinearMethod, check_pair_input, check_weights, consumer_gemm, input_requested,
+                                       prepare_consumer)
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +117,13 @@ def after_process_weights(result, method, layer, *args, **kwargs):
                        f"{getattr(getattr(method, 'quant_config', None), 'weight_block_size', None)}")
     # the checks fp8chain's own Fp8LinearMethod runs: a corrupt checkpoint fails here, at load,
     # not at the first forward (possibly inside graph capture)
-    check_weights(layer.weight, layer.weight_scale_inv, block, getattr(method.quant_config, "scale_fmt", None), name)
-    prepare_consumer(layer, block, name=name)
+    try:
+        check_weights(layer.weight, layer.weight_scale_inv, block, getattr(method.quant_config, "scale_fmt", None),
+                      name)
+        prepare_consumer(layer, block, name=name)
+    except BaseException:
+        Fp8LinearMethod.invalidate(layer)  # no pair may reach tensors derived from earlier weights
+        raise
     return None
 
 

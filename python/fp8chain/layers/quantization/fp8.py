@@ -49,8 +49,9 @@ class Fp8Config:
         scale_fmt: ``"ue8m0"`` when the checkpoint's weight scales are powers of two (DSv4.1),
             None for arbitrary fp32 scales.
         ignored_layers: a list or tuple of layer prefixes kept unquantized (bf16 weights).
-        backend: preferred GEMM backend name (one of ``backends.BACKEND_NAMES``, for
-            ``select_backend(prefer=...)``), None = automatic.
+        backend: the GEMM backend every layer must use (one of ``backends.BACKEND_NAMES``, for
+            ``select_backend(prefer=...)``): a layer it rejects fails to load with the reason
+            (``ValueError``) rather than run the torch fallback GEMM. None = automatic.
     """
 
     weight_block_size: tuple[int, int] = (128, 128)
@@ -154,16 +155,19 @@ class Fp8LinearMethod(LinearMethodBase):
 
         Always recomputes from the raw ``weight``/``weight_scale_inv`` (nothing is latched), so
         running it again after a reload, or twice, gives the same result in the same storage.
+        Any failure (refused weights, the configured backend rejecting the layer, an error while
+        deriving, out of memory included) leaves the layer refusing to run (``invalidate``).
         """
         from ..warmup import linear_warmup, register_warmup
 
         try:
             check_weights(layer.weight, layer.weight_scale_inv, self.quant_config.block, self.quant_config.scale_fmt,
                           getattr(layer, "display_name", type(layer).__name__))
-        except (TypeError, ValueError):
-            self.invalidate(layer)  # the raw weights are the refused ones: nothing derived from earlier ones may run
+            prepare_consumer(layer, self.quant_config.block, prefer=self.quant_config.backend)
+        except BaseException:
+            # the raw weights are new: nothing derived from earlier ones may run with them
+            self.invalidate(layer)
             raise
-        prepare_consumer(layer, self.quant_config.block, prefer=self.quant_config.backend)
         register_warmup(layer, linear_warmup)
 
     @staticmethod
@@ -268,6 +272,8 @@ def prepare_consumer(layer, block: int, prefer: str | None = None, name: str | N
         backend = gemm_backends.select_backend(fmt, block, n, k, prefer=prefer)
         derived = backend.derive_weight_tensors(layer.weight, layer.weight_scale_inv, block)
     except ValueError as exc:
+        if prefer is not None:  # a configured backend is a requirement, not a hint
+            raise
         reason = str(exc).strip() or type(exc).__name__
         if backend is not None:  # selected, but could not derive its weight tensors
             reason = f"{backend.name}: {reason}"
