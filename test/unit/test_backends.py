@@ -389,6 +389,28 @@ def _fake_scaled_mm(calls):
     return scaled_mm
 
 
+def test_torch_blockwise_calibrates_before_its_first_gemm_when_probe_did_not(monkeypatch):
+    """A layout torch accepts may still be read with another stride (torch 2.11 at K/128 % 4 != 0),
+    so a GEMM before any calibration calibrates rather than trying layouts until one is accepted."""
+    calls, calibrated = [], []
+    monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm(calls), raising=False)
+    backend = backends.get_backend("torch_blockwise")
+    monkeypatch.setattr(type(backend), "_scale_b_view", {})
+
+    def calibrate(self, device):
+        calibrated.append(device)
+        type(self)._scale_b_view = {True: "contig", False: None}
+        return ""
+
+    monkeypatch.setattr(type(backend), "calibrate", calibrate)
+    n, k = 256, 640  # K/128 = 5
+    w, s = _weights(n, k, 128)
+    pair = ref.quantize(_activation(4, k), G128)
+    with pytest.raises(ValueError, match="no working 128x128 scale layout for K/128 = 5"):
+        backend.gemm(pair, w, s, backend.derive_weight_tensors(w, s, 128))
+    assert calibrated == [w.device] and calls == []  # the fake would have accepted "contig"
+
+
 @pytest.mark.parametrize("m", [1, 3, 4, 6])
 def test_torch_blockwise_prepares_arguments_like_torch_checks(monkeypatch, m):
     """M padded to a multiple of 4, MN-major scales with stride exactly M, sliced pairs re-laid

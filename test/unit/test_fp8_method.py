@@ -66,7 +66,7 @@ def test_request_honoured(caplog):
     assert rel_error(out, gemm_reference(pair, ckpt, 32)) < 5e-3
 
 
-def test_request_refused_on_unsupported_shape(caplog):
+def test_request_refused_on_unsupported_shape(caplog, monkeypatch):
     n, k = 128, 100  # K not a multiple of the 32-column group: no backend here serves it
     fmt = backends.input_format_for(32)
     with pytest.raises(ValueError):
@@ -89,6 +89,16 @@ def test_request_refused_on_unsupported_shape(caplog):
     x[1, 5] = float("nan")
     out = layer(x)
     assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
+    # fp32 products even in a process that lets matmuls round their operands (TF32)
+    seen, matmul = [], torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__",
+                        lambda a, b: seen.append(torch.get_float32_matmul_precision()) or matmul(a, b))
+    torch.set_float32_matmul_precision("medium")
+    try:
+        layer(x)
+        assert seen == ["highest"] and torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision("highest")
 
 
 def test_not_requested_stays_unchained(caplog):

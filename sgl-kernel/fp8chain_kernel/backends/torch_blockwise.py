@@ -11,8 +11,9 @@ torch's contract (PyTorch's blockwise ``_scaled_mm``; the recipe follows from th
   ``scale_b.t()`` to be the contiguous ``[N/128, K/128]`` checkpoint tensor (strides
   ``(K/128, 1)``), so the checkpoint's scales are passed as they are (a transposed view). cuBLAS's
   documentation pads that stride to ``L4 = round_up(K/128, 4)``; torch versions that check for the
-  padded layout get the zero-padded copy made at load (``weight_scale_blockwise``). The first
-  layout torch accepts is remembered per K.
+  padded layout get the zero-padded copy made at load (``weight_scale_blockwise``). Which layout
+  this torch takes and computes right with is found once per class of K (``calibrate``, run by
+  ``backends.probe`` or else by the first GEMM), never guessed from what torch accepts.
 * scales are dequantization multipliers (``out = (a * scale_a) @ (b * scale_b)``), as fp8chain's.
 """
 
@@ -125,22 +126,14 @@ class TorchBlockwiseBackend(GemmBackend):
         if padded_b is None:
             padded_b = self.derive_weight_tensors(weight, weight_scale, 128)["weight_scale_blockwise"]
         aligned = (k // 128) % 4 == 0
-        if _force_view is not None:
-            views = [_force_view]
-        elif aligned in self._scale_b_view and self._scale_b_view[aligned] is None:
-            raise ValueError(f"torch._scaled_mm has no working 128x128 scale layout for K/128 = {k // 128}")
-        else:
-            known = self._scale_b_view.get(aligned)
-            views = [known] if known else list(self._VIEWS)
-        error = None
-        for view in views:
-            try:
-                result = torch._scaled_mm(data, weight.t(), scale_a=scale,
-                                          scale_b=self._scale_b(padded_b, k, view, weight_scale),
-                                          out_dtype=torch.bfloat16)
-            except (RuntimeError, ValueError, NotImplementedError) as exc:
-                error = exc
-                continue
-            out.copy_(result[:m])
-            return out
-        raise error
+        view = _force_view
+        if view is None:
+            if aligned not in self._scale_b_view:  # called before probe(): a layout torch merely
+                self.calibrate(weight.device)     # accepts may be read with another stride
+            view = self._scale_b_view.get(aligned)
+            if view is None:
+                raise ValueError(f"torch._scaled_mm has no working 128x128 scale layout for K/128 = {k // 128}")
+        result = torch._scaled_mm(data, weight.t(), scale_a=scale, scale_b=self._scale_b(padded_b, k, view, weight_scale),
+                                  out_dtype=torch.bfloat16)
+        out.copy_(result[:m])
+        return out

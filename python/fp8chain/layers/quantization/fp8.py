@@ -353,4 +353,9 @@ def _fallback_gemm(pair: QuantizedActivation, weight: torch.Tensor, weight_scale
 
     a = dequantize(pair)
     w = dequantize_weight(weight, weight_scale, block)
-    return (a @ w.t()).to(torch.bfloat16)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # a process that allows TF32 would round the operands
+    try:
+        return (a @ w.t()).to(torch.bfloat16)
+    finally:
+        torch.set_float32_matmul_precision(precision)
