@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=positive_int, default=50, help="calls per captured graph")
     parser.add_argument("--tiles", nargs="+", type=parse_tile, default=[],
                         help="other split-kernel tiles to time beside the default, as HEADSxKEYS (e.g. 32x64 64x32)")
-    parser.add_argument("--splits", nargs="+", type=int, default=[],
+    parser.add_argument("--splits", nargs="+", type=positive_int, default=[],
                         help="other key-split counts to time beside the default (e.g. 1 2 4 8 16)")
 
 
@@ -65,6 +65,8 @@ def parse_tile(text: str) -> tuple[int, int]:
         heads, keys = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"a tile is HEADSxKEYS, e.g. 64x32; got {text!r}") from None
+    if any(v < 16 or v & (v - 1) for v in (heads, keys)):  # mqa_attention's own rule
+        raise argparse.ArgumentTypeError(f"a tile's heads and keys are powers of two >= 16; got {text!r}")
     return heads, keys
 
 
@@ -133,7 +135,8 @@ def run(args) -> tuple[dict, list[dict]]:
                 record[f"attention_us[splits={count}]"] = harness.graph_time_us(lambda n=count: attend(splits=n),
                                                                                 iters=args.iters)
             except ValueError:  # more splits than the case has key steps (mqa_attention's own check)
-                pass
+                print(f"  {phase} heads {heads} M {tokens} context {context}: skipping {count} key splits "
+                      f"(more than its steps of keys)")
         records.append(record)
     for record in harness.progress(records, "kernels (torch.profiler)"):
         _, attend, _ = _calls(record["phase"], record["heads"], record["M"], record["context"])

@@ -178,10 +178,6 @@ def _items(text: str, parse=str) -> tuple:
 
 def _candidates(args, m: int, n: int, k: int, group: int) -> list[gemm.GemmConfig | GemvConfig]:
     modes = _items(args.modes)
-    unknown = set(modes) - set(OPERAND_MODES) - {GEMV_MODE}
-    if unknown:
-        raise SystemExit(f"--modes: unknown operand modes {sorted(unknown)}; known: "
-                         f"{', '.join([*OPERAND_MODES, GEMV_MODE])}")
     ahead = _items(args.scale_ahead, lambda v: None if v == "default" else int(v))
     gemv = gemv_candidates(group) if GEMV_MODE in modes and m <= MAX_GEMV_TOKENS else []
     return gemv + sweep_candidates(m, n, k, group, _items(args.stages, int),
@@ -344,22 +340,44 @@ def check_blockwise_views(device):
                 print(f"blockwise {n}x{k} scale_b view {view}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 
 
+def _power_of_two_from_16(v: str) -> bool:
+    return v.isdigit() and int(v) >= 16 and int(v) & (int(v) - 1) == 0
+
+
 def check_lists(args) -> None:
-    """The comma-separated options every plan reads: known shape names, positive M values, weight
-    blocks of 32 or 128 (SystemExit naming the option, before any GPU work)."""
+    """Every comma-separated option (SystemExit naming the option, before any GPU work): known
+    shape names and operand modes, positive M values, weight blocks of 32 or 128, and the sweep's
+    candidate values (tiles powers of two from 16, warps 1-16 in powers of two, scale prefetch
+    0-4 or 'default')."""
     unknown = [s for s in _items(args.shapes) if s not in SHAPES]
     if unknown:
         raise SystemExit(f"--shapes: unknown {unknown}; known: {', '.join(SHAPES)}")
-    for option, text, ok, what in (("--ms", args.ms or "", lambda v: v.isdigit() and int(v) > 0, "positive integers"),
-                                   ("--groups", args.groups, lambda v: v in ("32", "128"), "32 or 128")):
+    positive = (lambda v: v.isdigit() and int(v) > 0, "positive integers")
+    for option, text, (ok, what) in (
+            ("--ms", args.ms or "", positive),
+            ("--groups", args.groups, (lambda v: v in ("32", "128"), "32 or 128")),
+            ("--stages", args.stages, positive),
+            ("--block-k", args.block_k, (_power_of_two_from_16, "powers of two >= 16")),
+            ("--block-n", args.block_n, (_power_of_two_from_16, "powers of two >= 16")),
+            ("--warps", args.warps, (lambda v: v in ("1", "2", "4", "8", "16"), "1, 2, 4, 8 or 16")),
+            ("--token-tiles", args.token_tiles, positive),
+            ("--splits", args.splits, positive),
+            ("--scale-ahead", args.scale_ahead, (lambda v: v == "default" or v in "01234" and len(v) == 1,
+                                                 "0-4 or 'default'")),
+            ("--modes", args.modes, (lambda v: v in (*OPERAND_MODES, GEMV_MODE),
+                                     "operand modes (" + ", ".join([*OPERAND_MODES, GEMV_MODE]) + ")"))):
         bad = [v for v in text.split(",") if v and not ok(v)]
         if bad:
             raise SystemExit(f"{option}: {bad} are not {what}")
+    if args.precompile < 0 or not args.sweep_budget_s > 0:
+        raise SystemExit("--precompile must be >= 0 and --sweep-budget-s > 0")
 
 
 def run(args):
     """Returns ``(meta, records)``."""
     check_lists(args)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark/gemm.py needs a CUDA GPU; none found")
     device = torch.device("cuda")
     if args.table_from:
         gemm.load_table(args.table_from)

@@ -47,7 +47,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
 
-from fp8chain.argtypes import positive_int  # noqa: E402
+from fp8chain.argtypes import output_dir, positive_int  # noqa: E402
 from fp8chain.bench import harness  # noqa: E402
 from fp8chain_kernel import act, einsum, norm, quant, reference  # noqa: E402
 from fp8chain_kernel.formats import ActFormat, empty_pair  # noqa: E402
@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="FP8 formats (default: the DSv4.1 Hopper format)")
     parser.add_argument("--no-peer", action="store_true", help="skip the torch.compile peer")
     parser.add_argument("--iters", type=positive_int, default=50, help="calls per captured graph")
-    parser.add_argument("--results-dir", default=None, help="where JSON/PNG go (default benchmark/results)")
+    parser.add_argument("--results-dir", default=None, type=output_dir,
+                        help="where JSON/PNG go (default benchmark/results)")
     sweeps = parser.add_mutually_exclusive_group()
     sweeps.add_argument("--sweep-wo-a", action="store_true",
                         help="time candidate wo_a_einsum launch configs (FP8 out) instead of the four arms")
@@ -225,14 +226,18 @@ def wo_a_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -
     return out
 
 
+def wo_a_sweep_cases(args) -> list[tuple[str, int]]:
+    """``--sweep-wo-a``'s (producer, T): the wo_a producers among ``--producers`` at T <= 64."""
+    return [(name, t) for name in args.producers if name.startswith("wo_a") for t in args.rows if t <= 64]
+
+
 def run_wo_a_sweep(args) -> tuple[dict, list[dict]]:
     meta = harness.bench_meta()
     meta["copy_bandwidth_TBps"] = harness.copy_bandwidth() / 1e12
+    meta["sweep"] = "wo_a"
     fmt = ActFormat(args.formats[0])
     records = []
-    cases = [(name, t) for name in args.producers if name.startswith("wo_a")
-             for t in args.rows if t <= 64]
-    for name, rows in harness.progress(cases, "wo_a configs"):
+    for name, rows in harness.progress(wo_a_sweep_cases(args), "wo_a configs"):
         g, r, d = (8 if name.startswith("wo_a_g8") else 2), 1024, 4096
         fp8_weights = name.endswith("_fp8w")
         if fp8_weights:  # (e4m3 weight, its 32x32 block scales) per copy
@@ -285,13 +290,18 @@ def launch_candidates(name: str, rows: int) -> list[dict]:
     raise ValueError(f"--sweep-launch covers {LAUNCH_SWEEP}, not {name}")
 
 
+def launch_sweep_cases(args) -> list[tuple[str, int]]:
+    """``--sweep-launch``'s (producer, T): those of ``LAUNCH_SWEEP`` among ``--producers``."""
+    return [(p, t) for p in args.producers if p in LAUNCH_SWEEP for t in args.rows]
+
+
 def run_launch_sweep(args) -> tuple[dict, list[dict]]:
     meta = harness.bench_meta()
     meta["copy_bandwidth_TBps"] = harness.copy_bandwidth() / 1e12  # the report's device line
+    meta["sweep"] = "launch"
     fmt = ActFormat(args.formats[0])
     records = []
-    cases = [(p, t) for p in args.producers if p in LAUNCH_SWEEP for t in args.rows]
-    for name, rows in harness.progress(cases, "launch shapes"):
+    for name, rows in harness.progress(launch_sweep_cases(args), "launch shapes"):
         configs = [None] + launch_candidates(name, rows)
         # every shape's two arms replay in turn: differences are fractions of a microsecond. The
         # units own the buffers the graphs read and write: alive until the replays are done.
@@ -321,6 +331,10 @@ def best_launches(records: list[dict]) -> list[dict]:
 def run(args) -> tuple[dict, list[dict]]:
     if (args.sweep_wo_a or args.sweep_launch) and len(args.formats) > 1:
         raise SystemExit("--sweep-wo-a and --sweep-launch time one format; pass one --formats value")
+    if args.sweep_wo_a and not wo_a_sweep_cases(args):
+        raise SystemExit("--sweep-wo-a: no wo_a producer at T <= 64 among --producers and --rows")
+    if args.sweep_launch and not launch_sweep_cases(args):
+        raise SystemExit(f"--sweep-launch: --producers names none of {', '.join(LAUNCH_SWEEP)}")
     if not torch.cuda.is_available():
         raise SystemExit("benchmark producers needs a CUDA GPU (kernel logic is tested on CPU instead)")
     if args.sweep_wo_a:
@@ -385,12 +399,12 @@ COLUMNS = ["case", "format", "T", "bf16_us", "bf16_quant_us", "fp8_us", "compile
 
 
 def report(meta: dict, records: list[dict], results_dir=None) -> str:
-    if records and "arm" in records[0]:  # --sweep-launch
+    if meta.get("sweep") == "launch":
         json_path = harness.save_results("producers_launch_sweep", meta, records, results_dir)
         columns = ["producer", "T", "rule_bf16_us", "rule_fp8_us", "best_bf16_us", "best_bf16_config", "best_fp8_us",
                    "best_fp8_config"]
         return f"{json_path}\n" + harness.markdown_table(best_launches(records), columns)
-    if records and "config" in records[0]:  # --sweep-wo-a
+    if meta.get("sweep") == "wo_a":
         json_path = harness.save_results("producers_wo_a_sweep", meta, records, results_dir)
         best = {}
         for rec in records:

@@ -8,7 +8,8 @@
 # largest first); PYTEST_ARGS that are not paths (options) go to every process.
 #
 # Writes under OUTDIR: gpu-tests.xml (junit) and gpu-tests.log (gpu-tests-K.* per process with
-# --jobs), bench.log, results.tar.gz (benchmark/results JSON + PNG). Installs nothing: it runs from
+# --jobs), bench.log, results.tar.gz (the JSON, PNG and markdown this run's benchmarks wrote under
+# benchmark/results). Installs nothing: it runs from
 # the source tree with the machine's python3 (torch, triton, numpy, safetensors, pytest, rich,
 # tqdm, matplotlib).
 #
@@ -25,6 +26,10 @@ out=${1:?$usage}
 shift
 what=${1:-all}
 [ $# -gt 0 ] && shift
+case "$what" in
+  all|tests|bench|bench:?*) ;;
+  *) echo "unknown mode '$what'" >&2; echo "$usage" >&2; exit 2 ;;
+esac
 quick=""
 jobs=1
 while [ $# -gt 0 ]; do
@@ -100,10 +105,20 @@ case "$what" in
   bench:*) benches=${what#bench:}; benches=${benches//,/ } ;;
 esac
 if [ -n "$benches" ]; then
+  started="$out/.bench-started"
+  touch "$started"
   for name in $benches; do
     python3 -m fp8chain bench "$name" $quick --results-dir benchmark/results 2>&1 | tee -a "$out/bench.log" | tail -n 80
     [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
   done
-  tar czf "$out/results.tar.gz" benchmark/results
+  # only what this run wrote (the tree carries every earlier result too)
+  find benchmark/results -type f -newer "$started" > "$out/.bench-written"
+  if [ -s "$out/.bench-written" ]; then
+    tar czf "$out/results.tar.gz" -T "$out/.bench-written"
+  else
+    echo "no benchmark wrote a result" >&2
+    status=1
+  fi
+  rm -f "$started" "$out/.bench-written"
 fi
 exit $status

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .argtypes import output_dir
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO_ROOT / "benchmark"
 BENCHMARKS = ["quant", "producers", "gemm", "attention", "layer"]
@@ -70,9 +72,11 @@ def _bench_parser(sub, benchmarks: bool) -> None:
         if module is not None:
             module.add_arguments(parser)
         harness.add_results_dir(parser)
-    everything = which.add_parser("all", help="every benchmark in turn")
+    everything = which.add_parser("all", help="every benchmark in turn",
+                                  description="Every benchmark in turn, each in a process of its own; exit status 1 "
+                                              "when any failed.")
     everything.add_argument("--quick", action="store_true", help="the reduced sweep of each benchmark")
-    everything.add_argument("--results-dir", default=None, help="where JSON/PNG/markdown go")
+    everything.add_argument("--results-dir", default=None, type=output_dir, help="where JSON/PNG/markdown go")
 
 
 def _run_benchmark(name: str, args) -> None:
@@ -97,18 +101,8 @@ def _run_benchmark(name: str, args) -> None:
 
 
 def _cmd_bench(args) -> int:
-    import os
-
     import torch
 
-    from fp8chain.bench import harness
-
-    results_dir = Path(args.results_dir or harness.RESULTS_DIR)
-    parent = next(p for p in (results_dir, *results_dir.parents) if p.exists())  # what mkdir starts from
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):  # refuse before the GPU work
-        print(f"fp8chain bench: cannot write results to {results_dir} ({parent} is "
-              f"{'not a directory' if not parent.is_dir() else 'not writable'})", file=sys.stderr)
-        return 2
     if not torch.cuda.is_available():
         print("fp8chain bench needs a CUDA GPU; none found (kernel logic is checked on CPU by "
               "`fp8chain verify` and the test suite)", file=sys.stderr)
@@ -200,7 +194,10 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp8chain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="tiny DSv4.1 model, chain on vs off (CPU or GPU)")
+    demo = sub.add_parser("demo", help="tiny DSv4.1 model, chain on vs off (CPU or GPU)",
+                          description="A tiny random DSv4.1 checkpoint, generated with the FP8 chain on and off: "
+                                      "the tokens, whether they are identical (exit status 1 if not) and the "
+                                      "standalone quantize launches saved per decode step.")
     try:
         from fp8chain.runtime.demo import add_demo_arguments
     except ImportError:  # runtime not installed in a kernel-only checkout
@@ -208,9 +205,16 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     else:
         add_demo_arguments(demo)
     _bench_parser(sub, benchmarks)
-    verify = sub.add_parser("verify", help="correctness checks of the kernels on the hardware present")
+    verify = sub.add_parser("verify", help="correctness checks of the kernels on the hardware present",
+                            description="Each producer's FP8 pair against the standalone quantization of its own "
+                                        "bf16 output (bit for bit), the wo_a einsum, mHC, attention, GEMMs and "
+                                        "router against their references, with zero and NaN rows; on the GPU found, else on the Triton "
+                                        "CPU interpreter. Exit status 1 when a check fails.")
     verify.add_argument("--quick", action="store_true", help="fewer shapes")
-    sub.add_parser("info", help="GPU, arch, backends found and rejected")
+    sub.add_parser("info", help="GPU, arch, backends found and rejected",
+                   description="The GPU and its arch, torch and triton versions, which GEMM backend serves "
+                               "which format and shape (and why the others are rejected), and whether SGLang "
+                               "finds the plugin.")
     return parser
 
 

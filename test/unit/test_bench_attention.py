@@ -39,8 +39,9 @@ def test_tiles_option_and_report(tmp_path):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     assert parser.parse_args(["--tiles", "32x64", "64X32"]).tiles == [(32, 64), (64, 32)]
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--tiles", "64"])
+    for bad in ("64", "0x0", "48x64", "64x8"):  # mqa_attention takes powers of two >= 16
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--tiles", bad])
     record = dict(phase="decode", heads=64, M=1, context=1024, rope_us=1.0, attention_us=10.0, split_us=8.0,
                   merge_us=2.0, key_splits=8, bytes=1, flops=1, floor_us=1.0, floor_fraction=0.1, kernels={})
     record.update({"attention_us[64x32]": 5.0, "key_splits[64x32]": 2})
@@ -56,6 +57,9 @@ def test_splits_option_and_report(tmp_path):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     assert parser.parse_args(["--splits", "2", "4"]).splits == [2, 4]
+    for bad in ("0", "-3"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--splits", bad])
     record = dict(phase="decode", heads=64, M=16, context=1024, rope_us=1.0, attention_us=30.0, split_us=20.0,
                   merge_us=9.0, key_splits=4, bytes=1, flops=1, floor_us=1.0, floor_fraction=0.1, kernels={})
     record.update({"attention_us[splits=2]": 40.0, "attention_us[splits=8]": 37.0})

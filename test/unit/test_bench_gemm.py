@@ -41,16 +41,19 @@ def test_default_candidates_and_group_128():
     assert all(not c.dequant and not c.block_diag for c in bench._candidates(args, 16, 1792, 5120, 128))
 
 
-def test_unknown_mode_is_an_error():
-    bench, args = _sweep_args("--modes", "dequant,wgmma")
-    with pytest.raises(SystemExit, match="wgmma"):
-        bench._candidates(args, 16, 1792, 5120, 32)
-
-
 @pytest.mark.parametrize("argv,match", [
     (["--shapes", "wq_b,nope"], r"--shapes: unknown \['nope'\]"),
     (["--ms", "0,-5"], r"--ms: \['0', '-5'\] are not positive integers"),
     (["--groups", "32,64"], r"--groups: \['64'\] are not 32 or 128"),
+    (["--modes", "dequant,wgmma"], r"--modes: \['wgmma'\] are not operand modes"),
+    (["--stages", "x,3"], r"--stages: \['x'\] are not positive integers"),
+    (["--block-k", "0,128"], r"--block-k: \['0'\] are not powers of two >= 16"),
+    (["--block-n", "96"], r"--block-n: \['96'\] are not powers of two >= 16"),
+    (["--warps", "0"], r"--warps: \['0'\] are not 1, 2, 4, 8 or 16"),
+    (["--splits", "0"], r"--splits: \['0'\] are not positive integers"),
+    (["--token-tiles", "-4"], r"--token-tiles: \['-4'\] are not positive integers"),
+    (["--scale-ahead", "5"], r"--scale-ahead: \['5'\] are not 0-4 or 'default'"),
+    (["--precompile", "-1"], r"--precompile must be >= 0"),
 ])
 def test_list_options_are_checked_before_any_gpu_work(argv, match):
     bench, args = _sweep_args(*argv)

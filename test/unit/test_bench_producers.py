@@ -51,9 +51,15 @@ def test_sweep_launch_option_and_report(tmp_path):
     assert bench.best_launches(records) == [dict(producer="silu_mul", T=16, rule_bf16_us=1.6, rule_fp8_us=1.8,
                                                  best_bf16_us=1.1, best_bf16_config=shape, best_fp8_us=1.2,
                                                  best_fp8_config=shape)]
-    text = bench.report({"date": "today"}, records, tmp_path)
+    text = bench.report({"date": "today", "sweep": "launch"}, records, tmp_path)
     assert "| silu_mul | 16 | 1.6 | 1.8 | 1.1 |" in text
     assert json.loads((tmp_path / "producers_launch_sweep.json").read_text())["records"] == records
+    # a sweep with nothing to time never reaches the report (which would write producers.json)
+    assert not (tmp_path / "producers.json").exists()
+    for argv, match in ((["--sweep-launch", "--producers", "wo_a_g8"], "names none of"),
+                        (["--sweep-wo-a", "--rows", "256", "2048"], "no wo_a producer at T <= 64")):
+        with pytest.raises(SystemExit, match=match):
+            bench.run(parser.parse_args(argv))
 
 
 @pytest.mark.cpu

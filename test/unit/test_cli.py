@@ -155,12 +155,43 @@ def test_demo_refuses_an_out_path_that_is_a_file(tmp_path):
                                          eager=False))
 
 
-def test_bench_refuses_a_results_dir_it_cannot_write_before_running(tmp_path, capsys):
+def test_bench_and_demo_refuse_a_directory_they_cannot_write_before_running(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("")
-    for target in (afile, afile / "sub"):
-        assert cli.main(["bench", "quant", "--results-dir", str(target)]) == 2
-        assert f"cannot write results to {target} ({afile} is not a directory)" in capsys.readouterr().err
+    for target, why in ((afile, "exists and is not a directory"), (afile / "sub", f"{afile} is not a directory")):
+        for argv in (["bench", "quant", "--results-dir", str(target)], ["bench", "all", "--results-dir", str(target)],
+                     ["demo", "--out", str(target)]):
+            with pytest.raises(SystemExit) as exit_info:
+                cli.main(argv)
+            assert exit_info.value.code == 2
+            assert f"cannot write to {target}: {why}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--layers", "100000000000"], "is not an integer from 1 to 64"),
+    (["--tokens", "1000000000000"], "is not an integer from 1 to 4084"),
+    (["--prompts", "100000000"], "is not an integer from 1 to 256"),
+])
+def test_demo_refuses_sizes_it_cannot_hold(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_demo_token_cap_is_the_tiny_models_positions():
+    from fp8chain.models.deepseek_v41 import DeepseekV41Config
+    from fp8chain.runtime import demo
+
+    assert demo.MAX_POSITIONS == DeepseekV41Config.tiny().max_position_embeddings
+    assert max(len(p) for p in demo._prompts(64, 512, 0)) <= demo.LONGEST_PROMPT
+
+
+@pytest.mark.parametrize("command", ["demo", "verify", "info", "bench"])
+def test_every_command_describes_itself_in_its_help(command, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    help_text = capsys.readouterr().out
+    assert len(help_text.split("options:")[0].splitlines()) >= 3, help_text  # usage + a description
 
 
 def test_bench_markdown_lands_beside_the_json_its_report_saved(tmp_path, monkeypatch):
@@ -189,3 +220,15 @@ def test_a_hand_set_triton_interpret_0_does_not_stop_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cli._use_interpreter_for_cpu(["demo"])
     assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+@pytest.mark.parametrize("mode", ["bnech", "--quick", "bench:"])
+def test_device_script_refuses_an_unknown_mode_before_any_work(mode, tmp_path):
+    """A misspelt or missing mode ran nothing and exited 0."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(cli.REPO_ROOT) / "scripts" / "device.sh"
+    done = subprocess.run(["bash", str(script), str(tmp_path / "out"), mode], capture_output=True, text=True)
+    assert done.returncode == 2 and f"unknown mode '{mode}'" in done.stderr and "usage:" in done.stderr
+    assert not (tmp_path / "out").exists()

@@ -27,6 +27,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from ..argtypes import output_dir
+
 RESULTS_DIR = Path(__file__).resolve().parents[3] / "benchmark" / "results"
 
 
@@ -298,7 +300,7 @@ def progress(iterable, desc: str, total: int | None = None):
 def add_results_dir(parser: argparse.ArgumentParser) -> None:
     """``--results-dir`` unless the benchmark declares it itself."""
     if "--results-dir" not in parser._option_string_actions:
-        parser.add_argument("--results-dir", default=None,
+        parser.add_argument("--results-dir", default=None, type=output_dir,
                             help="where JSON/PNG/markdown go (default benchmark/results)")
 
 

@@ -19,25 +19,29 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..argtypes import positive_int, seed_int
+from ..argtypes import int_in, output_dir, output_dir_problem, seed_int
 
 __all__ = ["add_demo_arguments", "run_demo"]
 
 CPU_DEFAULTS = dict(prompts=2, tokens=8)
 GPU_DEFAULTS = dict(prompts=8, tokens=32)
+LONGEST_PROMPT = 12  # tokens (``_prompts``)
+MAX_POSITIONS = 4096  # the tiny model's max_position_embeddings
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--prompts", type=positive_int, default=None,
-                        help="prompts in the batch (default: 2 on CPU, 8 on GPU)")
-    parser.add_argument("--tokens", type=positive_int, default=None,
-                        help="greedy tokens generated per prompt (default: 8 on CPU, 32 on GPU)")
+    parser.add_argument("--prompts", type=int_in(1, 256), default=None,
+                        help="prompts in the batch, 1-256 (default: 2 on CPU, 8 on GPU)")
+    parser.add_argument("--tokens", type=int_in(1, MAX_POSITIONS - LONGEST_PROMPT), default=None,
+                        help=f"greedy tokens generated per prompt, 1-{MAX_POSITIONS - LONGEST_PROMPT}: a prompt "
+                             f"of up to {LONGEST_PROMPT} and its tokens fit the tiny model's {MAX_POSITIONS} "
+                             "positions (default: 8 on CPU, 32 on GPU)")
     parser.add_argument("--seed", type=seed_int, default=0, help="checkpoint and prompt seed (0 to 2**63 - 1)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to run (auto: cuda if available)")
-    parser.add_argument("--out", default=None,
+    parser.add_argument("--out", default=None, type=output_dir,
                         help="directory for the checkpoint and demo.json (default: a temp dir, removed)")
-    parser.add_argument("--layers", type=positive_int, default=2, help="decoder layers of the tiny model")
+    parser.add_argument("--layers", type=int_in(1, 64), default=2, help="decoder layers of the tiny model, 1-64")
     parser.add_argument("--eager", action="store_true", help="GPU: decode without CUDA graphs")
     return parser
 
@@ -56,7 +60,7 @@ def _prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
     import torch
 
     gen = torch.Generator().manual_seed(seed + 1)
-    lens = torch.randint(4, 13, (count,), generator=gen).tolist()
+    lens = torch.randint(4, LONGEST_PROMPT + 1, (count,), generator=gen).tolist()
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
 
 
@@ -99,8 +103,8 @@ def run_demo(args) -> int:
 
     config = DeepseekV41Config.tiny(num_hidden_layers=layers)
     out_dir = Path(args.out) if getattr(args, "out", None) else None
-    if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
-        raise SystemExit(f"demo --out {out_dir}: exists and is not a directory")
+    if out_dir is not None and (problem := output_dir_problem(out_dir)) is not None:
+        raise SystemExit(f"demo --out {problem}")
     tmp = None
     if out_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="fp8chain_demo_")
@@ -128,6 +132,7 @@ def run_demo(args) -> int:
         runs = {}
         counter = model.quantize_counter
         for chain in (True, False):
+            print(f"  generating with the chain {'on' if chain else 'off'} ...", flush=True)
             model.set_chain(chain)
             counter.reset()
             counter.enabled = device == "cpu"
