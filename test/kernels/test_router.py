@@ -37,8 +37,10 @@ def _inputs(tokens, experts, hidden, device, nan_rows=(), zero_rows=()):
 
 
 def _poisoned_out(tokens, top_k, device):
+    """Outputs holding values the router never writes: an expert index of -7 and a weight of -7
+    (not NaN, which a NaN row rightly gets)."""
     return (torch.full((tokens, top_k), -7, dtype=torch.int64, device=device),
-            torch.full((tokens, top_k), float("nan"), device=device))
+            torch.full((tokens, top_k), -7.0, device=device))
 
 
 def check_router_with_nan_and_zero_rows(tokens, experts, hidden, device):

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from fp8chain.layers.moe import E2M1_VALUES, dequantize_mxfp4, quantize_mxfp4
+from fp8chain.layers.moe import E2M1_VALUES, MXFP4_LARGEST, dequantize_mxfp4, quantize_mxfp4
 from fp8chain.models.checkpoint import (
     INDEX_FILE, checkpoint_layout, load_checkpoint, load_state_dict, quantize_fp8_blockwise,
     random_checkpoint_tensors, write_random_checkpoint,
@@ -112,6 +112,27 @@ def test_mxfp4_encoding_roundtrip():
     exps = torch.arange(255, dtype=torch.uint8)[:, None]
     got = dequantize_mxfp4(ones, exps)[:, 0].double()
     assert torch.equal(got, torch.exp2(torch.arange(255, dtype=torch.float64) - 127))
+    if hasattr(torch, "float4_e2m1fn_x2"):  # the loader takes this element type: so does the decoder
+        assert torch.equal(dequantize_mxfp4(packed.view(torch.float4_e2m1fn_x2), scale), w)
+
+
+def test_mxfp4_refuses_values_it_cannot_hold():
+    """Decoding: a code times its scale past fp32's range (bytes 253 / 254 with the larger codes)
+    is refused, the largest that fits (6 x 2^125) decodes exactly. Encoding: NaN, inf and values
+    past that largest one have no MXFP4 code."""
+    largest = torch.full((1, 16), 0x77, dtype=torch.uint8)  # e2m1 code 7 = 6.0 in both nibbles
+    assert dequantize_mxfp4(largest, torch.tensor([[252]], dtype=torch.uint8))[0, 0] == MXFP4_LARGEST
+    for byte, code in ((253, 0x66), (254, 0x44)):  # 4 x 2^126 and 2 x 2^127: 2^128
+        packed = torch.full((2, 16), 0x22, dtype=torch.uint8)
+        packed[1, 3] = code
+        with pytest.raises(ValueError, match=r"2 values overflow fp32 .*first at \[1, 6\]"):
+            dequantize_mxfp4(packed, torch.tensor([[127], [byte]], dtype=torch.uint8))
+    assert torch.equal(quantize_mxfp4(torch.full((1, 32), MXFP4_LARGEST))[1], torch.tensor([[252]], dtype=torch.uint8))
+    for value in (float("nan"), float("inf"), -3.0e38):
+        w = torch.randn(2, 64)
+        w[1, 40] = value
+        with pytest.raises(ValueError, match=r"1 of \(2, 64\) are not, first at \[1, 40\]"):
+            quantize_mxfp4(w)
 
 
 def test_fp8_blockwise_encoding():

@@ -180,8 +180,21 @@ def test_chain_must_be_a_bool(config, model, value):
 
 @pytest.mark.parametrize("top_k", [0, 9, -1, 2.0, True])
 def test_router_top_k_must_be_in_1_to_num_experts(top_k):
-    with pytest.raises(ValueError, match=rf"top_k must be an int in 1\.\.8 \(num_experts\), got {top_k!r}"):
+    with pytest.raises(ValueError, match=rf"top_k must be an int in 1\.\.8 \(num_experts, .*\), got {top_k!r}"):
         TopKRouter(256, 8, top_k, 1.5)
+
+
+def test_router_sizes_the_kernel_cannot_run_are_refused_at_construction():
+    """The router kernel holds a token's scores in one tile (1024 experts) and picks at most 32: past
+    either the router would fail at its first forward (inside warmup or graph capture, perhaps)."""
+    with pytest.raises(ValueError, match=r"num_experts must be an int in 1\.\.1024"):
+        TopKRouter(64, 2048, 8, 1.5)
+    with pytest.raises(ValueError, match=r"top_k must be an int in 1\.\.32 "):
+        TopKRouter(64, 64, 40, 1.5)
+    for overrides in (dict(n_routed_experts=2048), dict(n_routed_experts=64, num_experts_per_tok=40),
+                      dict(swiglu_limit=1e-40)):
+        with pytest.raises(ValueError, match="invalid DeepseekV41Config"):
+            DeepseekV41Config.tiny(**overrides).validate()
 
 
 def test_shared_expert_shards_refuse_what_does_not_split():
@@ -234,15 +247,20 @@ def test_load_refuses_wo_a_scales_that_are_not_positive_powers_of_two(config, va
         DeepseekV41ForCausalLM(config).load_weights(tensors.items())
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), -3.4e38])
-def test_load_refuses_mhc_fn_values_the_stats_cannot_split(config, value):
-    """``fn`` is multiplied as three bf16 parts: a value past bf16's range would make every mix NaN."""
+@pytest.mark.parametrize("name,index,value", [
+    ("layers.0.hc_ffn_fn", (2, 7), float("nan")), ("layers.0.hc_ffn_fn", (2, 7), float("inf")),
+    ("layers.0.hc_ffn_fn", (2, 7), -3.4e38),  # fp32, beyond bf16: mhc_stats splits fn into bf16 parts
+    ("layers.0.ffn.gate.bias", (3,), float("nan")), ("layers.0.ffn.gate.bias", (3,), -float("inf")),
+])
+def test_load_refuses_mhc_fn_and_router_bias_values_the_kernels_cannot_use(config, name, index, value):
+    """A NaN router bias would send every token to one expert with finite weights; an fn value past
+    bf16's range would make every mix NaN."""
     tensors = dict(random_checkpoint_tensors(config))
-    fn = tensors["layers.0.hc_ffn_fn"].clone()
-    fn[2, 7] = value
-    tensors["layers.0.hc_ffn_fn"] = fn
-    with pytest.raises(ValueError, match=r"layers\.0\.hc_ffn_fn: 1 values are not finite within bf16's range "
-                                         r".*first at \[2, 7\]"):
+    tensor = tensors[name].clone()
+    tensor[index] = value
+    tensors[name] = tensor
+    with pytest.raises(ValueError, match=re.escape(name) + r": 1 values are not finite within .*first at "
+                                         + re.escape(str(list(index)))):
         DeepseekV41ForCausalLM(config).load_weights(tensors.items())
 
 

@@ -21,13 +21,19 @@ from .linear import MergedColumnParallelLinear, RowParallelLinear
 from .quantization.fp8 import consumer_gemm_silu_mul
 
 __all__ = [
-    "E2M1_VALUES", "MXFP4_GROUP", "check_mxfp4_scales", "dequantize_mxfp4", "quantize_mxfp4", "TopKRouter",
+    "E2M1_VALUES", "MXFP4_GROUP", "MXFP4_PACKED_DTYPES", "MXFP4_LARGEST", "check_mxfp4_scales", "dequantize_mxfp4",
+    "quantize_mxfp4", "TopKRouter",
     "SharedExpert", "RoutedExpertsReference", "swiglu_reference",
 ]
 
 MXFP4_GROUP = 32
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
+#: the largest MXFP4 value fp32 and bf16 hold: 6 x 2^125 (4 x 2^126 = 2^128 is already inf)
+MXFP4_LARGEST = E2M1_MAX * 2.0**125
+#: element types packed e2m1 pairs come in (read as their bytes)
+MXFP4_PACKED_DTYPES = (torch.uint8, torch.int8) + tuple(
+    getattr(torch, name) for name in ("float4_e2m1fn_x2",) if hasattr(torch, name))
 
 
 def _e2m1_table(device) -> torch.Tensor:
@@ -54,13 +60,15 @@ def check_mxfp4_scales(scale: torch.Tensor) -> None:
 
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Packed e2m1 ``[..., N, K/2]`` uint8 + UE8M0 ``[..., N, K/32]`` -> ``[..., N, K]``.
+    """Packed e2m1 ``[..., N, K/2]`` (``MXFP4_PACKED_DTYPES``) + UE8M0 ``[..., N, K/32]`` ->
+    ``[..., N, K]``.
 
-    Every MXFP4 value is exact in bf16 and fp32 (3 significant bits times a power of two). A
-    scale byte 255 (UE8M0's NaN) raises ``ValueError``.
+    Every MXFP4 value up to ``MXFP4_LARGEST`` is exact in bf16 and fp32 (3 significant bits times a
+    power of two). A scale byte 255 (UE8M0's NaN), or a code times its scale past fp32's range
+    (scale bytes 253 and 254 with the larger codes), raises ``ValueError``.
     """
-    if packed.dtype not in (torch.uint8, torch.int8):
-        raise TypeError(f"packed e2m1 data must be uint8, got {packed.dtype}")
+    if packed.dtype not in MXFP4_PACKED_DTYPES:
+        raise TypeError(f"packed e2m1 data must be one of {MXFP4_PACKED_DTYPES}, got {packed.dtype}")
     packed = packed.view(torch.uint8)
     k = packed.shape[-1] * 2
     sbytes = _scale_bytes(scale)
@@ -73,6 +81,10 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor,
     # 2^(e-127), exact: the exponent field for bytes 1..254; byte 0 is 2^-127, fp32's subnormal 0x00400000
     pow2 = torch.where(sbytes == 0, 0x00400000, sbytes.to(torch.int32) << 23).view(torch.float32)
     values = values * pow2.repeat_interleave(MXFP4_GROUP, dim=-1)
+    overflow = torch.isinf(values)
+    if overflow.any():
+        raise ValueError(f"MXFP4 data {tuple(packed.shape)}: {int(overflow.sum())} values overflow fp32 (code x "
+                         f"2^(scale byte - 127) > {MXFP4_LARGEST:.4g}), first at {overflow.nonzero()[0].tolist()}")
     return values.to(dtype)
 
 
@@ -80,11 +92,16 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``[..., N, K]`` -> (packed uint8 ``[..., N, K/2]``, UE8M0 bytes uint8 ``[..., N, K/32]``).
 
     Scale per 32: the smallest power of two ``s`` with ``amax / s <= 6``; values rounded to the
-    nearest e2m1 (ties to the smaller magnitude). For writing checkpoints.
+    nearest e2m1 (ties to the smaller magnitude). For writing checkpoints. A value that is NaN,
+    infinite or beyond ``MXFP4_LARGEST`` raises ``ValueError`` (MXFP4 has no code for it).
     """
     *lead, n, k = w.shape
     if k % MXFP4_GROUP:
         raise ValueError(f"MXFP4 needs K % 32 == 0, got K={k}")
+    beyond = ~(w.float().abs() <= MXFP4_LARGEST)  # NaN compares False
+    if beyond.any():
+        raise ValueError(f"MXFP4 holds finite values up to {MXFP4_LARGEST:.4g}: {int(beyond.sum())} of "
+                         f"{tuple(w.shape)} are not, first at {beyond.nonzero()[0].tolist()}")
     g = w.float().reshape(*lead, n, k // MXFP4_GROUP, MXFP4_GROUP)
     amax = g.abs().amax(dim=-1).clamp_min(2.0 ** -100)
     exponent = torch.ceil(torch.log2(amax / E2M1_MAX)).clamp(-127, 127)
@@ -120,8 +137,13 @@ class TopKRouter(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, routed_scaling_factor: float,
                  renormalize: bool = True):
         super().__init__()
-        if not (is_int(top_k) and 1 <= top_k <= num_experts):
-            raise ValueError(f"top_k must be an int in 1..{num_experts} (num_experts), got {top_k!r}")
+        if not (is_int(num_experts) and 1 <= num_experts <= router_kernels.MAX_EXPERTS):
+            raise ValueError(f"num_experts must be an int in 1..{router_kernels.MAX_EXPERTS} (the router kernel "
+                             f"holds a token's scores in one tile), got {num_experts!r}")
+        most = min(num_experts, router_kernels.MAX_TOP_K)
+        if not (is_int(top_k) and 1 <= top_k <= most):
+            raise ValueError(f"top_k must be an int in 1..{most} (num_experts, and the router kernel's "
+                             f"{router_kernels.MAX_TOP_K}), got {top_k!r}")
         self.num_experts = num_experts
         self.top_k = top_k
         self.routed_scaling_factor = routed_scaling_factor
@@ -191,7 +213,9 @@ class RoutedExpertsReference(nn.Module):
     Each expert's GEMMs run over the whole token block and unrouted tokens get weight 0, so
     the computation has static shapes (CUDA-graph capturable) and each token's result is what
     a grouped (sorted-by-expert) run computes: ``sum_k w_k * down_e(act(gate_up_e(x)))`` with
-    fp32 accumulation and the activation rounded to bf16, as the expert kernels do.
+    fp32 accumulation, the activation taken on the fp32 gate_up and rounded to bf16 (the shared
+    expert's path rounds gate_up to bf16 first: a routed-expert kernel written to match this
+    reference must not).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,

@@ -46,6 +46,8 @@ from torch import nn
 
 from fp8chain_kernel import attention as attention_kernels
 from fp8chain_kernel import einsum as einsum_kernels
+from fp8chain_kernel.act import check_limit
+from fp8chain_kernel.router import MAX_EXPERTS, MAX_TOP_K
 from fp8chain_kernel.reference import (apply_rope, attention_with_sinks, dequantize_weight, rope_cos_sin,
                                        rope_tables)
 from fp8chain_kernel.formats import QuantizedActivation, is_int, overlaps
@@ -53,7 +55,7 @@ from fp8chain_kernel.launch import on_device
 
 from ..layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, check_tp
 from ..layers.mhc import HyperConnection, at_start, expand_streams, run_sublayer
-from ..layers.moe import RoutedExpertsReference, SharedExpert, TopKRouter
+from ..layers.moe import MXFP4_PACKED_DTYPES, RoutedExpertsReference, SharedExpert, TopKRouter
 from ..layers.norm import RMSNorm
 from ..layers.quantization.fp8 import Fp8Config, check_weights
 
@@ -274,6 +276,13 @@ class DeepseekV41Config:
             errors.append("DSv4.1 attention has one latent KV head (num_key_value_heads=1)")
         if self.num_experts_per_tok > self.n_routed_experts:
             errors.append("num_experts_per_tok > n_routed_experts")
+        if self.n_routed_experts > MAX_EXPERTS or self.num_experts_per_tok > MAX_TOP_K:
+            errors.append(f"the router kernel runs up to {MAX_EXPERTS} experts and top-{MAX_TOP_K}, got "
+                          f"{self.n_routed_experts} and top-{self.num_experts_per_tok}")
+        try:
+            check_limit(self.swiglu_limit)
+        except ValueError as exc:
+            errors.append(f"swiglu_{exc}")
         if self.n_shared_experts != 1:
             errors.append("exactly one shared expert is supported")
         if self.hc_mult != 4:
@@ -805,10 +814,12 @@ class DeepseekV41ForCausalLM(nn.Module):
                 copy_into(f"{pfx}.{rest}", self._shard(tensor))
             elif rest in ("attn_norm.weight", "ffn_norm.weight", "attn.q_norm.weight",
                           "attn.kv_norm.weight", "ffn.gate.weight", "ffn.gate.bias"):
+                if rest == "ffn.gate.bias":
+                    _check_values_within(name, tensor, "gate.bias")
                 copy_into(f"{pfx}.{rest}", tensor)
             elif (h := re.fullmatch(r"hc_(attn|ffn)_(fn|base|scale)", rest)):
                 if h.group(2) == "fn":
-                    _check_mhc_fn(name, tensor)
+                    _check_values_within(name, tensor, "fn")
                 copy_into(f"{pfx}.hc_{h.group(1)}.{h.group(2)}", tensor)
             elif (q := re.fullmatch(r"attn\.(wq_a|wkv)\.(weight|weight_scale_inv)", rest)):
                 parts = stash(f"{pfx}.attn.wqkv_a.{q.group(2)}", q.group(1), tensor, ("wq_a", "wkv"))
@@ -872,8 +883,7 @@ class DeepseekV41ForCausalLM(nn.Module):
 
 
 #: Element types a checkpoint may store MXFP4 experts in (packed e2m1 pairs; e8m0 scale bits).
-MXFP4_WEIGHT_DTYPES = (torch.uint8, torch.int8) + tuple(
-    getattr(torch, name) for name in ("float4_e2m1fn_x2",) if hasattr(torch, name))
+MXFP4_WEIGHT_DTYPES = MXFP4_PACKED_DTYPES
 MXFP4_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
 #: Element types of the other tensors, converted on copy (an FP8 one would lose its scale).
 VALUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -894,14 +904,25 @@ def _check_checkpoint_tensor(name: str, tensor, spec) -> None:
         raise TypeError(f"{name}: {spec.kind} tensors must be one of {allowed}, got {tensor.dtype}")
 
 
-def _check_mhc_fn(name: str, fn: torch.Tensor) -> None:
-    """``mhc_stats`` multiplies ``fn`` on the tensor cores as three bf16 parts: a value that is not
-    finite or beyond bf16's range splits into inf - inf and makes every mix of every token NaN."""
-    bad = ~(fn.float().abs() <= torch.finfo(torch.bfloat16).max)  # NaN compares False
+#: Checkpoint tensors whose values must be finite within a bound: (the bound, why).
+_VALUE_BOUNDS = {
+    # mhc_stats multiplies fn on the tensor cores as three bf16 parts: beyond bf16's range a value
+    # splits into inf - inf and makes every mix of every token NaN
+    "fn": (torch.finfo(torch.bfloat16).max, "mhc_stats splits fn into bf16 parts"),
+    # a NaN or infinite correction decides every token's experts while its weights stay finite
+    "gate.bias": (torch.finfo(torch.float32).max, "the router's selection adds it"),
+}
+
+
+def _check_values_within(name: str, tensor: torch.Tensor, kind: str) -> None:
+    """``ValueError`` naming the count and the first element of ``tensor`` that is NaN, infinite or
+    beyond ``_VALUE_BOUNDS[kind]``."""
+    bound, why = _VALUE_BOUNDS[kind]
+    bad = ~(tensor.float().abs() <= bound)  # NaN compares False
     if bad.any():
         first = [int(i) for i in bad.nonzero()[0]]
-        raise ValueError(f"{name}: {int(bad.sum())} values are not finite within bf16's range "
-                         f"(|fn| <= {torch.finfo(torch.bfloat16).max:.4g}), first at {first}")
+        raise ValueError(f"{name}: {int(bad.sum())} values are not finite within +-{bound:.4g} ({why}), "
+                         f"first at {first}")
 
 
 class QuantizeCounter:
