@@ -208,8 +208,9 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="correctness checks of the kernels on the hardware present",
                             description="Each producer's FP8 pair against the standalone quantization of its own "
                                         "bf16 output (bit for bit), the wo_a einsum, mHC, attention, GEMMs and "
-                                        "router against their references, with zero and NaN rows; on the GPU found, else on the Triton "
-                                        "CPU interpreter. Exit status 1 when a check fails.")
+                                        "router against their references, with zero and NaN rows; on the GPU "
+                                        "found, else on the Triton CPU interpreter. Exit status 1 when a check "
+                                        "fails.")
     verify.add_argument("--quick", action="store_true", help="fewer shapes")
     sub.add_parser("info", help="GPU, arch, backends found and rejected",
                    description="The GPU and its arch, torch and triton versions, which GEMM backend serves "

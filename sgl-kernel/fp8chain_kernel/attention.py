@@ -66,7 +66,7 @@ _BLOCK_L = 64  # keys per step
 # key) pairs: 64 heads, M = 64, context 1024: 68.7 vs 83.2 us; context 4096: 172 vs 231 us; M = 16,
 # context 4096: 57.1 vs 62.6 us (M = 16, context 1024: 25.8 vs 24.6; M = 32, context 1024: a tie).
 # With one split (M > 264 tokens, prefill) its epilogue (sink, normalisation, inverse RoPE of a
-# 64 x 512 fp32 accumulator in the split kernel) spills 600 bytes of registers on sm_90 and is
+# 64 x 512 fp32 accumulator in the split kernel) spills about 600 bytes of registers on sm_90 and is
 # still faster: M = 300 / 512: 381 / 537 vs 406 / 642 us, a 2048-token prefill 1860 vs 2400 us.
 # ``tile=`` overrides.
 _WIDE_TILE = (64, 64)
@@ -233,9 +233,10 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     last = tl.load(pos_ptr + t)
-    in_range = _cache_row_in_range(slot, last, S, L)
+    # out of range: no key read, the output NaN below (last < 0 marks it: no register more is kept
+    # live through the key loop, where the wide tile has none to spare on sm_90)
+    last = tl.where(_cache_row_in_range(slot, last, S, L), last, -1)
     slot = slot * stride_ks
-    last = tl.where(in_range, last, -1)  # out of range: no key read, the output NaN below
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
@@ -255,7 +256,7 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
         sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
         peak = tl.maximum(sink, m_i)
         weight = tl.exp(m_i - peak)
-        denom = tl.where(in_range, tl.exp(sink - peak) + l_i * weight, float("nan"))
+        denom = tl.where(last >= 0, tl.exp(sink - peak) + l_i * weight, float("nan"))
         o_rows = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
         _store_rotated_back(o_rows, acc * weight[:, None], 0, denom, h_ok, cos_ptr, sin_ptr,
                             tl.maximum(last, 0).to(tl.int64), D, HALF, EXACT_CAST)
@@ -265,7 +266,7 @@ def _mqa_split_kernel(q_ptr, kv_ptr, slot_ptr, pos_ptr, part_o_ptr, part_ml_ptr,
                  mask=h_ok[:, None] & d_ok[None, :])
         tl.store(part_ml_ptr + (base + offs_h) * 2, m_i, mask=h_ok)
         # a NaN sum makes the merge's denominator, so the token's output, NaN
-        tl.store(part_ml_ptr + (base + offs_h) * 2 + 1, tl.where(in_range, l_i, float("nan")), mask=h_ok)
+        tl.store(part_ml_ptr + (base + offs_h) * 2 + 1, tl.where(last >= 0, l_i, float("nan")), mask=h_ok)
 
 
 @triton.jit

@@ -133,7 +133,7 @@ class TorchBlockwiseBackend(GemmBackend):
             view = self._scale_b_view.get(aligned)
             if view is None:
                 raise ValueError(f"torch._scaled_mm has no working 128x128 scale layout for K/128 = {k // 128}")
-        result = torch._scaled_mm(data, weight.t(), scale_a=scale, scale_b=self._scale_b(padded_b, k, view, weight_scale),
-                                  out_dtype=torch.bfloat16)
+        scale_b = self._scale_b(padded_b, k, view, weight_scale)
+        result = torch._scaled_mm(data, weight.t(), scale_a=scale, scale_b=scale_b, out_dtype=torch.bfloat16)
         out.copy_(result[:m])
         return out
