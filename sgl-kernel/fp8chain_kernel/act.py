@@ -130,6 +130,6 @@ def silu_mul(gate_up: torch.Tensor, *, limit: float | None = None, out_format: A
         gate_up, a["y"], a["data"], a["scale"], rows, cols, float(limit) if limit is not None else 0.0,
         gate_up.stride(0), a["y_stride"], *a["strides"],
         HAS_LIMIT=limit is not None, STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"],
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **a["consts"], **pdl_options(),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **a["consts"], **pdl_options(gate_up.device),
     )
     return producer_result(y, pair)

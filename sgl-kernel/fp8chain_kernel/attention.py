@@ -420,7 +420,7 @@ def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_tab
         q.stride(0), kv.stride(0), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         KV_NORM=kv_weight is not None, HALF=half, BLOCK_H=_ROPE_HEADS, BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_HALF=triton.next_power_of_2(max(half, 1)), EXACT_CAST=interpreting(),
-        num_warps=_ROPE_WARPS, **pdl_options(),
+        num_warps=_ROPE_WARPS, **pdl_options(q.device),
     )
     return out
 
@@ -433,8 +433,9 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
 
     ``tile``: (query heads per program, keys per step) of the split kernel, powers of two >= 16;
     ``splits``: programs sharing one token's keys, 1 .. key steps and at most 256 (benchmarks, tests; default: by
-    tokens x heads, ``key_splits``). The numerics do not depend on either beyond fp32 summation
-    order.
+    tokens x heads, ``key_splits``). Both change the bits but not the bound: each split rounds its
+    probabilities to bf16 against its own running maximum (relative error <= 2^-9 per term, the
+    module docstring), and fp32 sums run in another order.
     """
     check_finite(scale, "scale")
     if q.dtype != torch.bfloat16 or q.dim() != 3 or (q.numel() and q.stride(2) != 1):
@@ -452,8 +453,8 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
         raise ValueError(f"sink must be contiguous, got stride {sink.stride(0)}")
     _check_device(q.device, kv_cache=kv_cache, slots=slots, positions=positions, sink=sink)
     half = _check_tables(cos_table, sin_table, dim, kv_cache.shape[1], q.device)
-    if dim % 2:
-        raise ValueError(f"head dim must be even (column pairs), got {dim}")
+    if dim % 2 or dim == 0:
+        raise ValueError(f"head dim must be even (column pairs) and positive, got {dim}")
     if out is None:
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     else:
@@ -489,7 +490,7 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
         heads, dim, kv_cache.shape[0], length, float(scale),
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1),
         SPLITS=splits, STEPS=steps, HALF=half, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_D=block_d,
-        EXACT_CAST=interpreting(), num_warps=warps, **stages, **pdl_options(),
+        EXACT_CAST=interpreting(), num_warps=warps, **stages, **pdl_options(q.device),
     )
     if splits == 1:
         return out
@@ -499,6 +500,6 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     _mqa_merge_kernel[(tokens, merge_blocks, triton.cdiv(dim, columns))](
         part_o, part_ml, sink, cos_table, sin_table, positions, out, heads, dim, length, out.stride(0), out.stride(1),
         SPLITS=splits, SPLITS_P2=splits_p2, HALF=half, BLOCK_H=_BLOCK_H, BLOCK_C=columns,
-        EXACT_CAST=interpreting(), num_warps=_MERGE_WARPS.get(splits_p2, 4), **pdl_options(),
+        EXACT_CAST=interpreting(), num_warps=_MERGE_WARPS.get(splits_p2, 4), **pdl_options(q.device),
     )
     return out

@@ -314,6 +314,6 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, weight_scale: torch.Tens
         *(ws.stride() if w_fp8 else (0, 0, 0)), a["y_stride"], *a["strides"],
         W_FP8=w_fp8, WEIGHT_BLOCK=weight_block if w_fp8 else 0,
         STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"], EVEN_K=d % (cfg["BLOCK_K"] * split) == 0, SPLIT=split,
-        K_TILES=slice_tiles, EVEN_N=r % block_n == 0, **cfg, **a["consts"], **pdl_options(),
+        K_TILES=slice_tiles, EVEN_N=r % block_n == 0, **cfg, **a["consts"], **pdl_options(o.device),
     )
     return producer_result(y, pair)

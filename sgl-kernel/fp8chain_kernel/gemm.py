@@ -632,7 +632,7 @@ def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, conf
         GROUP=group, A_FP8=a_fp8, SPLIT=split, ITERS=iters_per_split, DEQUANT=cfg.dequant,
         BLOCK_DIAG=cfg.block_diag, SCALE_AHEAD=cfg.scale_prefetch(), FP32_DOT=interpreting(),
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, TILE_GROUP=cfg.tile_group,
-        num_warps=cfg.warps, **extra, **pdl_options(),
+        num_warps=cfg.warps, **extra, **pdl_options(a.device),
     )
     return out
 
@@ -778,7 +778,7 @@ def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale
         SCALE_AHEAD=cfg.scale_prefetch(), FP32_DOT=interpreting(), BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         TILE_GROUP=cfg.tile_group, HAS_LIMIT=limit is not None, STORE_BF16=args["STORE_BF16"],
         QUANT=args["QUANT"], QGROUP=consts["GROUP"], POW2=consts["POW2"], PACKED=consts["PACKED"],
-        num_warps=cfg.warps, **extra, **pdl_options(),
+        num_warps=cfg.warps, **extra, **pdl_options(weight.device),
     )
     return producer_result(y, out_pair)
 

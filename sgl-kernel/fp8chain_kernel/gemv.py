@@ -194,6 +194,6 @@ def launch_gemv(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, we
         a, a_scale, weight, weight_scale, out, m, n, a.stride(0), a_scale.stride(0), a_scale.stride(1),
         weight.stride(0), weight_scale.stride(0), out.stride(0),
         K=k, GROUP=group, TOKENS=tokens, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
-        EXACT_CAST=interpreting(), num_warps=cfg.warps, **pdl_options(),
+        EXACT_CAST=interpreting(), num_warps=cfg.warps, **pdl_options(a.device),
     )
     return out

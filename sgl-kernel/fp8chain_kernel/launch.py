@@ -113,8 +113,17 @@ def enabled() -> bool:
     return wanted and supported()
 
 
-def pdl_options() -> dict:
-    """Launch keywords for a kernel that starts with ``await_producer(PDL)`` (pass with ``**``)."""
+def pdl_options(device: torch.device) -> dict:
+    """Launch keywords for a kernel that starts with ``await_producer(PDL)`` and reads and writes
+    tensors on ``device`` (pass with ``**``).
+
+    Every fp8chain launch asks for them, so this is also where a launch is refused (``ValueError``)
+    when ``device`` is a CUDA device other than the current one: Triton launches on the current
+    device's stream whatever device the tensors are on (a fault, or a race with that device's own
+    work). Run such calls under ``on_device(device)``."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        raise ValueError(f"the tensors are on {device} but cuda:{torch.cuda.current_device()} is the current device, "
+                         f"where Triton would launch: call under fp8chain_kernel.launch.on_device({device!s})")
     return {"PDL": True, "launch_pdl": True} if enabled() else {"PDL": False}
 
 
@@ -140,7 +149,8 @@ def await_arrivals(count_ptr, slot, programs):
     have arrived; their stores are then visible to every thread of this one. The counter is never
     re-armed: every launch on ``slot`` adds exactly ``programs`` arrivals, so this launch's end at
     the next multiple of ``programs``. Every program sharing the counter must be resident at once
-    (a waiting program holds its SM)."""
+    (a waiting program holds its SM). The counters must be int64: never re-armed, int32 ones would
+    wrap after 2^31 arrivals and break the multiple-of-``programs`` count."""
     done = (arrive(count_ptr, slot) // programs + 1) * programs
     while tl.atomic_add(count_ptr + slot, 0, sem="acquire") < done:
         pass
@@ -193,6 +203,9 @@ def zeroed_workspace(user: str, device: torch.device, numel: int, dtype: torch.d
     (at every replay), so the cached buffer never lives in a graph's private memory pool."""
     buf = _workspaces.get((user, device))
     if buf is not None:
+        if buf.dtype != dtype or buf.numel() < numel:  # two callers disagree on one user's buffer
+            raise RuntimeError(f"workspace {user!r} on {device} is {buf.dtype} x {buf.numel()}, asked for "
+                               f"{dtype} x {numel}")
         return buf
     buf = torch.zeros(numel, dtype=dtype, device=device)
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):

@@ -659,7 +659,7 @@ def _launch(y, residual, pre, post, comb, norm_weight, norm_eps, new_residual, x
         *_strides(post, 2), *_strides(comb, 3), *_strides(new_residual, 3)[:2],
         _strides(x, 2)[0], _strides(q_data, 2)[0], *_strides(q_scale, 2),
         DO_POST=do_post, DO_NORM=do_norm, STORE_X=store_x, QUANT=quant, **cfg,
-        enable_fp_fusion=False, **consts, **pdl_options(),
+        enable_fp_fusion=False, **consts, **pdl_options(residual.device),
     )
 
 
@@ -724,14 +724,14 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     part = torch.empty((splits, rows, np_), dtype=torch.float32, device=device)
     _stats_partial_kernel[(cdiv(rows, bt), splits)](
         residual, fn, part, rows, cols, residual.stride(0), residual.stride(1), fn.stride(0),
-        per_split, NMIX=NMIX, NP=np_, BT=bt, BK=bk, UPCAST_DOT=interpreting(), num_warps=4, **pdl_options(),
+        per_split, NMIX=NMIX, NP=np_, BT=bt, BK=bk, UPCAST_DOT=interpreting(), num_warps=4, **pdl_options(device),
     )
     sp = triton.next_power_of_2(splits)
     bt2 = max(1, min(triton.next_power_of_2(rows), 256 // sp))  # [BT, SP] tiles of <= 256
     _stats_finish_kernel[(cdiv(rows, bt2),)](
         part, scale, base, pre, post, comb, rows, HC * cols, float(rms_eps), float(hc_eps),
         NSPLIT=splits, SP=sp, SINKHORN_ITERS=sinkhorn_iters, NMIX=NMIX, NP=np_, BT=bt2, num_warps=4,
-        **pdl_options(),
+        **pdl_options(device),
     )
     return pre, post, comb
 

@@ -265,6 +265,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
         x, res, weight, a["y"], a["data"], a["scale"], rows, cols, float(eps),
         x.stride(0), res.stride(0), a["y_stride"], *a["strides"],
         HAS_RESIDUAL=residual is not None, STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"],
-        BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps, **a["consts"], **pdl_options(),
+        BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps, **a["consts"], **pdl_options(x.device),
     )
     return producer_result(y, pair)

@@ -86,6 +86,6 @@ def quantize(x: torch.Tensor, fmt: ActFormat | str, out: QuantizedActivation | N
         x, out.data, out.scale, rows, cols, x.stride(0), out.data.stride(0),
         out.scale.stride(0), out.scale.stride(1),
         BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps, **format_constexprs(fmt),
-        **pdl_options(),
+        **pdl_options(x.device),
     )
     return out

@@ -181,12 +181,12 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k
     _router_logits_kernel[(triton.cdiv(experts, block_e), triton.cdiv(tokens, block_t), split)](
         x, weight, partials, tokens, experts, hidden, x.stride(0), weight.stride(0), partials.stride(0),
         SLICE_ITERS=slice_iters, BLOCK_E=block_e, BLOCK_T=block_t, BLOCK_K=BLOCK_K, EXACT_CAST=interpreting(),
-        num_warps=2 if block_e == 16 else 4, num_stages=4, **pdl_options(),
+        num_warps=2 if block_e == 16 else 4, num_stages=4, **pdl_options(x.device),
     )
     rows, block_all, warps = _topk_tiles(experts)
     _router_topk_kernel[(triton.cdiv(tokens, rows),)](
         partials, bias, idx, weights, tokens, experts, partials.stride(0), float(scaling), idx.stride(0),
         weights.stride(0), SPLIT=split, TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
-        RENORMALIZE=bool(renormalize), BLOCK_T=rows, BLOCK_E=block_all, num_warps=warps, **pdl_options(),
+        RENORMALIZE=bool(renormalize), BLOCK_T=rows, BLOCK_E=block_all, num_warps=warps, **pdl_options(x.device),
     )
     return idx, weights

@@ -214,18 +214,20 @@ def test_nan_reaches_only_its_readers(length, tile):
         assert torch.equal(got[:2], clean[:2])
 
 
-def _check_out_of_range_indices(device, length=256, tile=None):
-    """Tokens whose slot or position is out of range (-1, S / L, a large value): ``rope_qkv`` writes
+def _check_out_of_range_indices(device, length=256, tile=None, index_dtype=torch.int64):
+    """Tokens whose slot or position is out of range (-1, S / L, far either way): ``rope_qkv`` writes
     no cache row for them and NaN query rows, ``mqa_attention`` reads none and gives them NaN; the
     other tokens get exactly what they get with every index in range. The cache sits between guard
-    slots of one buffer, so a write one slot or one row outside it would show."""
+    slots of one buffer, so a write one slot or one row outside it would show; a read far outside
+    it would fault."""
     slots_count, heads, dim = 3, 4, 128
-    bad = [(-1, 5), (slots_count, 5), (1, -1), (1, length), (0, 1 << 40)]
+    far = 1 << (40 if index_dtype == torch.int64 else 30)
+    bad = [(-1, 5), (slots_count, 5), (far, 5), (-far, 5), (1, -1), (1, length), (0, far), (2, -far)]
     tokens = len(bad) + 3
     buffer = torch.randn(slots_count + 2, length, dim, device=device).bfloat16()
     kv_cache = buffer[1:1 + slots_count]
-    good_slots = torch.tensor([0, 1, 2] * 3, device=device)[:tokens]
-    good_positions = torch.arange(tokens, device=device) * 7
+    good_slots = torch.tensor([0, 1, 2] * 4, device=device, dtype=index_dtype)[:tokens]
+    good_positions = torch.arange(tokens, device=device, dtype=index_dtype) * 5
     slots, positions = good_slots.clone(), good_positions.clone()
     for t, (slot, position) in enumerate(bad):
         slots[t], positions[t] = slot, position
@@ -256,9 +258,10 @@ def _check_out_of_range_indices(device, length=256, tile=None):
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("length,tile", [(256, None), (64, (16, 64))], ids=["split-merge", "one-split"])
-def test_out_of_range_indices_write_nothing_and_give_nan(length, tile):
-    assert (key_splits(8, 4, length, tile) > 1) == (tile is None)
-    _check_out_of_range_indices("cpu", length, tile)
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_out_of_range_indices_write_nothing_and_give_nan(length, tile, index_dtype):
+    assert (key_splits(11, 4, length, tile) > 1) == (tile is None)
+    _check_out_of_range_indices("cpu", length, tile, index_dtype)
 
 
 @pytest.mark.cpu
@@ -370,8 +373,10 @@ def test_zero_tokens_and_bad_input():
 
 
 @pytest.mark.gpu
-def test_out_of_range_indices_write_nothing_and_give_nan_gpu():
-    _check_out_of_range_indices("cuda")
+@pytest.mark.parametrize("length,tile", [(256, None), (64, (16, 64)), (1024, (64, 64))],
+                         ids=["split-merge", "one-split", "wide"])
+def test_out_of_range_indices_write_nothing_and_give_nan_gpu(length, tile):
+    _check_out_of_range_indices("cuda", length, tile)
 
 
 @pytest.mark.gpu

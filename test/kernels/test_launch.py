@@ -13,7 +13,7 @@ from fp8chain_kernel.norm import rms_norm
 def test_off_on_the_interpreter_and_without_a_gpu():
     assert not launch.supported()
     with launch.programmatic_launches():
-        assert launch.pdl_options() == {"PDL": False}
+        assert launch.pdl_options(torch.device("cpu")) == {"PDL": False}
 
 
 @pytest.mark.cpu
@@ -21,15 +21,35 @@ def test_on_by_default_where_supported(monkeypatch):
     """Default on; FP8CHAIN_PDL=0 turns it off; blocks override both and nest."""
     monkeypatch.setattr(launch, "supported", lambda: True)
     monkeypatch.delenv("FP8CHAIN_PDL", raising=False)
-    assert launch.pdl_options() == {"PDL": True, "launch_pdl": True}
+    assert launch.pdl_options(torch.device("cpu")) == {"PDL": True, "launch_pdl": True}
     monkeypatch.setenv("FP8CHAIN_PDL", "0")
-    assert launch.pdl_options() == {"PDL": False}
+    assert launch.pdl_options(torch.device("cpu")) == {"PDL": False}
     with launch.programmatic_launches():
         assert launch.enabled()
         with launch.programmatic_launches(False):
             assert not launch.enabled()
         assert launch.enabled()
     assert not launch.enabled()
+
+
+@pytest.mark.cpu
+def test_a_launch_on_tensors_of_another_cuda_device_is_refused(monkeypatch):
+    """Triton launches on the current device whatever device the tensors are on: every launch asks
+    ``pdl_options`` with its tensors' device, which refuses one that is not current."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert launch.pdl_options(torch.device("cuda", 0)) == {"PDL": False}
+    with pytest.raises(ValueError, match=r"tensors are on cuda:1 but cuda:0 is the current device.*on_device"):
+        launch.pdl_options(torch.device("cuda", 1))
+
+
+@pytest.mark.cpu
+def test_a_workspace_is_one_buffer_per_user_and_device(monkeypatch):
+    monkeypatch.setattr(launch, "_workspaces", {})
+    first = launch.zeroed_workspace("test", torch.device("cpu"), 8, torch.int64)
+    assert launch.zeroed_workspace("test", torch.device("cpu"), 4, torch.int64) is first
+    for numel, dtype in ((16, torch.int64), (8, torch.int32)):  # a caller that disagrees is a bug
+        with pytest.raises(RuntimeError, match="workspace 'test'"):
+            launch.zeroed_workspace("test", torch.device("cpu"), numel, dtype)
 
 
 @pytest.mark.cpu
