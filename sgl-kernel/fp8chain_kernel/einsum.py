@@ -48,7 +48,7 @@ from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_no_o
 from .fp8_tile import dequantize_tile, dot_bf16, round_bf16, store_pair_tile
 from .launch import (H200_SMS, await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count,
                      split_workspace)
-from .norm import check_tensor, launch_args, produced, producer_result, resolve_outputs
+from .norm import MAX_TILE_ELEMS, check_tensor, launch_args, produced, producer_result, resolve_outputs
 
 __all__ = ["wo_a_einsum"]
 
@@ -220,14 +220,29 @@ def _check_config(config: dict, r: int, min_n: int) -> dict:
         raise ValueError(f"config must be a dict with keys {CONFIG_KEYS} and optionally SPLIT, got {config!r}")
     if any(not is_int(v) or v < 1 for v in config.values()):
         raise ValueError(f"config values must be positive ints, got {config!r}")
-    if config["num_warps"] & (config["num_warps"] - 1):
-        raise ValueError(f"num_warps must be a power of two, got {config!r}")
+    if config["num_warps"] & (config["num_warps"] - 1) or config["num_warps"] > 16:
+        raise ValueError(f"num_warps must be a power of two <= 16, got {config!r}")
+    m, n, k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if max(m * k, n * k, m * n) > MAX_TILE_ELEMS:  # Triton's limit on one tensor
+        raise ValueError(f"a tile of BLOCK_M*BLOCK_K, BLOCK_N*BLOCK_K or BLOCK_M*BLOCK_N holds at most "
+                         f"{MAX_TILE_ELEMS} values, got {config!r}")
     if any(config[k] < 16 or config[k] & (config[k] - 1) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")):
         raise ValueError(f"BLOCK_M/N/K must be powers of two >= 16, got {config!r}")
     if config["BLOCK_N"] % min_n or (min_n > 16 and r % config["BLOCK_N"]):
         raise ValueError(f"BLOCK_N={config['BLOCK_N']} must be a multiple of {min_n} that divides R={r} "
                          "(a scale group may not straddle two tiles or two einsum groups)")
     return {"SPLIT": 1, **config}
+
+
+def _tile_group(fmt: ActFormat | None, tile_group, r: int) -> int:
+    """The columns a tile must hold whole (``wo_a_einsum``'s ``tile_group``): 16 for none."""
+    if tile_group is None:
+        return fmt.group_size if fmt is not None else 16
+    if tile_group not in (32, 128) or isinstance(tile_group, bool) or r % tile_group:
+        raise ValueError(f"tile_group must be 32 or 128 and divide R={r}, got {tile_group!r}")
+    if fmt is not None and tile_group != fmt.group_size:
+        raise ValueError(f"tile_group={tile_group} but out_format {fmt.value} has {fmt.group_size}-column groups")
+    return tile_group
 
 
 WEIGHT_BLOCKS = (32, 128)  # an FP8 wo_a's square scale blocks (DSv4.1 checkpoints: 32)
@@ -263,10 +278,15 @@ def _check_weight(wo_a: torch.Tensor, weight_scale: torch.Tensor | None, weight_
 def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, weight_scale: torch.Tensor | None = None,
                 weight_block: int = 32, out_format: ActFormat | str | None = None,
                 out: QuantizedActivation | None = None, out_bf16: torch.Tensor | None = None,
-                return_bf16: bool = True, config: dict | None = None):
+                return_bf16: bool = True, config: dict | None = None, tile_group: int | None = None):
     """Grouped einsum ``o [T, G, D] x wo_a [G, R, D] -> [T, G*R]`` bf16 (+ FP8 pair), ``wo_a``
     bf16 or e4m3 with ``weight_scale``; see the module docstring. ``D = 0`` (with T and G*R not 0)
-    is refused with ``ValueError``: no DSv4.1 shape has it (the reference would return zeros)."""
+    is refused with ``ValueError``: no DSv4.1 shape has it (the reference would return zeros).
+
+    ``tile_group``: the scale group (32 or 128 columns) the launch's tiles hold whole; default
+    ``out_format``'s group, else none. The tiles set the order of the fp32 sums, so a bf16-only
+    call passes the group of the pair the chained call writes to get its bf16 bits exactly (the
+    model with the chain switched off); a call with ``out_format`` takes only that group."""
     check_tensor(o, "o", torch.bfloat16, 3)
     w_fp8 = _check_weight(wo_a, weight_scale, weight_block)
     rows, groups, d = o.shape
@@ -290,7 +310,7 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, weight_scale: torch.Tens
     if d == 0:
         raise ValueError("o and wo_a have D = 0")
     a = launch_args(fmt, pair, y, o)
-    min_n = fmt.group_size if fmt is not None else 16
+    min_n = _tile_group(fmt, tile_group, r)
     # an FP8 wo_a's K steps hold whole scale blocks
     min_k = weight_block if w_fp8 else 16
     if config is not None:

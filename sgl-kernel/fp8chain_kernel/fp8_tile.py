@@ -93,7 +93,8 @@ def dot_bf16(a, b, acc, EXACT_CAST: tl.constexpr):
 
 @triton.jit
 def rms_rstd(sum_sq, n, eps):
-    """RMSNorm's ``1 / sqrt(sum_sq / n + eps)`` in fp32 (correctly rounded square root), the one
+    """RMSNorm's ``1 / sqrt(sum_sq / n + eps)`` in fp32 (the square root correctly rounded; the
+    divisions, compiled, as Triton divides), the one
     expression ``norm.rms_norm`` and the attention's q and kv norms share, so they round alike.
     The mHC boundary keeps ``reference.mhc``'s own rounding instead (``mhc._rms_scale``)."""
     return 1.0 / tl.sqrt_rn(sum_sq / n + eps)

@@ -51,8 +51,8 @@ def check_wo_a(rows, groups, r, d, fmt, device, layout="padded"):
     assert_pairs_equal(pair, ref.quantize(y, fmt))
     only = einsum.wo_a_einsum(o, w, out_format=fmt, out=poisoned_pair(rows, cols, fmt, device), return_bf16=False)
     assert_pairs_equal(only, pair)
-    y_plain = einsum.wo_a_einsum(o, w)
-    assert rel_error(y_plain, wo_a_einsum_fp(o, w, torch.float64)) < REL_BOUND
+    y_plain = einsum.wo_a_einsum(o, w, tile_group=fmt.group_size)
+    assert torch.equal(y_plain, y)  # the chain switched off: the same bf16 bits as with the pair
 
 
 @pytest.mark.cpu
@@ -204,6 +204,10 @@ def test_wo_a_config_override(device):
         einsum.wo_a_einsum(o, w, config=dict(config, SPLITS=2))
     with pytest.raises(ValueError, match="positive ints"):
         einsum.wo_a_einsum(o, w, config=dict(config, SPLIT=0))
+    with pytest.raises(ValueError, match="num_warps must be a power of two <= 16"):  # 32 warps per block at most
+        einsum.wo_a_einsum(o, w, config=dict(config, num_warps=64))
+    with pytest.raises(ValueError, match="at most 1048576 values"):  # Triton's largest tensor
+        einsum.wo_a_einsum(o, w, config=dict(config, BLOCK_M=2048, BLOCK_N=1024))
 
 
 @pytest.mark.cpu
@@ -228,6 +232,36 @@ def test_wo_a_split_k_cpu(split, d, block_k, fmt, device):
                                return_bf16=False, config=config)
     assert_pairs_equal(again, pair)
     assert not launch.arrival_counters("wo_a", device, 1).any()
+
+
+def check_bf16_bits_do_not_depend_on_the_format(rows, groups, r, d, device):
+    """The model switches the chain off by asking for no pair: with the tiles of the chained call's
+    scale group (``tile_group``), the bf16 output is the same bits as with the pair, for every
+    format; without, the same as the 32-column formats' (DSv4.1's)."""
+    o, w = _inputs(rows, groups, r, d, device, "padded")
+    for fmt in ALL_FORMATS:
+        y, pair = einsum.wo_a_einsum(o, w, out_format=fmt)
+        assert torch.equal(y, einsum.wo_a_einsum(o, w, tile_group=fmt.group_size)), fmt
+        assert_pairs_equal(pair, ref.quantize(y, fmt))
+    assert torch.equal(einsum.wo_a_einsum(o, w), einsum.wo_a_einsum(o, w, tile_group=32))
+    for bad in (64, 0, True, 48):
+        with pytest.raises(ValueError, match="tile_group must be 32 or 128"):
+            einsum.wo_a_einsum(o, w, tile_group=bad)
+    with pytest.raises(ValueError, match="tile_group=128 but out_format sm90_g32_fp32_mn"):
+        einsum.wo_a_einsum(o, w, out_format=ActFormat.SM90_G32_FP32_MN, tile_group=128)
+
+
+@pytest.mark.cpu
+def test_wo_a_bf16_bits_do_not_depend_on_the_format(device):
+    """A narrow grid split in K at 32-column tiles, another K step at 128-column tiles."""
+    check_bf16_bits_do_not_depend_on_the_format(17, 2, 256, 1024, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4, 17, 64, 256])
+@pytest.mark.parametrize("groups", [2, 8])
+def test_wo_a_bf16_bits_do_not_depend_on_the_format_gpu(rows, groups):
+    check_bf16_bits_do_not_depend_on_the_format(rows, groups, 1024, 4096, "cuda")
 
 
 @pytest.mark.cpu

@@ -95,14 +95,14 @@ def assert_bitwise(got: torch.Tensor, want: torch.Tensor) -> None:
 def check_boundary_outputs(y, residual, pre, post, comb, weight, new_residual, x, pair, fmt, eps=EPS):
     """R' within 1 ulp of fp32, x within 1 ulp of the norm of the kernel's own R', pair exact."""
     if y is not None:
-        assert_close_bf16(new_residual, ref_mhc.mhc_post_fp32(y, residual, post, comb), ulps=1.0)
+        assert_close_bf16(new_residual, ref_mhc.mhc_post_fp32(y, residual, post, comb))
         assert_bitwise(new_residual, ref_mhc.mhc_post(y, residual, post, comb))
         source = new_residual
     else:
         source = residual
     if x is not None:
         want = ref_mhc.mhc_norm_fp32(ref_mhc.mhc_combine(source, pre), weight, eps)
-        assert_close_bf16(x, want, ulps=1.0)
+        assert_close_bf16(x, want)
     if fmt is not None:
         assert pair is not None and pair.fmt is ActFormat(fmt)
         assert_pairs_equal(pair, reference.quantize(x, fmt))
@@ -310,7 +310,7 @@ def test_combine_norm(kind, t):
     assert isinstance(only, QuantizedActivation)
     assert_pairs_equal(only, reference.quantize(x, FORMATS[0]))
     want = reference.mhc_combine_norm(residual, pre, weight, EPS, out_format=FORMATS[0])
-    assert_close_bf16(x, want[0].float(), ulps=1.0)
+    assert_close_bf16(x, want[0].float())
 
 
 @pytest.mark.cpu
@@ -351,7 +351,7 @@ def test_combine_norm_layer0_and_fp32_weight(kind):
     pre[:, 0] = 1
     weight = 1 + 0.3 * torch.randn(h, device=device)
     x = mhc.mhc_combine_norm(residual, pre, weight, EPS)
-    assert_close_bf16(x, ref_mhc.mhc_norm_fp32(residual[:, 0], weight, EPS), ulps=1.0)
+    assert_close_bf16(x, ref_mhc.mhc_norm_fp32(residual[:, 0], weight, EPS))
 
 
 # ------------------------------------------------------------------------ mega boundary
@@ -402,7 +402,7 @@ def test_mega_boundary_matches_reference_composition(kind):
         want_r, want_x, want_pair = reference.mhc_mega_boundary(
             y, residual, pre, post, comb, w, EPS, out_format="sm90_g32_fp32_mn")
         assert_bitwise(got_r, want_r)
-        assert_close_bf16(got_x, want_x.float(), ulps=1.0)
+        assert_close_bf16(got_x, want_x.float())
         check_boundary_outputs(y, residual, pre, post, comb, w, got_r, got_x, got_pair,
                                "sm90_g32_fp32_mn")
 
@@ -628,7 +628,7 @@ def test_row_barrier_interleaved_launches(monkeypatch):
     for t, (r, y, w, pre, post, comb) in cases.items():
         assert not mhc._boundary_config(t, GPU_H, r.device)["ROW_BARRIER"]
         _, x_last, _ = mhc.mhc_mega_boundary(y, r, pre, post, comb, w, EPS, out_format=fmt)
-        assert_close_bf16(first[t][1], x_last.float(), ulps=1.0)
+        assert_close_bf16(first[t][1], x_last.float())
 
 
 @cpu
@@ -657,8 +657,7 @@ def test_row_split_and_whole_row_programs(monkeypatch, targets):
             out_x = sentinel_poison((t, h), "cpu")
             x_only = mhc.mhc_combine_norm(new_r, pre, weight, EPS, out_bf16=out_x)
             assert torch.isnan(x_only[2]).all()
-            assert_close_bf16(x_only[ok], ref_mhc.mhc_norm_fp32(ref_mhc.mhc_combine(new_r[ok], pre[ok]), weight, EPS),
-                              ulps=1.0)
+            assert_close_bf16(x_only[ok], ref_mhc.mhc_norm_fp32(ref_mhc.mhc_combine(new_r[ok], pre[ok]), weight, EPS))
 
 
 # --------------------------------------------------------------------------- validation

@@ -441,8 +441,11 @@ class MQALayer(nn.Module):
         o = self.attend(q, kv, positions, slots, kv_cache)
 
         fmt = _chain_format(self.wo_b, self.chain)
-        # chained, wo_b is the only reader of the einsum's output: the pair alone, no bf16 store
-        return self.wo_b(einsum_kernels.wo_a_einsum(o, self.wo_a, out_format=fmt, return_bf16=fmt is None))
+        # chained, wo_b is the only reader of the einsum's output: the pair alone, no bf16 store;
+        # unchained, the bf16 bits of the chained launch (tiles of wo_b's scale group)
+        group = self.wo_b.act_format.group_size if fmt is None and self.wo_b.act_format is not None else None
+        return self.wo_b(einsum_kernels.wo_a_einsum(o, self.wo_a, out_format=fmt, return_bf16=fmt is None,
+                                                    tile_group=group))
 
 
 # --------------------------------------------------------------------------------------------
