@@ -167,7 +167,9 @@ class Case:
             self.flops = 2 * t * g * r * d
             y = torch.empty(t, cols, device=device, dtype=torch.bfloat16)
             pair = empty_pair(t, cols, fmt, device)
-            self.bf16 = harness.rotating(lambda w, ws: einsum.wo_a_einsum(o, w, weight_scale=ws, out_bf16=y), weights)
+            # the bf16-only arm tiles as the model's unchained call does (wo_b's scale group)
+            self.bf16 = harness.rotating(lambda w, ws: einsum.wo_a_einsum(o, w, weight_scale=ws, out_bf16=y,
+                                                                          tile_group=fmt.group_size), weights)
             self.fp8 = harness.rotating(lambda w, ws: einsum.wo_a_einsum(
                 o, w, weight_scale=ws, out_format=fmt, out=pair, return_bf16=False), weights)
             self.peer_arg_sets = [(o, w) for w in peer_weights]
