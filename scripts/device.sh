@@ -24,8 +24,8 @@ set -uo pipefail
 usage="usage: scripts/device.sh OUTDIR [all|tests|bench|bench:NAME[,NAME...]] [--quick] [--jobs N] [-- PYTEST_ARGS...]"
 out=${1:?$usage}
 shift
-what=${1:-all}
-[ $# -gt 0 ] && shift
+what=all  # the default mode, also where an option comes first (OUTDIR --quick)
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then what=$1; shift; fi
 case "$what" in
   all|tests|bench|bench:?*) ;;
   *) echo "unknown mode '$what'" >&2; echo "$usage" >&2; exit 2 ;;

@@ -77,8 +77,8 @@ def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor, ulps: float = ROUNDE
     NaN fails."""
     assert torch.isfinite(out).all(), "non-finite values in output"
     ref = ref.float()
-    exponent = torch.floor(torch.log2(ref.abs().clamp_min(2.0**-126)))
-    ulp = torch.exp2(exponent - 7)
+    _, exponent = torch.frexp(ref.abs().clamp_min(2.0**-126))  # |ref| = m * 2^exponent, m in [0.5, 1)
+    ulp = torch.ldexp(torch.ones_like(ref), exponent - 8)
     err = (out.float() - ref).abs() / ulp
     worst = err.max().item()
     assert worst <= ulps, f"max error {worst:.3f} bf16 ulps > {ulps}"

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .argtypes import output_dir
+from .argtypes import output_dir, output_dir_problem
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO_ROOT / "benchmark"
@@ -103,6 +103,11 @@ def _run_benchmark(name: str, args) -> None:
 def _cmd_bench(args) -> int:
     import torch
 
+    from fp8chain.bench import harness
+
+    if args.results_dir is None and (problem := output_dir_problem(harness.RESULTS_DIR)) is not None:
+        print(f"fp8chain bench: cannot write to {problem}; pass --results-dir", file=sys.stderr)  # before the GPU work
+        return 2
     if not torch.cuda.is_available():
         print("fp8chain bench needs a CUDA GPU; none found (kernel logic is checked on CPU by "
               "`fp8chain verify` and the test suite)", file=sys.stderr)

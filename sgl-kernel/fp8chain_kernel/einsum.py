@@ -1,7 +1,7 @@
 """wo_a grouped einsum -> bf16, and in the same launch (epilogue) its FP8 pair.
 
 ``wo_a_einsum(o, wo_a, *, weight_scale=None, weight_block=32, out_format=None, out=None, out_bf16=None,
-return_bf16=True)``
+return_bf16=True, config=None, tile_group=None)``
 
 * ``o``: bf16 ``[T, G, D]`` with unit stride along ``D`` (any other strides: a strided view of
   the attention output works as it is); ``wo_a``: bf16 ``[G, R, D]``, unit stride along ``D``.
@@ -25,8 +25,11 @@ return_bf16=True)``
 * ``out`` / ``out_bf16`` / ``return_bf16``: as ``norm.rms_norm``; neither output may share memory with
   ``o`` or ``wo_a``.
 * ``config``: a launch config (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``,
-  ``num_stages``, optionally ``SPLIT``) instead of the table's (sweeps); with ``out_format``,
-  ``BLOCK_N`` must be a multiple of the group size that divides ``R``.
+  ``num_stages``, optionally ``SPLIT``) instead of the table's (sweeps); with ``out_format`` or
+  ``tile_group``, ``BLOCK_N`` must be a multiple of the group size that divides ``R``.
+* ``tile_group``: the scale group (32 or 128 columns) the tiles hold whole, ``out_format``'s by
+  default. The tiles set the order of the fp32 sums: a bf16-only call given the group of the
+  pair another call writes gets that call's bf16 bits (the model with the chain off).
 
 Grid: one program per ``[BLOCK_M, BLOCK_N]`` output tile of one group and K slice. Decode (small
 ``T``) is weight streaming, so tiles are short in M and narrow in N (down to one 32-column scale
@@ -238,7 +241,7 @@ def _tile_group(fmt: ActFormat | None, tile_group, r: int) -> int:
     """The columns a tile must hold whole (``wo_a_einsum``'s ``tile_group``): 16 for none."""
     if tile_group is None:
         return fmt.group_size if fmt is not None else 16
-    if tile_group not in (32, 128) or isinstance(tile_group, bool) or r % tile_group:
+    if not is_int(tile_group) or tile_group not in (32, 128) or r % tile_group:
         raise ValueError(f"tile_group must be 32 or 128 and divide R={r}, got {tile_group!r}")
     if fmt is not None and tile_group != fmt.group_size:
         raise ValueError(f"tile_group={tile_group} but out_format {fmt.value} has {fmt.group_size}-column groups")
@@ -305,12 +308,12 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, weight_scale: torch.Tens
     if fmt is not None and r % fmt.group_size:
         raise ValueError(f"{fmt.value} needs R % {fmt.group_size} == 0 (a scale group may not straddle "
                          f"two einsum groups), got R={r}")
+    min_n = _tile_group(fmt, tile_group, r)
     if rows == 0 or cols == 0:
         return producer_result(y, pair)
     if d == 0:
         raise ValueError("o and wo_a have D = 0")
     a = launch_args(fmt, pair, y, o)
-    min_n = _tile_group(fmt, tile_group, r)
     # an FP8 wo_a's K steps hold whole scale blocks
     min_k = weight_block if w_fp8 else 16
     if config is not None:

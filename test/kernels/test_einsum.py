@@ -244,9 +244,10 @@ def check_bf16_bits_do_not_depend_on_the_format(rows, groups, r, d, device):
         assert torch.equal(y, einsum.wo_a_einsum(o, w, tile_group=fmt.group_size)), fmt
         assert_pairs_equal(pair, ref.quantize(y, fmt))
     assert torch.equal(einsum.wo_a_einsum(o, w), einsum.wo_a_einsum(o, w, tile_group=32))
-    for bad in (64, 0, True, 48):
-        with pytest.raises(ValueError, match="tile_group must be 32 or 128"):
-            einsum.wo_a_einsum(o, w, tile_group=bad)
+    for bad in (64, 0, True, 48, 32.0):
+        for rows_of_o in (o, o[:0]):  # refused before the empty batch returns
+            with pytest.raises(ValueError, match="tile_group must be 32 or 128"):
+                einsum.wo_a_einsum(rows_of_o, w, tile_group=bad)
     with pytest.raises(ValueError, match="tile_group=128 but out_format sm90_g32_fp32_mn"):
         einsum.wo_a_einsum(o, w, out_format=ActFormat.SM90_G32_FP32_MN, tile_group=128)
 

@@ -78,7 +78,8 @@ def test_sweeps_take_one_format():
 def test_the_compiled_peer_writes_what_the_fp8_arm_writes(name):
     """The peer returns what the benchmark's FP8 arm writes (RMSNorm: the bf16 x, which DSv4.1's
     router reads, and the pair; q_norm and SiLU*mul: the pair alone), so torch.compile cannot skip
-    a store the arm makes; its bf16 output is the arm's within bf16 rounding."""
+    a store the arm makes; its bf16 output is the arm's within one bf16 ulp (two roundings of fp32
+    values computed in another order)."""
     bench = _load_benchmark("producers")
     fmt = ActFormat.SM90_G32_FP32_MN
     case = bench.Case(name, 3, fmt, "cpu")
@@ -89,7 +90,7 @@ def test_the_compiled_peer_writes_what_the_fp8_arm_writes(name):
     assert len(peer_outputs) == len(arm_outputs) == (3 if name == "rms_norm" else 2)
     assert peer_outputs[-2].shape == arm_outputs[-2].shape and peer_outputs[-2].dtype == arm_outputs[-2].dtype
     if name == "rms_norm":
-        assert_close_bf16(peer_outputs[0], arm_outputs[0])
+        assert_close_bf16(peer_outputs[0], arm_outputs[0], ulps=1.0)
 
 
 @pytest.mark.gpu
@@ -97,8 +98,8 @@ def test_the_compiled_peer_writes_what_the_fp8_arm_writes(name):
 @pytest.mark.parametrize("rows", [1, 3, 16, 127, 2048])
 def test_every_launch_candidate_keeps_the_contract(name, cols, rows, device):
     """Each shape the sweep may time is a correct producer: its FP8 pair equals
-    ``reference.quantize`` of its own bf16 output bit for bit, that output is within 1 bf16 ulp of
-    the fp32 reference (SiLU*mul, elementwise: the rule's bytes exactly; RMSNorm's warps set the
+    ``reference.quantize`` of its own bf16 output bit for bit, that output is correctly rounded
+    from the fp32 reference (``helpers.ROUNDED_FROM_FP32``) (SiLU*mul, elementwise: the rule's bytes exactly; RMSNorm's warps set the
     order of the row's sum of squares), and no output element is left unwritten. A shape that
     faults or writes wrong bytes fails here, named, before a sweep reports its time."""
     bench = _load_benchmark("producers")

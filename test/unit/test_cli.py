@@ -186,12 +186,23 @@ def test_demo_token_cap_is_the_tiny_models_positions():
     assert max(len(p) for p in demo._prompts(64, 512, 0)) <= demo.LONGEST_PROMPT
 
 
-@pytest.mark.parametrize("command", ["demo", "verify", "info", "bench"])
-def test_every_command_describes_itself_in_its_help(command, capsys):
+@pytest.mark.parametrize("argv,phrase", [(["demo"], "whether they are identical"), (["verify"], "Exit status 1"),
+                                         (["info"], "finds the plugin"), (["bench"], "both arms in one process"),
+                                         (["bench", "all"], "each in a process of its own")])
+def test_every_command_describes_itself_in_its_help(argv, phrase, capsys):
     with pytest.raises(SystemExit):
-        cli.main([command, "--help"])
-    help_text = capsys.readouterr().out
-    assert len(help_text.split("options:")[0].splitlines()) >= 3, help_text  # usage + a description
+        cli.main([*argv, "--help"])
+    assert phrase in " ".join(capsys.readouterr().out.split())  # the description, its lines joined
+
+
+def test_bench_refuses_an_unwritable_default_results_dir_before_running(tmp_path, monkeypatch, capsys):
+    from fp8chain.bench import harness
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setattr(harness, "RESULTS_DIR", afile / "results")
+    assert cli.main(["bench", "quant"]) == 2
+    assert f"cannot write to {afile / 'results'}: {afile} is not a directory" in capsys.readouterr().err
 
 
 def test_bench_markdown_lands_beside_the_json_its_report_saved(tmp_path, monkeypatch):
@@ -222,7 +233,7 @@ def test_a_hand_set_triton_interpret_0_does_not_stop_the_cpu(monkeypatch):
     assert os.environ["TRITON_INTERPRET"] == "1"
 
 
-@pytest.mark.parametrize("mode", ["bnech", "--quick", "bench:"])
+@pytest.mark.parametrize("mode", ["bnech", "bench:", "tests,bench"])
 def test_device_script_refuses_an_unknown_mode_before_any_work(mode, tmp_path):
     """A misspelt or missing mode ran nothing and exited 0."""
     import subprocess
@@ -232,3 +243,14 @@ def test_device_script_refuses_an_unknown_mode_before_any_work(mode, tmp_path):
     done = subprocess.run(["bash", str(script), str(tmp_path / "out"), mode], capture_output=True, text=True)
     assert done.returncode == 2 and f"unknown mode '{mode}'" in done.stderr and "usage:" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_device_script_takes_options_without_a_mode(tmp_path):
+    """``OUTDIR --quick`` is the default mode with that option, not an unknown mode '--quick'."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(cli.REPO_ROOT) / "scripts" / "device.sh"
+    done = subprocess.run(["bash", str(script), str(tmp_path / "out"), "--quick", "--jobs", "x"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "--jobs takes a positive integer, got 'x'" in done.stderr  # parsed as options

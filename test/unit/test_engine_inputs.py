@@ -63,8 +63,6 @@ def test_engine_steps_run_with_the_models_cuda_device_current(model, monkeypatch
     Engine entry point makes the model's device current first (a model on cuda:1, cuda:0 current)."""
     import contextlib
 
-    from fp8chain.runtime import engine as engine_module
-
     entered = []
 
     @contextlib.contextmanager
@@ -78,9 +76,13 @@ def test_engine_steps_run_with_the_models_cuda_device_current(model, monkeypatch
     with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):  # this machine has none
         engine.graph_runner()
     assert entered == [torch.device("cuda", 1)]
-    wrapper = engine_module._on_model_device(lambda self: None).__code__
+    from fp8chain.runtime.cuda_graph import DecodeGraphRunner, on_model_device
+
+    wrapper = on_model_device(lambda self: None).__code__
     for name in ("graph_runner", "prefill", "decode", "generate"):
         assert getattr(Engine, name).__code__ is wrapper, name
+    for name in ("capture", "run"):  # the runner used on its own
+        assert getattr(DecodeGraphRunner, name).__wrapped__.__code__ is wrapper, name
 
 
 def test_model_forward_makes_its_device_current(loaded, monkeypatch):

@@ -89,16 +89,11 @@ def test_request_refused_on_unsupported_shape(caplog, monkeypatch):
     x[1, 5] = float("nan")
     out = layer(x)
     assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
-    # fp32 products even in a process that lets matmuls round their operands (TF32)
+    # products no TF32 setting of the process can round: fp64 operands
     seen, matmul = [], torch.Tensor.__matmul__
-    monkeypatch.setattr(torch.Tensor, "__matmul__",
-                        lambda a, b: seen.append(torch.get_float32_matmul_precision()) or matmul(a, b))
-    torch.set_float32_matmul_precision("medium")
-    try:
-        layer(x)
-        assert seen == ["highest"] and torch.get_float32_matmul_precision() == "medium"
-    finally:
-        torch.set_float32_matmul_precision("highest")
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: seen.append((a.dtype, b.dtype)) or matmul(a, b))
+    layer(x)
+    assert seen == [(torch.float64, torch.float64)]
 
 
 def test_not_requested_stays_unchained(caplog):

@@ -1,6 +1,6 @@
 """The model and its MoE layers refuse what they would compute wrongly, before computing: token ids,
-positions and slots outside the embedding or the KV cache (on a GPU those write outside the
-cache), inputs and routing of the wrong shape, a chain switch that is not a bool, router and
+positions and slots outside the embedding or the KV cache (the attention kernels would skip such
+a token and give it NaN), inputs and routing of the wrong shape, a chain switch that is not a bool, router and
 shared-expert settings they cannot run, and checkpoint scales that would be misread."""
 
 import re
@@ -192,7 +192,7 @@ def test_router_sizes_the_kernel_cannot_run_are_refused_at_construction():
     with pytest.raises(ValueError, match=r"top_k must be an int in 1\.\.32 "):
         TopKRouter(64, 64, 40, 1.5)
     for overrides in (dict(n_routed_experts=2048), dict(n_routed_experts=64, num_experts_per_tok=40),
-                      dict(swiglu_limit=1e-40)):
+                      dict(swiglu_limit=1e-40), dict(rms_norm_eps=1e-50), dict(hc_eps=1e-50)):
         with pytest.raises(ValueError, match="invalid DeepseekV41Config"):
             DeepseekV41Config.tiny(**overrides).validate()
 

@@ -47,6 +47,7 @@ from torch import nn
 from fp8chain_kernel import attention as attention_kernels
 from fp8chain_kernel import einsum as einsum_kernels
 from fp8chain_kernel.act import check_limit
+from fp8chain_kernel.norm import check_eps
 from fp8chain_kernel.router import MAX_EXPERTS, MAX_TOP_K
 from fp8chain_kernel.reference import (apply_rope, attention_with_sinks, dequantize_weight, rope_cos_sin,
                                        rope_tables)
@@ -279,10 +280,16 @@ class DeepseekV41Config:
         if self.n_routed_experts > MAX_EXPERTS or self.num_experts_per_tok > MAX_TOP_K:
             errors.append(f"the router kernel runs up to {MAX_EXPERTS} experts and top-{MAX_TOP_K}, got "
                           f"{self.n_routed_experts} and top-{self.num_experts_per_tok}")
+        # what the kernels take: refused here rather than at the first forward (in warmup or capture)
         try:
             check_limit(self.swiglu_limit)
         except ValueError as exc:
             errors.append(f"swiglu_{exc}")
+        for name in ("rms_norm_eps", "hc_eps"):
+            try:
+                check_eps(getattr(self, name), name)
+            except ValueError as exc:
+                errors.append(str(exc))
         if self.n_shared_experts != 1:
             errors.append("exactly one shared expert is supported")
         if self.hc_mult != 4:

@@ -13,11 +13,25 @@ until the next replay.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
 
-__all__ = ["DecodeGraphRunner", "check_capturable"]
+from fp8chain_kernel.launch import on_device
+
+__all__ = ["DecodeGraphRunner", "check_capturable", "on_model_device"]
+
+
+def on_model_device(method):
+    """Run a method with ``self.device`` (the model's) the current device (``launch.on_device``:
+    kernels, new streams and graph capture act on the current device, whatever device the
+    tensors are on; a model on ``cuda:1`` while ``cuda:0`` is current)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with on_device(self.device):
+            return method(self, *args, **kwargs)
+    return run
 
 
 def check_capturable(model) -> None:
@@ -58,6 +72,7 @@ class DecodeGraphRunner:
                           check_indices=False)
 
     @torch.no_grad()
+    @on_model_device
     def capture(self) -> None:
         from ..layers.warmup import warmup
 
@@ -89,6 +104,7 @@ class DecodeGraphRunner:
         raise ValueError(f"{rows} rows exceed the largest captured bucket {self.batch_sizes[-1]}")
 
     @torch.no_grad()
+    @on_model_device
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Replay the bucket for ``len(tokens)`` rows; fp32 logits ``[rows, V]`` (a view)."""
         if bool(self.model.chain) != self.chain:

@@ -12,7 +12,6 @@ are kept per chain state, since the captured kernels differ.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import numbers
 import time
@@ -21,23 +20,12 @@ from typing import Sequence
 import torch
 
 from fp8chain_kernel.attention import INDEX_DTYPES
-from fp8chain_kernel.launch import on_device
 
-from .cuda_graph import DecodeGraphRunner, check_capturable
+from .cuda_graph import DecodeGraphRunner, check_capturable, on_model_device
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "GenerationResult"]
-
-
-def _on_model_device(method):
-    """Run an Engine method with the model's device current (``launch.on_device``: a model on
-    ``cuda:1`` while ``cuda:0`` is current)."""
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        with on_device(self.device):
-            return method(self, *args, **kwargs)
-    return run
 
 
 @dataclasses.dataclass
@@ -107,7 +95,7 @@ class Engine:
         """Whether decode steps of ``batch`` sequences replay a captured graph (else run eagerly)."""
         return self.cuda_graphs and batch <= max(self.graph_batch_sizes)
 
-    @_on_model_device
+    @on_model_device
     def graph_runner(self):
         """The decode graph runner of the current chain state (captured on first use)."""
         key = self.chain
@@ -121,7 +109,7 @@ class Engine:
 
     # ---- steps -------------------------------------------------------------------------
 
-    @_on_model_device
+    @on_model_device
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Run every prompt (sequence ``i`` in slot ``i``); fp32 logits of each last token ``[B, V]``."""
@@ -135,7 +123,7 @@ class Engine:
         # _check_prompts bounds every id, position and slot: no host read in the model
         return self.model(ids, positions, slots, self.kv_caches, logits_indices=last, check_indices=False)
 
-    @_on_model_device
+    @on_model_device
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, *, check_indices: bool = True) -> torch.Tensor:
         """One token per sequence (sequence ``i`` in slot ``i``) -> fp32 logits ``[B, V]``.
@@ -167,7 +155,7 @@ class Engine:
 
     # ---- generation --------------------------------------------------------------------
 
-    @_on_model_device
+    @on_model_device
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  return_logits: bool = False) -> GenerationResult:
@@ -210,8 +198,9 @@ class Engine:
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """1..max_batch prompts (one cache slot each), every one a non-empty sequence of at most
-        ``max_len`` token ids in ``[0, vocab)``: a longer prompt would write past its cache row, an
-        id out of range index the embedding out of bounds (or wrap around if negative)."""
+        ``max_len`` token ids in ``[0, vocab)``: a longer prompt's last tokens would get no cache row
+        (NaN from the attention kernels), an id out of range index the embedding out of bounds (or
+        wrap around if negative)."""
         if not 0 < len(prompts) <= self.max_batch:
             raise ValueError(f"batch of {len(prompts)} prompts; this engine takes 1..{self.max_batch}")
         vocab = self.model.embed.weight.shape[0]

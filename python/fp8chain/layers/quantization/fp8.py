@@ -347,15 +347,9 @@ def _derived_tensors(layer) -> dict:
 
 def _fallback_gemm(pair: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
                    block: int) -> torch.Tensor:
-    """Torch GEMM on the dequantized operands (fp32 accumulate, bf16 out): the same FP8 numerics
-    as a backend, for shapes no backend serves."""
-    from fp8chain_kernel.reference import dequantize, dequantize_weight
+    """The reference GEMM on the dequantized operands (``reference.fp8_gemm``: fp64, so no TF32
+    setting of the process rounds them), rounded to bf16: the same FP8 numerics as a backend, for
+    shapes no backend serves."""
+    from fp8chain_kernel.reference import fp8_gemm
 
-    a = dequantize(pair)
-    w = dequantize_weight(weight, weight_scale, block)
-    precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")  # a process that allows TF32 would round the operands
-    try:
-        return (a @ w.t()).to(torch.bfloat16)
-    finally:
-        torch.set_float32_matmul_precision(precision)
+    return fp8_gemm(pair, weight, weight_scale, block).to(torch.bfloat16)
