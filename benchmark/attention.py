@@ -18,7 +18,10 @@ x head_dim per (token, key) pair (``q.k`` and ``p @ v``); ``floor_us`` = the lar
 bytes / copy bandwidth and flops / bf16 matmul rate; ``floor_fraction`` = floor_us / attention_us.
 
 Decode: M sequences, each at position ``context - 1`` of its own slot. Prefill: one sequence of M
-tokens at positions 0..M-1 (causal: token t attends to keys 0..t).
+tokens at positions 0..M-1 (causal: token t attends to keys 0..t). The calls of a captured graph
+take turns over copies of the KV cache that add up to more than the L2
+(``harness.copies_past_l2``), so every call reads its keys from HBM as a serving step does (until
+2026-12-05 one cache was replayed: a decode cache of a few MB stayed in L2 between calls).
 """
 
 from __future__ import annotations
@@ -87,19 +90,19 @@ def plan(args) -> list[tuple[str, int, int, int]]:
     return cases
 
 
-def _inputs(phase: str, heads: int, tokens: int, context: int):
-    q = torch.randn(tokens, heads * HEAD_DIM, device="cuda").bfloat16()
-    kv = torch.randn(tokens, HEAD_DIM, device="cuda").bfloat16()
+def _inputs(phase: str, heads: int, tokens: int, context: int, device="cuda"):
+    q = torch.randn(tokens, heads * HEAD_DIM, device=device).bfloat16()
+    kv = torch.randn(tokens, HEAD_DIM, device=device).bfloat16()
     if phase == "decode":
-        cache = torch.randn(tokens, context, HEAD_DIM, device="cuda").bfloat16()
-        slots = torch.arange(tokens, device="cuda")
-        positions = torch.full((tokens,), context - 1, dtype=torch.long, device="cuda")
+        cache = torch.randn(tokens, context, HEAD_DIM, device=device).bfloat16()
+        slots = torch.arange(tokens, device=device)
+        positions = torch.full((tokens,), context - 1, dtype=torch.long, device=device)
     else:
-        cache = torch.randn(1, tokens, HEAD_DIM, device="cuda").bfloat16()
-        slots = torch.zeros(tokens, dtype=torch.long, device="cuda")
-        positions = torch.arange(tokens, device="cuda")
-    cos, sin = reference.rope_tables(cache.shape[1], ROPE_DIM, ROPE_THETA, "cuda")
-    sink = torch.randn(heads, device="cuda")
+        cache = torch.randn(1, tokens, HEAD_DIM, device=device).bfloat16()
+        slots = torch.zeros(tokens, dtype=torch.long, device=device)
+        positions = torch.arange(tokens, device=device)
+    cos, sin = reference.rope_tables(cache.shape[1], ROPE_DIM, ROPE_THETA, device)
+    sink = torch.randn(heads, device=device)
     return q, kv, cache, slots, positions, cos, sin, sink
 
 
@@ -117,7 +120,7 @@ def run(args) -> tuple[dict, list[dict]]:
     for phase, heads, tokens, context in harness.progress(plan(args), "attention"):
         rope, attend, cache = _calls(phase, heads, tokens, context)
         rope_us = harness.graph_time_us(rope, iters=args.iters)
-        attention_us = harness.graph_time_us(attend, iters=args.iters)
+        attention_us = harness.graph_time_us(attend(), iters=args.iters)
         nbytes, flops = roofline(phase, tokens, heads, HEAD_DIM, context)
         floor_us = max(nbytes / bandwidth, flops / matmul_rate) * 1e6
         record = {
@@ -128,11 +131,11 @@ def run(args) -> tuple[dict, list[dict]]:
         }
         for tile in args.tiles:
             name = f"{tile[0]}x{tile[1]}"
-            record[f"attention_us[{name}]"] = harness.graph_time_us(lambda t=tile: attend(t), iters=args.iters)
+            record[f"attention_us[{name}]"] = harness.graph_time_us(attend(tile), iters=args.iters)
             record[f"key_splits[{name}]"] = attention.key_splits(tokens, heads, cache.shape[1], tile, cache.device)
         for count in args.splits:
             try:
-                record[f"attention_us[splits={count}]"] = harness.graph_time_us(lambda n=count: attend(splits=n),
+                record[f"attention_us[splits={count}]"] = harness.graph_time_us(attend(splits=count),
                                                                                 iters=args.iters)
             except ValueError:  # more splits than the case has key steps (mqa_attention's own check)
                 print(f"  {phase} heads {heads} M {tokens} context {context}: skipping {count} key splits "
@@ -140,26 +143,28 @@ def run(args) -> tuple[dict, list[dict]]:
         records.append(record)
     for record in harness.progress(records, "kernels (torch.profiler)"):
         _, attend, _ = _calls(record["phase"], record["heads"], record["M"], record["context"])
-        kernels = harness.kernel_profile(attend)
+        kernels = harness.kernel_profile(attend())
         record["split_us"] = kernels.get("_mqa_split_kernel", {}).get("us", 0.0)
         record["merge_us"] = kernels.get("_mqa_merge_kernel", {}).get("us", 0.0)
         record["kernels"] = kernels
     return meta, records
 
 
-def _calls(phase: str, heads: int, tokens: int, context: int):
-    """``(rope, attend, cache)`` of one case: ``rope()`` the ``rope_qkv`` launch, ``attend(tile=None,
-    splits=None)`` the attention over its roped queries and cache."""
-    q2d, kv, cache, slots, positions, cos, sin, sink = _inputs(phase, heads, tokens, context)
+def _calls(phase: str, heads: int, tokens: int, context: int, device="cuda"):
+    """``(rope, attend, cache)`` of one case: ``rope`` a call of the ``rope_qkv`` launch,
+    ``attend(tile=None, splits=None)`` a call of the attention over its roped queries; each call
+    takes the next of the cache's copies (``harness.rotating``: the module docstring)."""
+    q2d, kv, cache, slots, positions, cos, sin, sink = _inputs(phase, heads, tokens, context, device)
     q = attention.rope_qkv(q2d, kv, cos, sin, cache, slots, positions, 1e-6)
+    copies = harness.copies_past_l2(cache.numel() * cache.element_size(), most=256)  # a 1 MB cache takes 160
+    caches = [(cache,)] + [(cache.clone(),) for _ in range(copies - 1)]  # each holds the roped rows
     out = torch.empty_like(q)
     scale = HEAD_DIM ** -0.5
-
-    def rope():
-        attention.rope_qkv(q2d, kv, cos, sin, cache, slots, positions, 1e-6)
+    rope = harness.rotating(lambda c: attention.rope_qkv(q2d, kv, cos, sin, c, slots, positions, 1e-6), caches)
 
     def attend(tile=None, splits=None):
-        attention.mqa_attention(q, cache, slots, positions, sink, scale, cos, sin, out=out, tile=tile, splits=splits)
+        return harness.rotating(lambda c: attention.mqa_attention(q, c, slots, positions, sink, scale, cos, sin,
+                                                                  out=out, tile=tile, splits=splits), caches)
 
     return rope, attend, cache
 

@@ -18,6 +18,38 @@ def test_roofline_counts_cache_rows_and_key_pairs():
     assert bench.roofline("prefill", 3, 4, 8, 3) == ((3 + 2 * 3 * 4) * 8 * 2, 4 * 4 * 8 * 6)
 
 
+def test_calls_take_turns_over_cache_copies_past_the_l2(monkeypatch):
+    """Each call of a case reads the next copy of its KV cache (the copies add up to more than the
+    L2), the rope and the attention alike, every tile and split count too."""
+    import types
+
+    import torch
+
+    bench = _load_benchmark("attention")
+    seen = []
+
+    def rope_qkv(q2d, kv, cos, sin, cache, *args, **kwargs):
+        seen.append(cache.data_ptr())
+        return torch.zeros(q2d.shape[0], q2d.shape[1] // bench.HEAD_DIM, bench.HEAD_DIM, dtype=torch.bfloat16)
+
+    def mqa_attention(q, cache, *args, tile=None, splits=None, **kwargs):
+        seen.append((cache.data_ptr(), tile, splits))
+
+    monkeypatch.setattr(bench, "attention", types.SimpleNamespace(rope_qkv=rope_qkv, mqa_attention=mqa_attention))
+    rope, attend, cache = bench._calls("decode", 2, 1, 1024, device="cpu")  # 1 MB of keys: 160 copies
+    copies = rope.period
+    assert copies * cache.numel() * 2 >= harness.L2_DEFEAT_BYTES
+    seen.clear()
+    for _ in range(copies + 1):
+        rope()
+    assert len(set(seen[:copies])) == copies and seen[copies] == seen[0] == cache.data_ptr()
+    call = attend((16, 16), 3)
+    seen.clear()
+    for _ in range(copies):
+        call()
+    assert len({ptr for ptr, _, _ in seen}) == copies and {(t, n) for _, t, n in seen} == {((16, 16), 3)}
+
+
 def test_plan():
     bench = _load_benchmark("attention")
     parser = argparse.ArgumentParser()
