@@ -265,6 +265,22 @@ def test_wo_a_bf16_bits_do_not_depend_on_the_format_gpu(rows, groups):
     check_bf16_bits_do_not_depend_on_the_format(rows, groups, 1024, 4096, "cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4, 17, 64])
+def test_wo_a_split_k_is_reproducible_gpu(rows):
+    """G = 2 at decode splits D (the narrow grid): the slice that arrives last sums the partials in
+    slice order, so every call writes the same bytes whatever order the slices arrive in."""
+    device = torch.device("cuda")
+    assert einsum._launch_config(rows, 2, 1024, 4096, 32, launch.sm_count(device, interpreter=132))["SPLIT"] > 1
+    o, w = _inputs(rows, 2, 1024, 4096, device)
+    fmt = ActFormat.SM90_G32_FP32_MN
+    first_y, first_pair = einsum.wo_a_einsum(o, w, out_format=fmt)
+    for _ in range(20):
+        y, pair = einsum.wo_a_einsum(o, w, out_format=fmt)
+        assert torch.equal(y, first_y)
+        assert_pairs_equal(pair, first_pair)
+
+
 @pytest.mark.cpu
 def test_wo_a_decode_split_config():
     """The narrow TP4 grid (G = 2) splits D as far as the whole grid stays resident (two 16-row
