@@ -15,12 +15,13 @@ ALL_FORMATS = list(ActFormat)
 
 
 def _activation(rows, cols, device):
-    """Fresh random rows of very different magnitudes, one all-zero row, one NaN (in the last row
-    below three rows, so one and two rows see it too), one huge value."""
+    """Fresh random rows of very different magnitudes, one all-zero row, a NaN and a negative NaN
+    (one NaN in the last row below three rows, so one and two rows see it too), one huge value."""
     x = torch.randn(rows, cols, device=device) * torch.exp2(torch.randint(-12, 12, (rows, 1), device=device).float())
     if rows >= 3:
         x[1] = 0
         x[2, cols // 2] = float("nan")
+        x[2, 0] = -float("nan")  # the sign bit set: each side's arithmetic decides what NaN comes out
     elif rows:
         x[rows - 1, cols // 2] = float("nan")
     if rows >= 4:
