@@ -47,6 +47,8 @@ def make_fake_deep_gemm(arch_major: int, calls: list):
 
     def fp8_gemm_nt(a, b, d, c=None, recipe=None, compiled_dims="nk", disable_ue8m0_cast=False):
         (a_data, sfa), (b_data, sfb) = a, b
+        for name, t in (("a", a_data), ("b", b_data), ("sfa", sfa), ("sfb", sfb), ("d", d)):
+            _expect(t.data_ptr() % 16 == 0, f"{name} is not 16-byte aligned (TMA)")
         for name, t in (("a", a_data), ("b", b_data)):
             _expect(t.dtype == torch.float8_e4m3fn, f"{name} dtype {t.dtype}")
             _expect(t.dim() == 2 and t.is_contiguous(), f"{name} must be K-major contiguous, strides {t.stride()}")
@@ -190,6 +192,29 @@ def test_deep_gemm_relays_out_scales_of_a_captured_buffer(fake_deep_gemm):
     assert calls[-1]["recipe"] == (1, 128, 128)
     want = ref.fp8_gemm(pair, w, s, 128)
     assert ((got.double() - want).norm() / want.norm()) < 5e-3
+
+
+@pytest.mark.parametrize("fake_deep_gemm", [(9, 0), (10, 0)], indirect=True)
+def test_deep_gemm_hands_tma_16_byte_aligned_activations(fake_deep_gemm):
+    """A pair whose data or scales start off a 16-byte boundary (views into a larger buffer at an
+    odd offset) is copied to aligned storage before DeepGEMM's TMA reads it."""
+    arch, calls, _ = fake_deep_gemm
+    m, n, k = 3, 64, 256
+    fmt, block = (G128, 128) if arch[0] == 9 else (PACKED, 32)
+    w, s = _weights(n, k, block)
+    backend = backends.get_backend("deep_gemm")
+    derived = backend.derive_weight_tensors(w, s, block)
+    pair = ref.quantize(_activation(m, k), fmt)
+    data = torch.empty(m * k + 4, dtype=torch.uint8)[4:].view(torch.float8_e4m3fn).view(m, k)
+    data.copy_(pair.data)
+    word = pair.scale.element_size()
+    scale_store = torch.zeros(pair.scale.shape[1] * 4 + 1, dtype=pair.scale.dtype)[1:]
+    scale = scale_store.as_strided(pair.scale.shape, (1, 4))
+    scale.copy_(pair.scale)
+    assert data.data_ptr() % 16 and scale.data_ptr() % 16 and word == 4
+    out = torch.empty(m * n + 1, dtype=torch.bfloat16)[1:].view(m, n)  # 2 bytes off
+    got = backend.gemm(pair._replace(data=data, scale=scale), w, s, derived, out=out)
+    assert got is out and torch.equal(got, backend.gemm(pair, w, s, derived))
 
 
 @pytest.mark.parametrize("fake_deep_gemm", [(9, 0)], indirect=True)

@@ -79,15 +79,16 @@ class DeepGemmBackend(GemmBackend):
         if m == 0:
             return out
         data, scale = pair.data, pair.scale
-        if data.stride(0) != k:
-            data = data.contiguous()
-        if (scale.shape[1] > 1 and scale.stride(1) != align4(m)) or scale.stride(0) != 1:
+        if data.stride(0) != k or data.data_ptr() % 16:  # TMA reads from 16-byte aligned addresses
+            data = data.clone(memory_format=torch.contiguous_format)
+        if (scale.shape[1] > 1 and scale.stride(1) != align4(m)) or scale.stride(0) != 1 or scale.data_ptr() % 16:
             # A row slice of a buffer captured for more rows: DeepGEMM wants the column stride
             # align4(M) exactly, so the (few) scales are re-laid out; the FP8 data is untouched.
             fresh = torch.zeros((scale.shape[1], align4(m)), dtype=scale.dtype, device=scale.device).t()[:m]
             fresh.copy_(scale)
             scale = fresh
-        dense = out if out.is_contiguous() else torch.empty((m, n), dtype=torch.bfloat16, device=out.device)
+        aligned = out.is_contiguous() and out.data_ptr() % 16 == 0
+        dense = out if aligned else torch.empty((m, n), dtype=torch.bfloat16, device=out.device)
         if pair.fmt is ActFormat.SM100_G32_UE8M0_PACKED_MN:
             packed_w = derived.get("weight_scale_inv_deepgemm")
             if packed_w is None:
