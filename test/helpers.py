@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fp8chain.verify import ROUNDED_FROM_FP32, bf16_ulp_error
 from fp8chain_kernel.formats import ActFormat, QuantizedActivation, empty_pair
 
 
@@ -66,21 +67,11 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (err[~zero] / norm[~zero]).max().item() if (~zero).any() else 0.0
 
 
-# Rounded to nearest from an fp32 value a few hundred fp32 ulps off the reference's (another
-# summation order, approximate divisions on the GPU): half a bf16 ulp and a little.
-ROUNDED_FROM_FP32 = 0.5 + 2.0**-6
-
-
 def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor, ulps: float = ROUNDED_FROM_FP32) -> None:
-    """Elementwise within ``ulps`` bf16 ulps of ``ref`` (fp32 reference), the ulp of each value's
-    own binade (``2^(floor(log2 |ref|) - 7)``, bf16's subnormal step below its normal range);
-    NaN fails."""
+    """Elementwise within ``ulps`` bf16 ulps of ``ref`` (fp32 reference), in the ulp of each
+    reference value's own binade (``verify.bf16_ulp_error``); NaN fails."""
     assert torch.isfinite(out).all(), "non-finite values in output"
-    ref = ref.float()
-    _, exponent = torch.frexp(ref.abs().clamp_min(2.0**-126))  # |ref| = m * 2^exponent, m in [0.5, 1)
-    ulp = torch.ldexp(torch.ones_like(ref), exponent - 8)
-    err = (out.float() - ref).abs() / ulp
-    worst = err.max().item()
+    worst = bf16_ulp_error(out, ref)
     assert worst <= ulps, f"max error {worst:.3f} bf16 ulps > {ulps}"
 
 

@@ -4,7 +4,7 @@ I, GPU at the DSv4.1 shared-expert width I = 2304.
 Bounds and identities checked:
 * the FP8 pair == ``reference.quantize(kernel's own bf16 output)`` bit for bit, for every ActFormat,
   and ``return_bf16=False`` writes the same bytes;
-* the bf16 output is within half a bf16 ulp and a little (``helpers.ROUNDED_FROM_FP32``, in the
+* the bf16 output is within half a bf16 ulp and a little (``verify.ROUNDED_FROM_FP32``, in the
   ulp of each value's binade) of the fp32 reference ``silu(gate) * up``: the rounding of an fp32
   value that differs from the reference's by its exp and division;
 * the swiglu clamp (``limit``) keeps NaN.

@@ -93,7 +93,7 @@ def assert_bitwise(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def check_boundary_outputs(y, residual, pre, post, comb, weight, new_residual, x, pair, fmt, eps=EPS):
-    """R' and x correctly rounded (``helpers.ROUNDED_FROM_FP32``) from the fp32 post and the fp32
+    """R' and x correctly rounded (``verify.ROUNDED_FROM_FP32``) from the fp32 post and the fp32
     norm of the kernel's own R', R' bitwise the reference's, pair exact."""
     if y is not None:
         assert_close_bf16(new_residual, ref_mhc.mhc_post_fp32(y, residual, post, comb))

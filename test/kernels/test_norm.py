@@ -4,7 +4,7 @@ H, GPU at DSv4.1 shapes (H = 5120 hidden, 1280 q_norm).
 Bounds and identities checked:
 * the FP8 pair == ``reference.quantize(kernel's own bf16 output)`` bit for bit, for every ActFormat,
   and ``return_bf16=False`` writes the same bytes;
-* the bf16 output is within half a bf16 ulp and a little (``helpers.ROUNDED_FROM_FP32``, in the
+* the bf16 output is within half a bf16 ulp and a little (``verify.ROUNDED_FROM_FP32``, in the
   ulp of each value's binade) of the fp32 reference ``h * rsqrt(mean(h^2) + eps) * weight``: the
   rounding of an fp32 value that differs from the reference's by its reduction order and rsqrt;
 * with ``residual``: the residual is updated in place to ``bf16(x + residual)`` bit for bit;

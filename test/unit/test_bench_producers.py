@@ -99,8 +99,9 @@ def test_the_compiled_peer_writes_what_the_fp8_arm_writes(name):
 def test_every_launch_candidate_keeps_the_contract(name, cols, rows, device):
     """Each shape the sweep may time is a correct producer: its FP8 pair equals
     ``reference.quantize`` of its own bf16 output bit for bit, that output is correctly rounded
-    from the fp32 reference (``helpers.ROUNDED_FROM_FP32``) (SiLU*mul, elementwise: the rule's bytes exactly; RMSNorm's warps set the
-    order of the row's sum of squares), and no output element is left unwritten. A shape that
+    from the fp32 reference (``verify.ROUNDED_FROM_FP32``; SiLU*mul, elementwise: the rule's bytes
+    exactly; RMSNorm's warps set the order of the row's sum of squares), and no output element is
+    left unwritten. A shape that
     faults or writes wrong bytes fails here, named, before a sweep reports its time."""
     bench = _load_benchmark("producers")
     fmt = ActFormat.SM90_G32_FP32_MN

@@ -51,6 +51,49 @@ def test_verify_passes_and_reports_a_broken_kernel(monkeypatch, capsys):
     assert "[FAIL] quantize" in capsys.readouterr().out
 
 
+def _break(monkeypatch, module, name, wrong):
+    """``module.name`` replaced by ``wrong(real, *args, **kwargs)``."""
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args, **kwargs: wrong(real, *args, **kwargs))
+
+
+def _norm_without_weight(real, x, weight, eps, **kwargs):
+    return real(x, torch.ones_like(weight), eps, **kwargs)
+
+
+def _swiglu_swapped(real, gate_up, **kwargs):
+    return real(gate_up.roll(gate_up.shape[-1] // 2, dims=-1), **kwargs)
+
+
+def _einsum_negated(real, o, wo_a, **kwargs):
+    return real(o, -wo_a, **kwargs)
+
+
+def _boundary_without_post(real, y, residual, pre, post, *args, **kwargs):
+    return real(y, residual, pre, post * 0, *args, **kwargs)
+
+
+def _rope_without_kv_weight(real, *args, kv_weight=None, **kwargs):
+    return real(*args, **kwargs)
+
+
+@pytest.mark.parametrize("module,name,wrong,check", [
+    ("norm", "rms_norm", _norm_without_weight, "producers"),
+    ("act", "silu_mul", _swiglu_swapped, "producers"),
+    ("einsum", "wo_a_einsum", _einsum_negated, "wo_a + mhc"),
+    ("mhc", "mhc_mega_boundary", _boundary_without_post, "wo_a + mhc"),
+    ("attention", "rope_qkv", _rope_without_kv_weight, "attention"),
+], ids=["rms_norm", "silu_mul", "wo_a", "mhc", "rope_qkv"])
+def test_verify_fails_a_kernel_that_computes_wrong(module, name, wrong, check, monkeypatch):
+    """Each check compares its kernels' outputs with the reference, not only the FP8 pair with the
+    kernel's own (wrong) bf16 output: a kernel computing the wrong thing consistently fails it."""
+    import importlib
+
+    _break(monkeypatch, importlib.import_module(f"fp8chain_kernel.{module}"), name, wrong)
+    with pytest.raises(AssertionError):
+        verify.CHECKS[check](torch.device("cpu"), True)
+
+
 def test_verify_reports_a_check_that_raises_and_runs_the_rest(monkeypatch, capsys):
     ran = []
 
