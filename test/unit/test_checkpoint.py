@@ -205,6 +205,36 @@ def test_reload_keeps_storage_and_rejects_bad_names(written, tiny):
         model.load_weights(partial)
 
 
+def test_load_writes_each_fp8_linear_as_its_tensors_stream_in(tiny):
+    """No second copy of the checkpoint is held: by the time the next layer's first tensor arrives,
+    the layer before has every FP8 linear written (the fused wqkv_a and gate_up once both halves
+    are in), and a reload's new values reach the linears too."""
+    from fp8chain.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    model = DeepseekV41ForCausalLM(tiny)
+    model.load_weights(random_checkpoint_tensors(tiny, seed=1))
+    tensors = dict(random_checkpoint_tensors(tiny, seed=2))
+    layer = model.layers[0]
+    linears = {"attn.wq_b": tensors["layers.0.attn.wq_b.weight"], "attn.wo_b": tensors["layers.0.attn.wo_b.weight"],
+               "attn.wqkv_a": torch.cat([tensors["layers.0.attn.wq_a.weight"], tensors["layers.0.attn.wkv.weight"]]),
+               "ffn.shared_experts.gate_up": torch.cat([tensors["layers.0.ffn.shared_experts.w1.weight"],
+                                                        tensors["layers.0.ffn.shared_experts.w3.weight"]]),
+               "ffn.shared_experts.down": tensors["layers.0.ffn.shared_experts.w2.weight"]}
+    checked = []
+
+    def stream():
+        for name, tensor in tensors.items():
+            if name.startswith("layers.1.") and not checked:
+                for path, want in linears.items():
+                    got = layer.get_submodule(path).weight
+                    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), path
+                checked.append(name)
+            yield name, tensor
+
+    model.load_weights(stream())
+    assert checked
+
+
 def test_a_load_that_fails_part_way_leaves_the_model_refusing_to_run():
     """A failed load that had already copied tensors in (here: all but the head) leaves parameters
     of two checkpoints: forward and the engine refuse until a load succeeds. A load refused before

@@ -782,7 +782,6 @@ class DeepseekV41ForCausalLM(nn.Module):
         expected = set(layout)
         loaded: set[str] = set()
         pending: dict[str, dict[str, torch.Tensor]] = {}
-        linear_items: list[tuple[str, torch.Tensor]] = []
         params = dict(self.named_parameters())
         c = self.config
         inter = c.moe_intermediate_size
@@ -804,73 +803,83 @@ class DeepseekV41ForCausalLM(nn.Module):
                 return [done[p] for p in parts]
             return None
 
-        for name, tensor in weights:
-            if name not in expected:
-                alias = _dense_scale_name(name)
-                if alias == name or alias not in expected:
-                    raise KeyError(f"unexpected checkpoint tensor {name!r}")
-                name = alias
-            if name in loaded:
-                raise ValueError(f"checkpoint tensor {name!r} given twice (as .scale and .weight_scale_inv?)")
-            _check_checkpoint_tensor(name, tensor, layout[name])
-            loaded.add(name)
-            if name in ("embed.weight", "head.weight", "norm.weight"):
-                copy_into(name, tensor)
-                continue
-            m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-            i, rest = int(m.group(1)), m.group(2)
-            pfx = f"layers.{i}"
-            if rest == "attn.attn_sink":  # one per query head: this rank's heads
-                copy_into(f"{pfx}.{rest}", self._shard(tensor))
-            elif rest in ("attn_norm.weight", "ffn_norm.weight", "attn.q_norm.weight",
-                          "attn.kv_norm.weight", "ffn.gate.weight", "ffn.gate.bias"):
-                if rest == "ffn.gate.bias":
-                    _check_values_within(name, tensor, "gate.bias")
-                copy_into(f"{pfx}.{rest}", tensor)
-            elif (h := re.fullmatch(r"hc_(attn|ffn)_(fn|base|scale)", rest)):
-                if h.group(2) == "fn":
-                    _check_values_within(name, tensor, "fn")
-                copy_into(f"{pfx}.hc_{h.group(1)}.{h.group(2)}", tensor)
-            elif (q := re.fullmatch(r"attn\.(wq_a|wkv)\.(weight|weight_scale_inv)", rest)):
-                parts = stash(f"{pfx}.attn.wqkv_a.{q.group(2)}", q.group(1), tensor, ("wq_a", "wkv"))
-                if parts is not None:
-                    linear_items.append((f"{pfx}.attn.wqkv_a.{q.group(2)}", torch.cat(parts, 0)))
-            elif (q := re.fullmatch(r"attn\.(wq_b|wo_b)\.(weight|weight_scale_inv)", rest)):
-                linear_items.append((f"{pfx}.{rest}", tensor))
-            elif (q := re.fullmatch(r"attn\.wo_a\.(weight|weight_scale_inv)", rest)):
-                parts = stash(f"{pfx}.attn.wo_a", q.group(1), tensor, ("weight", "weight_scale_inv"))
-                if parts is not None:
-                    self._load_wo_a(self.layers[i].attn, f"{pfx}.attn.wo_a", *parts, started)
-            elif (q := re.fullmatch(r"ffn\.shared_experts\.(w1|w3)\.(weight|weight_scale_inv)", rest)):
-                key = f"{pfx}.ffn.shared_experts.gate_up.{q.group(2)}"
-                parts = stash(key, q.group(1), tensor, ("w1", "w3"))
-                if parts is not None:
-                    linear_items.append((key, torch.cat(parts, 0)))
-            elif (q := re.fullmatch(r"ffn\.shared_experts\.w2\.(weight|weight_scale_inv)", rest)):
-                linear_items.append((f"{pfx}.ffn.shared_experts.down.{q.group(1)}", tensor))
-            elif (q := re.fullmatch(r"ffn\.experts\.(\d+)\.(w1|w2|w3)\.(weight|scale)", rest)):
-                e, w, kind = int(q.group(1)), q.group(2), q.group(3)
-                experts = self.layers[i].ffn.experts
-                value = tensor.view(torch.uint8) if tensor.dtype != torch.uint8 else tensor
-                target = {("w1", "weight"): experts.w13_weight[e, :inter],
-                          ("w3", "weight"): experts.w13_weight[e, inter:],
-                          ("w1", "scale"): experts.w13_scale[e, :inter],
-                          ("w3", "scale"): experts.w13_scale[e, inter:],
-                          ("w2", "weight"): experts.w2_weight[e],
-                          ("w2", "scale"): experts.w2_scale[e]}[(w, kind)]
-                if tuple(target.shape) != tuple(value.shape):
-                    raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(target.shape)}")
+        def fp8_linear_tensors():
+            """Every tensor in turn: the FP8 linears' yielded (fused pairs once both halves are in)
+            for ``loading.load_weights`` to write as they come, the rest written here."""
+            for name, tensor in weights:
+                if name not in expected:
+                    alias = _dense_scale_name(name)
+                    if alias == name or alias not in expected:
+                        raise KeyError(f"unexpected checkpoint tensor {name!r}")
+                    name = alias
+                if name in loaded:
+                    raise ValueError(f"checkpoint tensor {name!r} given twice (as .scale and .weight_scale_inv?)")
+                _check_checkpoint_tensor(name, tensor, layout[name])
+                loaded.add(name)
+                if name in ("embed.weight", "head.weight", "norm.weight"):
+                    copy_into(name, tensor)
+                    continue
+                m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+                i, rest = int(m.group(1)), m.group(2)
+                pfx = f"layers.{i}"
+                if rest == "attn.attn_sink":  # one per query head: this rank's heads
+                    copy_into(f"{pfx}.{rest}", self._shard(tensor))
+                elif rest in ("attn_norm.weight", "ffn_norm.weight", "attn.q_norm.weight",
+                              "attn.kv_norm.weight", "ffn.gate.weight", "ffn.gate.bias"):
+                    if rest == "ffn.gate.bias":
+                        _check_values_within(name, tensor, "gate.bias")
+                    copy_into(f"{pfx}.{rest}", tensor)
+                elif (h := re.fullmatch(r"hc_(attn|ffn)_(fn|base|scale)", rest)):
+                    if h.group(2) == "fn":
+                        _check_values_within(name, tensor, "fn")
+                    copy_into(f"{pfx}.hc_{h.group(1)}.{h.group(2)}", tensor)
+                elif (q := re.fullmatch(r"attn\.(wq_a|wkv)\.(weight|weight_scale_inv)", rest)):
+                    parts = stash(f"{pfx}.attn.wqkv_a.{q.group(2)}", q.group(1), tensor, ("wq_a", "wkv"))
+                    if parts is not None:
+                        yield f"{pfx}.attn.wqkv_a.{q.group(2)}", torch.cat(parts, 0)
+                elif (q := re.fullmatch(r"attn\.(wq_b|wo_b)\.(weight|weight_scale_inv)", rest)):
+                    yield f"{pfx}.{rest}", tensor
+                elif (q := re.fullmatch(r"attn\.wo_a\.(weight|weight_scale_inv)", rest)):
+                    parts = stash(f"{pfx}.attn.wo_a", q.group(1), tensor, ("weight", "weight_scale_inv"))
+                    if parts is not None:
+                        self._load_wo_a(self.layers[i].attn, f"{pfx}.attn.wo_a", *parts, started)
+                elif (q := re.fullmatch(r"ffn\.shared_experts\.(w1|w3)\.(weight|weight_scale_inv)", rest)):
+                    key = f"{pfx}.ffn.shared_experts.gate_up.{q.group(2)}"
+                    parts = stash(key, q.group(1), tensor, ("w1", "w3"))
+                    if parts is not None:
+                        yield key, torch.cat(parts, 0)
+                elif (q := re.fullmatch(r"ffn\.shared_experts\.w2\.(weight|weight_scale_inv)", rest)):
+                    yield f"{pfx}.ffn.shared_experts.down.{q.group(1)}", tensor
+                elif (q := re.fullmatch(r"ffn\.experts\.(\d+)\.(w1|w2|w3)\.(weight|scale)", rest)):
+                    e, w, kind = int(q.group(1)), q.group(2), q.group(3)
+                    experts = self.layers[i].ffn.experts
+                    value = tensor.view(torch.uint8) if tensor.dtype != torch.uint8 else tensor
+                    target = {("w1", "weight"): experts.w13_weight[e, :inter],
+                              ("w3", "weight"): experts.w13_weight[e, inter:],
+                              ("w1", "scale"): experts.w13_scale[e, :inter],
+                              ("w3", "scale"): experts.w13_scale[e, inter:],
+                              ("w2", "weight"): experts.w2_weight[e],
+                              ("w2", "scale"): experts.w2_scale[e]}[(w, kind)]
+                    if tuple(target.shape) != tuple(value.shape):
+                        raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(target.shape)}")
+                    started()
+                    with torch.no_grad():
+                        target.copy_(value)
+                else:  # pragma: no cover - checkpoint_layout and this table are written together
+                    raise KeyError(f"no rule for checkpoint tensor {name!r}")
+            missing = expected - loaded
+            if missing or pending:
+                raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. "
+                                 f"{sorted(missing)[:5]} (incomplete fused groups: {sorted(pending)[:5]})")
+
+        def announced(items):
+            for item in items:
                 started()
-                with torch.no_grad():
-                    target.copy_(value)
-            else:  # pragma: no cover - checkpoint_layout and this table are written together
-                raise KeyError(f"no rule for checkpoint tensor {name!r}")
-        missing = expected - loaded
-        if missing or pending:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. "
-                             f"{sorted(missing)[:5]} (incomplete fused groups: {sorted(pending)[:5]})")
-        started()
-        loading.load_weights(self, linear_items)  # then every layer's processing, the experts' bf16 copies too
+                yield item
+
+        # the linears' tensors written as they stream in, then every layer's processing (the
+        # experts' bf16 copies too): no second copy of the checkpoint is held
+        loading.load_weights(self, announced(fp8_linear_tensors()))
         return loaded
 
     def _shard(self, tensor: torch.Tensor) -> torch.Tensor:
