@@ -205,6 +205,13 @@ def test_reload_keeps_storage_and_rejects_bad_names(written, tiny):
         model.load_weights(partial)
 
 
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_writer_refuses_a_shard_size_before_creating_anything(tmp_path, tiny, bad):
+    with pytest.raises(ValueError, match="layers_per_shard must be a positive int"):
+        write_random_checkpoint(tmp_path / "ckpt", tiny, layers_per_shard=bad)
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_load_writes_each_fp8_linear_as_its_tensors_stream_in(tiny):
     """No second copy of the checkpoint is held: by the time the next layer's first tensor arrives,
     the layer before has every FP8 linear written (the fused wqkv_a and gate_up once both halves

@@ -164,6 +164,18 @@ def test_a_configured_backend_that_rejects_the_layer_fails_its_load():
         layer(torch.randn(3, K).to(torch.bfloat16))
 
 
+def test_a_fresh_layer_given_only_its_weight_refuses_to_run():
+    """Block scales start unset (NaN), not as a placeholder 1.0 the checks would take for a
+    checkpoint's: a first load without them fails processing and the layer refuses to run."""
+    layer = make_layer()
+    with pytest.raises(ValueError, match=r"weight_scale_inv: .* not positive, finite powers of two"):
+        load_weights(layer, [("weight", checkpoint()["weight"])])
+    with pytest.raises(RuntimeError, match="weights not processed"):
+        layer(torch.randn(3, K).to(torch.bfloat16))
+    load_weights(layer, checkpoint().items())
+    assert layer.input_format is not None
+
+
 def test_partial_reload_and_sharded_reload():
     full_a, full_b = checkpoint(n=2 * N), checkpoint(n=2 * N)
     layer = ColumnParallelLinear(K, 2 * N, quant_config=CFG32, tp_rank=1, tp_size=2)
@@ -246,3 +258,7 @@ def test_layer_loader_reprocesses_the_routed_experts_and_reads_e8m0_scales_as_by
     assert torch.equal(experts.w13_dequant, dequantize_mxfp4(w13, scale, torch.bfloat16))
     with pytest.raises(TypeError, match="torch.float32 cannot be loaded into a torch.uint8 parameter"):
         load_weights(experts, [("w13_scale", scale.float())])
+    if hasattr(torch, "float4_e2m1fn_x2"):  # packed e2m1 pairs under their own element type: their bytes
+        other = torch.randint(0, 256, tuple(experts.w13_weight.shape), generator=gen, dtype=torch.uint8)
+        load_weights(experts, [("w13_weight", other.view(torch.float4_e2m1fn_x2))])
+        assert torch.equal(experts.w13_weight, other)

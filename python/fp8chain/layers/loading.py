@@ -20,6 +20,9 @@ from fp8chain_kernel.formats import FP8_DTYPE
 
 logger = logging.getLogger(__name__)
 
+#: element types whose bytes a uint8 parameter takes as they are (UE8M0 scales, packed e2m1 pairs)
+_BYTE_DTYPES = (torch.float8_e8m0fnu,) + tuple(getattr(torch, n) for n in ("float4_e2m1fn_x2",) if hasattr(torch, n))
+
 __all__ = ["check_loadable_dtype", "default_weight_loader", "invalidate_processed", "load_weights",
            "process_weights_after_loading"]
 
@@ -36,11 +39,12 @@ def check_loadable_dtype(param: nn.Parameter, loaded: torch.Tensor, what: str = 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     """Copy ``loaded`` into ``param`` in place; shapes must match (``check_loadable_dtype``). UE8M0
-    scales stored as ``float8_e8m0fnu`` go into a uint8 parameter as their bytes."""
+    scales stored as ``float8_e8m0fnu`` and packed e2m1 pairs stored as ``float4_e2m1fn_x2`` go
+    into a uint8 parameter as their bytes (the model's own loader takes both)."""
     if tuple(loaded.shape) != tuple(param.shape):
         raise ValueError(f"checkpoint shape {tuple(loaded.shape)} does not match parameter shape "
                          f"{tuple(param.shape)}")
-    if loaded.dtype == torch.float8_e8m0fnu and param.dtype == torch.uint8:
+    if loaded.dtype in _BYTE_DTYPES and param.dtype == torch.uint8:
         loaded = loaded.view(torch.uint8)
     check_loadable_dtype(param, loaded)
     with torch.no_grad():

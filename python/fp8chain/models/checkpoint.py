@@ -25,7 +25,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from fp8chain_kernel.formats import FP8_DTYPE, FP8_MAX
+from fp8chain_kernel.formats import FP8_DTYPE, FP8_MAX, is_int
 from fp8chain_kernel.reference import pow2_scale_multiplier, ue8m0_exponent
 
 from ..layers.moe import MXFP4_GROUP, quantize_mxfp4
@@ -156,12 +156,15 @@ def _shard_of(name: str, num_layers: int, layers_per_shard: int) -> int:
 
 def write_random_checkpoint(path, config: DeepseekV41Config, seed: int = 0, *,
                             layers_per_shard: int = 1) -> Path:
-    """Write a random DSv4.1 checkpoint into directory ``path``; returns the path."""
+    """Write a random DSv4.1 checkpoint into directory ``path`` (``layers_per_shard`` decoder
+    layers per safetensors file, a positive int); returns the path."""
     from safetensors.torch import save_file
 
+    if not is_int(layers_per_shard) or layers_per_shard < 1:  # before anything is created
+        raise ValueError(f"layers_per_shard must be a positive int, got {layers_per_shard!r}")
+    config.validate()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config.validate()
     num_shards = max(1, -(-config.num_hidden_layers // layers_per_shard))
     shards: list[dict[str, torch.Tensor]] = [dict() for _ in range(num_shards)]
     for name, tensor in random_checkpoint_tensors(config, seed):
