@@ -19,9 +19,10 @@ bytes / copy bandwidth and flops / bf16 matmul rate; ``floor_fraction`` = floor_
 
 Decode: M sequences, each at position ``context - 1`` of its own slot. Prefill: one sequence of M
 tokens at positions 0..M-1 (causal: token t attends to keys 0..t). The calls of a captured graph
-take turns over copies of the KV cache that add up to more than the L2
-(``harness.copies_past_l2``), so every call reads its keys from HBM as a serving step does (until
-2026-12-05 one cache was replayed: a decode cache of a few MB stayed in L2 between calls).
+take turns over copies of the KV cache that add up to 160 MB (``harness.copies_past_l2``, at most
+256 copies: a cache under 640 KB, only at sizes below the defaults, stays partly in L2), so every
+call reads its keys from HBM as a serving step does (until 2026-12-05 one cache was replayed: a
+decode cache of a few MB stayed in L2 between calls).
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
 """``fp8chain verify``: the kernels' correctness contract, checked on the hardware present.
 
 On a GPU the checks run at DSv4.1 sizes with the compiled kernels; on a CPU at small sizes
-through the Triton interpreter. Each FP8 producer's pair must equal the reference quantization
-of its own bf16 output bit for bit; GEMMs must match an fp64 reference on the dequantized
-operands within bf16 output rounding.
+through the Triton interpreter. Each FP8 producer's bf16 output must match the reference (rounded
+from its fp32 value: ``ROUNDED_FROM_FP32``; the mHC residual bit for bit; the wo_a einsum and the
+attention within their error bounds) and its pair must equal the reference quantization of that
+bf16 output bit for bit; GEMMs must match an fp64 reference on the dequantized operands within
+bf16 output rounding; the router must pick the reference's experts where no two keys nearly tie.
+NaN and infinite inputs must stay visible in the rows that hold them.
 """
 
 from __future__ import annotations

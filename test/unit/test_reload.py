@@ -167,7 +167,13 @@ def test_a_configured_backend_that_rejects_the_layer_fails_its_load():
 def test_a_fresh_layer_given_only_its_weight_refuses_to_run():
     """Block scales start unset (NaN), not as a placeholder 1.0 the checks would take for a
     checkpoint's: a first load without them fails processing and the layer refuses to run."""
-    layer = make_layer()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # serving stacks build models so: the scales stay fp32
+    try:
+        layer = make_layer()
+    finally:
+        torch.set_default_dtype(default)
+    assert layer.weight_scale_inv.dtype == torch.float32
     with pytest.raises(ValueError, match=r"weight_scale_inv: .* not positive, finite powers of two"):
         load_weights(layer, [("weight", checkpoint()["weight"])])
     with pytest.raises(RuntimeError, match="weights not processed"):

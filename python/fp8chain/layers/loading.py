@@ -111,7 +111,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             loader = getattr(param, "weight_loader", default_weight_loader)
             loader(param, tensor)
             loaded.add(name)
-    except Exception:
+    except BaseException:  # an interrupt part-way through a streamed checkpoint too
         if loaded:  # some parameters hold the new checkpoint, the rest the old one
             invalidate_processed(model)
         raise

@@ -138,7 +138,7 @@ class Fp8LinearMethod(LinearMethodBase):
                 raise ValueError(f"{layer.display_name}: per-rank size {sharded} is not a multiple "
                                  f"of the {b}x{b} weight block; block scales cannot be sharded")
         weight = nn.Parameter(torch.zeros(n, k, dtype=FP8_DTYPE, device=device), requires_grad=False)
-        scale = nn.Parameter(torch.full((cdiv(n, b), cdiv(k, b)), float("nan"), device=device),
+        scale = nn.Parameter(torch.full((cdiv(n, b), cdiv(k, b)), float("nan"), dtype=torch.float32, device=device),
                              requires_grad=False)
         for p in (weight, scale):
             set_param_attrs(p, shard_dim=layer.weight_shard_dim, weight_loader=layer.weight_loader)
