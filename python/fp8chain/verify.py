@@ -51,6 +51,18 @@ def bf16_ulp_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want).abs() / ulp).max().item() if want.numel() else 0.0
 
 
+def rotated_rows_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Two bf16 roundings of one fp32 RoPE computation done in different orders: the largest
+    ``|got - want|`` in units of one bf16 ulp of ``want`` (``|want| * 2^-7``) plus 2^-16 of its
+    row's largest value (a rotation that cancels leaves fp32 reordering error on a small result);
+    at most 1 where they agree, inf where ``got`` is not finite."""
+    if not bool(torch.isfinite(got).all()):
+        return float("inf")
+    got, want = got.float(), want.float()
+    allowed = want.abs() * 2.0**-7 + want.abs().amax(dim=-1, keepdim=True) * 2.0**-16
+    return ((got - want).abs() / allowed).max().item() if want.numel() else 0.0
+
+
 def _require_rounded(got: torch.Tensor, want_fp32: torch.Tensor, what: str, ulps: float = ROUNDED_FROM_FP32) -> None:
     err = bf16_ulp_error(got, want_fp32)
     _require(err <= ulps, f"{what}: {err:.3g} bf16 ulps from the fp32 reference (at most {ulps:.3g})")
@@ -166,10 +178,10 @@ def check_attention(device, quick) -> str:
         slots, positions = torch.arange(rows, device=device), torch.randint(0, length, (rows,), device=device)
         q = attention.rope_qkv(q_in, kv, cos, sin, cache, slots, positions, 1e-6, kv_weight=kv_weight)
         want_q = ref.rope_qkv(q_in, kv, cos, sin, want_cache, slots, positions, 1e-6, kv_weight=kv_weight)
-        # two bf16 roundings of one fp32 computation done in another order: one ulp apart at most
-        err = bf16_ulp_error(cache[slots, positions], want_cache[slots, positions])
+        err = rotated_rows_error(cache[slots, positions], want_cache[slots, positions])
         _require(err <= 1.0 and torch.equal(cache, want_cache.index_put((slots, positions), cache[slots, positions])),
-                 f"rope_qkv T={rows}: the cache rows written are {err:.3g} bf16 ulps off, or another row changed")
+                 f"rope_qkv T={rows}: the cache rows written are {err:.3g}x the rounding bound off, or another "
+                 f"row changed")
         sink = torch.randn(heads, device=device)
         o = attention.mqa_attention(q, cache, slots, positions, sink, dim ** -0.5, cos, sin).float()
         want = ref.mqa_attention(want_q, want_cache, slots, positions, sink, dim ** -0.5, cos, sin).float()
@@ -177,8 +189,8 @@ def check_attention(device, quick) -> str:
         err = ((o.double() - want.double()).norm() / want.double().norm()).item()
         _require(err < 1e-2, f"attention T={rows}: relative error {err:.2e}")
         worst = max(worst, err)
-    return (f"rope_qkv (kv norm fused) + mqa_attention {heads} heads x {dim}, context {length}: cache rows within "
-            f"one bf16 ulp, worst relative error {worst:.1e}")
+    return (f"rope_qkv (kv norm fused) + mqa_attention {heads} heads x {dim}, context {length}: cache rows as "
+            f"rounded alike, worst relative error {worst:.1e}")
 
 
 def check_gemm(device, quick) -> str:
