@@ -186,7 +186,7 @@ def check_attention(device, quick) -> str:
         o = attention.mqa_attention(q, cache, slots, positions, sink, dim ** -0.5, cos, sin).float()
         want = ref.mqa_attention(want_q, want_cache, slots, positions, sink, dim ** -0.5, cos, sin).float()
         _require(bool(torch.isfinite(o).all()), f"non-finite attention output T={rows}")
-        err = ((o.double() - want.double()).norm() / want.double().norm()).item()
+        err = _relative_error(o, want)
         _require(err < 1e-2, f"attention T={rows}: relative error {err:.2e}")
         worst = max(worst, err)
     return (f"rope_qkv (kv norm fused) + mqa_attention {heads} heads x {dim}, context {length}: cache rows as "
@@ -205,7 +205,7 @@ def check_gemm(device, quick) -> str:
             out = gemm.fp8_gemm(pair, weight, scale, weight_block=block)
             want = ref.fp8_gemm(pair, weight, scale, block).double()
             _require(bool(torch.isfinite(out).all()), f"non-finite GEMM output {fmt.value} M={rows}")
-            err = ((out.double() - want).norm() / want.norm()).item()
+            err = _relative_error(out, want)
             _require(err < 5e-3, f"GEMM {fmt.value} M={rows}: relative error {err:.2e}")
             worst = max(worst, err)
         # a NaN or an infinity in a token: its output row is NaN (never finite), the others finite

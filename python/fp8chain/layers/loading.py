@@ -20,11 +20,13 @@ from fp8chain_kernel.formats import FP8_DTYPE
 
 logger = logging.getLogger(__name__)
 
+#: torch's element type of packed e2m1 pairs (MXFP4 data), where this torch has one
+PACKED_E2M1_DTYPES = tuple(getattr(torch, n) for n in ("float4_e2m1fn_x2",) if hasattr(torch, n))
 #: element types whose bytes a uint8 parameter takes as they are (UE8M0 scales, packed e2m1 pairs)
-_BYTE_DTYPES = (torch.float8_e8m0fnu,) + tuple(getattr(torch, n) for n in ("float4_e2m1fn_x2",) if hasattr(torch, n))
+_BYTE_DTYPES = (torch.float8_e8m0fnu,) + PACKED_E2M1_DTYPES
 
-__all__ = ["check_loadable_dtype", "default_weight_loader", "invalidate_processed", "load_weights",
-           "process_weights_after_loading"]
+__all__ = ["PACKED_E2M1_DTYPES", "check_loadable_dtype", "default_weight_loader", "invalidate_processed",
+           "load_weights", "process_weights_after_loading"]
 
 
 def check_loadable_dtype(param: nn.Parameter, loaded: torch.Tensor, what: str = "checkpoint") -> None:

@@ -18,6 +18,7 @@ from fp8chain_kernel import router as router_kernels
 from fp8chain_kernel.formats import QuantizedActivation, is_int
 
 from .linear import MergedColumnParallelLinear, RowParallelLinear
+from .loading import PACKED_E2M1_DTYPES
 from .quantization.fp8 import consumer_gemm_silu_mul
 
 __all__ = [
@@ -32,8 +33,7 @@ E2M1_MAX = 6.0
 #: the largest MXFP4 value fp32 and bf16 hold: 6 x 2^125 (4 x 2^126 = 2^128 is already inf)
 MXFP4_LARGEST = E2M1_MAX * 2.0**125
 #: element types packed e2m1 pairs come in (read as their bytes)
-MXFP4_PACKED_DTYPES = (torch.uint8, torch.int8) + tuple(
-    getattr(torch, name) for name in ("float4_e2m1fn_x2",) if hasattr(torch, name))
+MXFP4_PACKED_DTYPES = (torch.uint8, torch.int8) + PACKED_E2M1_DTYPES
 
 
 def _e2m1_table(device) -> torch.Tensor:
