@@ -212,6 +212,49 @@ def test_writer_refuses_a_shard_size_before_creating_anything(tmp_path, tiny, ba
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.parametrize("layers_per_shard", [1, 2, 4])
+def test_writer_places_layers_in_shards_and_holds_one_shard_at_a_time(tmp_path, monkeypatch, layers_per_shard):
+    """Each shard file holds its layers (the embedding with the first, the final norm and head
+    with the last), the index says so, and a shard is written before the next one's tensors are
+    generated: at most one shard's tensors are held."""
+    import safetensors.torch
+
+    from fp8chain.models import checkpoint
+
+    config = DeepseekV41Config.tiny(num_hidden_layers=3)
+    generated, saved = [0], []
+    real_tensors, real_save = checkpoint.random_checkpoint_tensors, safetensors.torch.save_file
+
+    def counting_tensors(*args, **kwargs):
+        for item in real_tensors(*args, **kwargs):
+            generated[0] += 1
+            yield item
+
+    def recording_save(tensors, fname, **kwargs):
+        saved.append(len(tensors))
+        # the tensor that opened the next shard may already be generated, nothing past it
+        assert generated[0] <= sum(saved) + 1, (generated[0], saved)
+        real_save(tensors, fname, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "random_checkpoint_tensors", counting_tensors)
+    monkeypatch.setattr(safetensors.torch, "save_file", recording_save)
+    path = write_random_checkpoint(tmp_path / "ckpt", config, seed=3, layers_per_shard=layers_per_shard)
+    shards = -(-3 // layers_per_shard)
+    assert len(saved) == shards and sum(saved) == generated[0] == len(checkpoint_layout(config))
+    weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+    names = lambda s: f"model-{s + 1:05d}-of-{shards:05d}.safetensors"  # noqa: E731
+    for name, fname in weight_map.items():
+        layer = int(name.split(".")[1]) if name.startswith("layers.") else (0 if name == "embed.weight" else 2)
+        assert fname == names(layer // layers_per_shard), name
+    with safetensors.safe_open(str(path / names(shards - 1)), "pt") as f:
+        assert {"norm.weight", "head.weight", "layers.2.attn_norm.weight"} <= set(f.keys())
+    _, tensors = load_checkpoint(path)
+    expected = dict(real_tensors(config, seed=3))
+    for name, t in tensors:
+        assert torch.equal(t.view(torch.uint8), expected.pop(name).view(torch.uint8)), name
+    assert not expected
+
+
 def test_load_writes_each_fp8_linear_as_its_tensors_stream_in(tiny):
     """No second copy of the checkpoint is held: by the time the next layer's first tensor arrives,
     the layer before has every FP8 linear written (the fused wqkv_a and gate_up once both halves

@@ -157,7 +157,8 @@ def _shard_of(name: str, num_layers: int, layers_per_shard: int) -> int:
 def write_random_checkpoint(path, config: DeepseekV41Config, seed: int = 0, *,
                             layers_per_shard: int = 1) -> Path:
     """Write a random DSv4.1 checkpoint into directory ``path`` (``layers_per_shard`` decoder
-    layers per safetensors file, a positive int); returns the path."""
+    layers per safetensors file, a positive int); returns the path. Shards are written as they
+    fill (the layout lists tensors shard by shard), so at most one shard is held in memory."""
     from safetensors.torch import save_file
 
     if not is_int(layers_per_shard) or layers_per_shard < 1:  # before anything is created
@@ -166,16 +167,26 @@ def write_random_checkpoint(path, config: DeepseekV41Config, seed: int = 0, *,
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     num_shards = max(1, -(-config.num_hidden_layers // layers_per_shard))
-    shards: list[dict[str, torch.Tensor]] = [dict() for _ in range(num_shards)]
-    for name, tensor in random_checkpoint_tensors(config, seed):
-        shards[_shard_of(name, config.num_hidden_layers, layers_per_shard)][name] = tensor
     weight_map, total = {}, 0
-    for s, tensors in enumerate(shards):
+
+    def save(s: int, tensors: dict[str, torch.Tensor]) -> None:
+        nonlocal total
         fname = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
         save_file(tensors, str(path / fname), metadata={"format": "pt"})
         for name, t in tensors.items():
             weight_map[name] = fname
             total += t.numel() * t.element_size()
+
+    shard, tensors = 0, {}
+    for name, tensor in random_checkpoint_tensors(config, seed):
+        s = _shard_of(name, config.num_hidden_layers, layers_per_shard)
+        if s != shard:
+            if s < shard:  # pragma: no cover - checkpoint_layout lists tensors in shard order
+                raise AssertionError(f"{name} belongs to shard {s}, already written")
+            save(shard, tensors)
+            shard, tensors = s, {}
+        tensors[name] = tensor
+    save(shard, tensors)
     with open(path / INDEX_FILE, "w") as f:
         json.dump({"metadata": {"total_size": total, "seed": int(seed)}, "weight_map": weight_map},
                   f, indent=1, sort_keys=True)
