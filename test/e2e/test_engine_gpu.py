@@ -274,6 +274,27 @@ def test_graph_replay_refuses_a_half_loaded_model(setup):
     assert engine.generate(prompts, 12).tokens == [t[:12] for t in setup["runs"][True].tokens]
 
 
+def test_capture_refuses_a_model_that_gives_non_finite_logits(setup):
+    """The eager run before capture checks its logits: one NaN in a chained producer's weight
+    (layer 1's q_norm) fails capture, naming the bucket, instead of replaying NaN logits into
+    argmax; with the weight restored a fresh engine captures and replays the original tokens."""
+    model, prompts = setup["model"], setup["prompts"]
+    weight = model.layers[1].attn.q_norm.weight
+    kept = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight[3] = float("nan")
+        engine = Engine(model, max_batch=PROMPTS, max_len=96, cuda_graphs=True)
+        with pytest.raises(RuntimeError, match=r"decode bucket 1 \(chain=True\) gave non-finite logits"):
+            engine.generate(prompts, 4)
+        assert not engine._runners
+    finally:
+        with torch.no_grad():
+            weight.copy_(kept)
+    again = Engine(model, max_batch=PROMPTS, max_len=96, cuda_graphs=True).generate(prompts, 12)
+    assert again.graphs and again.tokens == [t[:12] for t in setup["runs"][True].tokens]
+
+
 def test_forward_refuses_out_of_range_indices_on_the_gpu(setup):
     """Eager forward on CUDA tensors reads the index ranges back once and refuses before any
     launch (a graph replay does not check: the engine feeds it)."""

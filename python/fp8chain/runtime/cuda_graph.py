@@ -6,7 +6,7 @@ storage and a replay only needs the new step's values copied in. Rows past the l
 padding: token 0 at position 0 in the engine's scratch slot, so their KV writes never touch a
 live sequence (they race for that one scratch row, which only padding rows read). Every bucket
 runs eagerly first (Triton compiles outside capture; the layers' registered warmups run too),
-then graphs are captured from the largest bucket down, sharing one memory pool. Outputs are the
+and its logits must be finite (else ``capture`` raises), then graphs are captured from the largest bucket down, sharing one memory pool. Outputs are the
 logits tensors the captured forward produced (static too): ``run`` returns a view of them, valid
 until the next replay.
 """
@@ -84,7 +84,12 @@ class DecodeGraphRunner:
         with torch.cuda.stream(stream):
             for b in self.batch_sizes:  # compile every specialization outside capture
                 for _ in range(2):
-                    self._forward(b)
+                    logits = self._forward(b)
+                # this eager run is the producers' warmup: a path writing NaN or inf (a kernel, a
+                # weight) fails here, before graphs replay it silently into every token
+                if not torch.isfinite(logits).all():
+                    raise RuntimeError(f"decode bucket {b} (chain={self.chain}) gave non-finite logits in "
+                                       "its eager run before capture; nothing was captured")
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         pool = None
