@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from fp8chain_kernel import launch
 from fp8chain_kernel.gemm import fp8_gemm
@@ -73,6 +75,55 @@ def test_arrival_counters_one_zeroed_buffer_per_user():
     assert not gemm_counters.any()
     assert launch.arrival_counters("test-gemm", cpu, 8) is gemm_counters
     assert launch.arrival_counters("test-boundary", cpu, 8) is not gemm_counters
+
+
+@triton.jit
+def _split_sum_kernel(vals_ptr, out_ptr, part_ptr, count_ptr, REVERSED: tl.constexpr, SPLIT: tl.constexpr,
+                      ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Each program publishes the partial of one K slice of one tile; REVERSED hands the slices to
+    the programs in reverse, so slice 0 arrives last where programs start in grid order."""
+    tile = tl.program_id(0)
+    tiles = tl.num_programs(0)
+    slice_ = SPLIT - 1 - tl.program_id(1) if REVERSED else tl.program_id(1)
+    local = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    acc = tl.load(vals_ptr + (slice_ * tiles + tile) * ROWS * COLS + local)
+    if launch.publish_partial(acc, part_ptr, count_ptr, tile, tiles, slice_, SPLIT, ROWS, COLS):
+        tl.store(out_ptr + tile * ROWS * COLS + local, launch.gather_partials(part_ptr, tile, tiles, SPLIT, ROWS, COLS))
+        launch.rearm(count_ptr, tile)
+
+
+def _check_split_sums_in_slice_order(device):
+    """The tile the last slice finishes is the fp32 sum of the partials in slice order, whichever
+    slice arrives last: values of mixed magnitude make every other order give other bits."""
+    split, tiles, rows, cols = 4, 3, 4, 8
+    gen = torch.Generator().manual_seed(5)
+    big = torch.randn(split, tiles, rows, cols, generator=gen) * 1e8
+    small = torch.randn(split, tiles, rows, cols, generator=gen)
+    vals = torch.where(torch.rand(split, tiles, rows, cols, generator=gen) < 0.5, big, small).to(device)
+    in_order = torch.zeros(tiles, rows, cols, device=device)
+    reverse = torch.zeros_like(in_order)
+    for s in range(split):
+        in_order = in_order + vals[s]
+        reverse = reverse + vals[split - 1 - s]
+    assert (in_order != reverse).float().mean() > 0.2  # the order shows in the bits
+    part = torch.empty(split * tiles * rows * cols, device=device)
+    counters = torch.zeros(tiles, dtype=torch.int32, device=device)
+    for reversed_ in (False, True, False, True):  # the counters re-armed between launches
+        out = torch.full((tiles, rows, cols), float("nan"), device=device)
+        _split_sum_kernel[(tiles, split)](vals, out, part, counters, REVERSED=reversed_, SPLIT=split,
+                                          ROWS=rows, COLS=cols)
+        assert torch.equal(out, in_order), reversed_
+        assert not counters.any()
+
+
+@pytest.mark.cpu
+def test_split_partials_sum_in_slice_order_whatever_arrives_last():
+    _check_split_sums_in_slice_order(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_split_partials_sum_in_slice_order_whatever_arrives_last_gpu():
+    _check_split_sums_in_slice_order(torch.device("cuda"))
 
 
 def _chain(y, residual, mixes, weight, w, w_scale, fmt):
