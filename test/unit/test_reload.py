@@ -248,6 +248,28 @@ def test_processing_goes_on_past_a_layer_that_fails(backend_kind):
         assert torch.equal(bits(got), bits(want))
 
 
+@pytest.mark.parametrize("loaded_dtype", [torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+                                          torch.float8_e4m3fn])
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_an_8_bit_float_loads_only_into_its_own_dtype(loaded_dtype, param_dtype):
+    """FP8 in another encoding, or into a bf16 / fp32 parameter, would be taken by value without
+    its scales: refused (e4m3 into e4m3 loads); UE8M0 scales into fp32 ones convert exactly."""
+    from fp8chain.layers.loading import default_weight_loader
+
+    param = torch.nn.Parameter(torch.zeros(4, 8, dtype=param_dtype), requires_grad=False)
+    loaded = torch.randn(4, 8).to(loaded_dtype)
+    if loaded_dtype == param_dtype:
+        default_weight_loader(param, loaded)
+        assert torch.equal(param.view(torch.uint8), loaded.view(torch.uint8))
+    else:
+        with pytest.raises(TypeError, match=f"{loaded_dtype} cannot be loaded into a {param_dtype} parameter"):
+            default_weight_loader(param, loaded)
+    if param_dtype == torch.float32:
+        exponents = torch.randint(100, 140, (4, 8), dtype=torch.uint8)
+        default_weight_loader(param, exponents.view(torch.float8_e8m0fnu))
+        assert torch.equal(param, torch.exp2(exponents.float() - 127))
+
+
 def test_layer_loader_reprocesses_the_routed_experts_and_reads_e8m0_scales_as_bytes():
     """The routed experts derive bf16 copies of their MXFP4 weights: a reload through
     ``layers.loading.load_weights`` re-derives them (before, they kept the old weights). Their

@@ -16,8 +16,6 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from fp8chain_kernel.formats import FP8_DTYPE
-
 logger = logging.getLogger(__name__)
 
 #: torch's element type of packed e2m1 pairs (MXFP4 data), where this torch has one
@@ -29,12 +27,22 @@ __all__ = ["PACKED_E2M1_DTYPES", "check_loadable_dtype", "default_weight_loader"
            "load_weights", "process_weights_after_loading"]
 
 
+def _is_narrow_float(dtype: torch.dtype) -> bool:
+    """An 8-bit float (or packed 4-bit pairs): FP8 data in any encoding, or UE8M0 scales."""
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
 def check_loadable_dtype(param: nn.Parameter, loaded: torch.Tensor, what: str = "checkpoint") -> None:
-    """FP8 only into FP8, and integer tensors only into integer parameters and back: an int8 /
-    uint8 tensor copied into a float parameter (e.g. UE8M0 scale bytes into fp32 scales) would be
-    read as numbers (byte 128, the scale 2.0, would become 128.0), a float tensor copied into a
-    byte parameter converted by value (an e8m0 scale 2^-4 would become byte 0, not 123)."""
-    if (param.dtype == FP8_DTYPE) != (loaded.dtype == FP8_DTYPE) or (
+    """An 8-bit float only into a parameter of its own dtype: FP8 values mean nothing without
+    their scales, and an e5m2 or fnuz tensor is not e4m3 (UE8M0 scales, ``float8_e8m0fnu``, may go
+    into fp32 ones: the powers of two convert exactly). Integer tensors only into integer
+    parameters and back: an int8 / uint8 tensor copied into a float parameter (e.g. UE8M0 scale
+    bytes into fp32 scales) would be read as numbers (byte 128, the scale 2.0, would become
+    128.0), a float tensor copied into a byte parameter converted by value (an e8m0 scale 2^-4
+    would become byte 0, not 123)."""
+    narrow = _is_narrow_float(param.dtype) or _is_narrow_float(loaded.dtype)
+    exact_scales = loaded.dtype == torch.float8_e8m0fnu and param.dtype == torch.float32
+    if (narrow and loaded.dtype != param.dtype and not exact_scales) or (
             param.dtype.is_floating_point != loaded.dtype.is_floating_point):
         raise TypeError(f"{what} dtype {loaded.dtype} cannot be loaded into a {param.dtype} parameter")
 
