@@ -108,7 +108,7 @@ def test_row_parallel_without_a_process_group_refuses_to_return_partials():
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_merged_column_parallel_shards_each_part(tp_size):
     """gate and up in one weight: each rank holds its shard of gate, then its shard of up (weight,
-    block scales, bias), from the full checkpoint tensor or from an already-sharded one."""
+    block scales, bias), from the full checkpoint tensor or part by part (``loaded_shard_id``)."""
     inter, k, block = 64 * tp_size, 128, 32
     config = Fp8Config(weight_block_size=(block, block), scale_fmt="ue8m0")
     full_w, full_s = _fp8_weight(2 * inter, k), _pow2_scales(2 * inter // block, k // block)
@@ -127,8 +127,25 @@ def test_merged_column_parallel_shards_each_part(tp_size):
         assert torch.equal(layer.weight.view(torch.uint8), shard(full_w, rank).view(torch.uint8))
         assert torch.equal(layer.weight_scale_inv, shard(full_s, rank))
         assert torch.equal(layer.bias, shard(full_b, rank))
-        layer.weight_loader(layer.weight_scale_inv, shard(full_s, rank) * 2)  # already sharded: as it is
-        assert torch.equal(layer.weight_scale_inv, shard(full_s, rank) * 2)
+        # this rank's merged shape is ambiguous without a part id: [gate_r | up_r], a contiguous
+        # slice of the full tensor, or (at TP2) one whole part: refused, the layer unchanged
+        for ambiguous in (shard(full_s, rank) * 2, full_s[rank * 2 * inter // block // tp_size:][:2 * inter // block // tp_size]):
+            with pytest.raises(ValueError, match="ambiguous"):
+                layer.weight_loader(layer.weight_scale_inv, ambiguous)
+            assert torch.equal(layer.weight_scale_inv, shard(full_s, rank))
+        # one part at a time: whole, or this rank's rows of it
+        gate, up = full_w[:inter], full_w[inter:]
+        layer.weight_loader(layer.weight, up, loaded_shard_id=1)
+        layer.weight_loader(layer.weight, gate[rank * inter // tp_size:][:inter // tp_size], loaded_shard_id=0)
+        assert torch.equal(layer.weight.view(torch.uint8), shard(full_w, rank).view(torch.uint8))
+        layer.weight_loader(layer.weight_scale_inv, full_s[inter // block:] * 4, loaded_shard_id=1)
+        assert torch.equal(layer.weight_scale_inv[inter // block // tp_size:], shard(full_s, rank)[inter // block // tp_size:] * 4)
+        assert torch.equal(layer.weight_scale_inv[:inter // block // tp_size], shard(full_s, rank)[:inter // block // tp_size])
+        for bad_id in (2, -1, "1", 1.0):
+            with pytest.raises(ValueError, match="loaded_shard_id must be a part index"):
+                layer.weight_loader(layer.weight, up, loaded_shard_id=bad_id)
+        with pytest.raises(ValueError, match="part 0 has shape"):
+            layer.weight_loader(layer.weight, full_w, loaded_shard_id=0)
     with pytest.raises(ValueError, match="not divisible by tp_size"):
         MergedColumnParallelLinear(k, [inter + 1, inter - 1], tp_size=tp_size)
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8chain_kernel.formats import ActFormat, QuantizedActivation
+from fp8chain_kernel.formats import ActFormat, QuantizedActivation, is_int
 
 from .loading import check_loadable_dtype
 from .parameter import set_param_attrs
@@ -244,16 +244,50 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError(f"{self.display_name}: per-rank part sizes {[size // self.tp_size for size in self.output_sizes]} "
                              f"are not multiples of the {block[0]}x{block[1]} weight block; block scales cannot be sharded")
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if (self.tp_size > 1 and isinstance(loaded, torch.Tensor) and loaded.dim() == param.dim()
-                and getattr(param, "shard_dim", None) == 0 and loaded.shape[0] == param.shape[0] * self.tp_size):
-            # this rank's rows of each part scale with the part's share of the outputs (weight rows,
-            # block-scale rows); the constructor made every part's shard whole blocks
-            total = sum(self.output_sizes)
-            local = [param.shape[0] * size // total for size in self.output_sizes]
-            parts = loaded.split([rows * self.tp_size for rows in local], 0)
-            loaded = torch.cat([part.narrow(0, self.tp_rank * rows, rows) for part, rows in zip(parts, local)], 0)
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, loaded_shard_id: int | None = None) -> None:
+        """``loaded_shard_id=None``: the full merged tensor (every part, in order), sharded part by
+        part (at ``tp_size`` 1, the whole parameter). ``loaded_shard_id=i``: part ``i`` alone, whole
+        or this rank's rows of it, written into the part's rows. At ``tp_size`` > 1 a tensor of
+        this rank's merged shape needs a part id: it could be this rank's rows of every part or a
+        contiguous slice of the full tensor (or, with two equal parts at TP2, one whole part), which
+        differ, so it is refused."""
+        name = f"{self.display_name}.{self._param_name(param)}"
+        sharded_rows = getattr(param, "shard_dim", None) == 0
+        if loaded_shard_id is not None:
+            if not sharded_rows or not is_int(loaded_shard_id) or not 0 <= loaded_shard_id < len(self.output_sizes):
+                raise ValueError(f"{name}: loaded_shard_id must be a part index in [0, {len(self.output_sizes)}) of "
+                                 f"a row-sharded parameter, got {loaded_shard_id!r}")
+            if not isinstance(loaded, torch.Tensor):
+                raise TypeError(f"{name}: expected a tensor, got {type(loaded).__name__}")
+            rows = self._local_rows(param)
+            start, size = sum(rows[:loaded_shard_id]), rows[loaded_shard_id]
+            if self.tp_size > 1 and loaded.dim() == param.dim() and loaded.shape[0] == size * self.tp_size:
+                loaded = loaded.narrow(0, self.tp_rank * size, size)
+            target = param.narrow(0, start, size)
+            if tuple(loaded.shape) != tuple(target.shape):
+                raise ValueError(f"{name}: part {loaded_shard_id} has shape {tuple(loaded.shape)}; this rank's rows "
+                                 f"of it are {tuple(target.shape)}, the whole part "
+                                 f"{(size * self.tp_size, *target.shape[1:])}")
+            check_loadable_dtype(param, loaded, f"{name}: checkpoint")
+            with torch.no_grad():
+                target.copy_(loaded)
+            return
+        if self.tp_size > 1 and sharded_rows and isinstance(loaded, torch.Tensor) and loaded.dim() == param.dim():
+            if loaded.shape[0] == param.shape[0] * self.tp_size:
+                rows = self._local_rows(param)
+                parts = loaded.split([r * self.tp_size for r in rows], 0)
+                loaded = torch.cat([part.narrow(0, self.tp_rank * r, r) for part, r in zip(parts, rows)], 0)
+            elif tuple(loaded.shape) == tuple(param.shape):
+                raise ValueError(f"{name}: a tensor of this rank's merged shape {tuple(param.shape)} is ambiguous "
+                                 f"(this rank's rows of each part, a contiguous slice of the full tensor, or one "
+                                 f"whole part); load the full tensor, or each part with loaded_shard_id")
         super().weight_loader(param, loaded)
+
+    def _local_rows(self, param: nn.Parameter) -> list[int]:
+        """This rank's rows of each part in ``param`` (weight rows, block-scale rows, bias): each
+        part's share of the outputs (the constructor made every part's shard whole blocks)."""
+        total = sum(self.output_sizes)
+        return [param.shape[0] * size // total for size in self.output_sizes]
 
 
 class RowParallelLinear(LinearBase):
