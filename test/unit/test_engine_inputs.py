@@ -211,3 +211,41 @@ def test_graph_runner_forward_runs_its_padding_rows(loaded, monkeypatch):
     assert logits.shape == (4, 512) and torch.isfinite(logits[:1]).all()
     with pytest.raises(ValueError, match="tokens share the KV-cache row"):  # what the check says about them
         loaded(runner.input_ids, runner.positions, runner.slots, caches)
+
+
+def test_decode_refuses_to_replay_what_a_replay_would_get_wrong(monkeypatch):
+    """A replay runs no Python: before each one the engine asks ``check_replayable``, which refuses
+    FP8 linears left unprocessed by a bare layer load that failed part-way (the model's own
+    ``weights_error`` is not set by it) and host-side diagnostics a replay would leave stale. CPU
+    stand-in for the CUDA path: the replay itself is a stub."""
+    from fp8chain.layers import loading
+
+    model = DeepseekV41ForCausalLM(DeepseekV41Config.tiny(num_hidden_layers=1))
+    tensors = dict(random_checkpoint_tensors(model.config))
+    model.load_weights(tensors.items())
+    engine = Engine(model, max_batch=2, max_len=8)
+    replays = []
+    monkeypatch.setattr(engine, "replays_graphs", lambda batch: True)
+    monkeypatch.setattr(engine, "graph_runner", lambda: type("Runner", (), {"run": lambda *a: replays.append(a)})())
+    one = torch.tensor([1])
+    engine.decode(one, one)
+    assert len(replays) == 1
+    scale = model.layers[0].attn.wq_b.weight_scale_inv
+    with pytest.raises(ValueError, match="does not match"):  # writes wq_b's weight, then fails
+        loading.load_weights(model, [("layers.0.attn.wq_b.weight", model.layers[0].attn.wq_b.weight.clone()),
+                                     ("layers.0.attn.wq_b.weight_scale_inv", scale[:1].clone())])
+    assert model.weights_error is None
+    with pytest.raises(RuntimeError, match=r"layers.0.attn.wqkv_a: weights not processed"):  # every layer
+        engine.decode(one, one)
+    model.load_weights(tensors.items())
+    engine.decode(one, one)
+    for switch_on, switch_off in ((lambda: setattr(model.layers[0].ffn.gate, "record", []),
+                                   lambda: setattr(model.layers[0].ffn.gate, "record", None)),
+                                  (lambda: setattr(model.layers[0].attn, "keep_indexer_inputs", True),
+                                   lambda: setattr(model.layers[0].attn, "keep_indexer_inputs", False))):
+        switch_on()
+        with pytest.raises(RuntimeError, match="layers.0: ffn.gate.record or attn.keep_indexer_inputs is on"):
+            engine.decode(one, one)
+        switch_off()
+    engine.decode(one, one)
+    assert len(replays) == 3

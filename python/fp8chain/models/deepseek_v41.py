@@ -594,6 +594,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.chain = chain
         self.set_chain(chain)
         self.quantize_counter = QuantizeCounter(self)
+        self._fp8_linear_list = list(self.fp8_linears().items())  # check_replayable, once per replay
         # why the model may not run: a load_weights that failed after it had written parameters
         self.weights_error: str | None = None
 
@@ -740,9 +741,26 @@ class DeepseekV41ForCausalLM(nn.Module):
     def check_weights_loaded(self) -> None:
         """Raise ``RuntimeError`` while the parameters hold parts of two checkpoints: the last
         ``load_weights`` failed after it had copied some tensors in (a later one that succeeds
-        clears this). Checked by ``forward`` and before every graph replay of the ``Engine``."""
+        clears this). Checked by ``forward`` and by ``check_replayable`` before every graph replay."""
         if self.weights_error is not None:
             raise RuntimeError(self.weights_error)
+
+    def check_replayable(self) -> None:
+        """Raise ``RuntimeError`` where a captured decode graph must not replay; its replay runs no
+        Python, so the ``Engine`` asks before each one (and the graph runner before capture):
+        ``check_weights_loaded``; every FP8 linear processed (a ``layers.loading.load_weights`` that
+        failed part-way leaves them refusing eager calls, which a replay would not make); and no
+        host-side diagnostics on (``TopKRouter.record``, ``MQALayer.keep_indexer_inputs``: a replay
+        would leave them holding what the capture saw)."""
+        self.check_weights_loaded()
+        for name, linear in self._fp8_linear_list:
+            if linear.act_format is None:
+                raise RuntimeError(f"{name}: weights not processed (a load failed part-way?); load the weights "
+                                   "again before replaying decode graphs")
+        for i, layer in enumerate(self.layers):
+            if layer.ffn.gate.record is not None or layer.attn.keep_indexer_inputs:
+                raise RuntimeError(f"layers.{i}: ffn.gate.record or attn.keep_indexer_inputs is on; decode graph "
+                                   "replays run no Python and would not update them: run eagerly to use them")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load DSv4.1 checkpoint tensors (names: docs/model.md); returns the names loaded.

@@ -78,6 +78,7 @@ class DecodeGraphRunner:
 
         if bool(self.model.chain) != self.chain:
             raise RuntimeError("model.chain changed between construction and capture")
+        self.model.check_replayable()
         warmup(self.model, self.batch_sizes)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -149,7 +149,7 @@ class Engine:
                              f"{tuple(tokens.shape)} and {tuple(positions.shape)}")
         slots = torch.arange(b, device=self.device)
         if self.replays_graphs(b):
-            self.model.check_weights_loaded()  # a replay does not go through forward's checks
+            self.model.check_replayable()  # a replay does not go through forward's checks
             return self.graph_runner().run(tokens, positions, slots)
         return self.model(tokens, positions, slots, self.kv_caches, check_indices=check_indices)
 
