@@ -122,6 +122,33 @@ def test_engine_refuses_sizes_it_cannot_serve(model, kwargs, match):
         Engine(model, **kwargs)
 
 
+def test_engine_takes_graph_buckets_from_any_iterable(model):
+    """A generator (spent once, by the check, before) or a numpy array gives the same buckets."""
+    import numpy as np
+
+    for sizes in ((b for b in (4, 1, 2)), np.array([4, 1, 2]), (2, 4, 1, 2)):
+        assert Engine(model, max_batch=4, graph_batch_sizes=sizes).graph_batch_sizes == [1, 2, 4]
+    with pytest.raises(TypeError, match="graph_batch_sizes must be a sequence of ints, got int"):
+        Engine(model, max_batch=8, graph_batch_sizes=4)
+
+
+def test_generate_captures_graphs_only_for_steps_that_replay_them(loaded, monkeypatch):
+    """Graphs are captured (and reported) only where a decode step will replay one: not for one
+    new token (no decode step) nor for a batch past the largest bucket; CPU stand-in, the capture
+    a stub. No new token returns no logits (an empty list when asked for)."""
+    engine = Engine(loaded, max_batch=4, max_len=16, graph_batch_sizes=[1, 2])
+    engine.cuda_graphs = True  # the CPU model runs its decode steps eagerly: only the capture is stubbed
+    captures = []
+    monkeypatch.setattr(engine, "graph_runner", lambda: captures.append(1))
+    monkeypatch.setattr(engine, "decode", lambda tokens, positions, **kw: loaded(
+        tokens, positions, torch.arange(len(tokens)), engine.kv_caches, check_indices=False))
+    for prompts, new, graphs in (([[1, 2]], 1, False), ([[1], [2], [3]], 3, False), ([[1, 2]], 3, True)):
+        result = engine.generate(prompts, new)
+        assert result.graphs is graphs and len(captures) == int(graphs), (prompts, new)
+    empty = engine.generate([[1]], 0, return_logits=True)
+    assert empty.logits == [] and not empty.graphs and empty.tokens == [[]]
+
+
 def test_prefill_refuses_prompts_its_cache_cannot_hold(loaded):
     engine = Engine(loaded, max_batch=2, max_len=8)
     with pytest.raises(ValueError, match="prompt 1 has 9 tokens; this engine's max_len is 8"):

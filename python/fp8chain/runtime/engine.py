@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import numbers
 import time
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -34,7 +34,7 @@ class GenerationResult:
     prefill_s: float
     decode_s: float
     decode_steps: int
-    graphs: bool                   # decode steps replayed CUDA graphs
+    graphs: bool                   # decode steps replayed CUDA graphs (False with none run)
     chain: bool
     logits: list[torch.Tensor] | None = None  # per step fp32 [B, V] (``return_logits=True``)
 
@@ -81,7 +81,11 @@ class Engine:
                 graph_batch_sizes.append(b)
                 b *= 2
             graph_batch_sizes.append(self.max_batch)
-        elif not graph_batch_sizes or any(not _integer(b) or not 0 < b <= self.max_batch for b in graph_batch_sizes):
+        elif not isinstance(graph_batch_sizes, Iterable):
+            raise TypeError(f"graph_batch_sizes must be a sequence of ints, got {type(graph_batch_sizes).__name__}")
+        else:
+            graph_batch_sizes = list(graph_batch_sizes)  # a generator would be spent by the check
+        if not graph_batch_sizes or any(not _integer(b) or not 0 < b <= self.max_batch for b in graph_batch_sizes):
             raise ValueError(f"graph_batch_sizes must be ints in 1..max_batch={self.max_batch}, "
                              f"got {graph_batch_sizes!r}")
         self.graph_batch_sizes = sorted({int(b) for b in graph_batch_sizes})
@@ -169,10 +173,11 @@ class Engine:
         if longest + max_new_tokens - 1 > self.max_len:
             raise ValueError(f"prompt {longest} + {max_new_tokens} new tokens need {longest + max_new_tokens - 1} "
                              f"cache positions > max_len {self.max_len}")
-        graphs = self.replays_graphs(b)
+        # decode steps (all but the first token) replay graphs where a bucket fits the batch
+        graphs = max_new_tokens > 1 and self.replays_graphs(b)
         if max_new_tokens == 0:
-            return GenerationResult([[] for _ in prompts], 0.0, 0.0, 0, graphs, self.chain)
-        if self.cuda_graphs:
+            return GenerationResult([[] for _ in prompts], 0.0, 0.0, 0, False, self.chain, [] if return_logits else None)
+        if graphs:
             self.graph_runner()  # capture before timing
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
