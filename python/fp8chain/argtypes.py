@@ -31,6 +31,8 @@ def int_in(least: int, most: int):
 def output_dir_problem(path) -> str | None:
     """Why ``path`` cannot be a directory a command creates or writes into, or None: it exists and
     is not a directory, or the nearest existing folder above it is not a writable directory."""
+    if str(path) == "":  # Path("") is the current directory
+        return "'': an empty path"
     path = Path(path)
     if path.exists() and not path.is_dir():
         return f"{path}: exists and is not a directory"

@@ -176,6 +176,24 @@ def test_counts_must_be_positive(argv, capsys):
     assert "integer" in capsys.readouterr().err
 
 
+def test_demo_runs_on_cpu_and_writes_its_summary(tmp_path, capsys):
+    """One new token (no decode step): both arms prefill, the tokens agree, the rate reads n/a,
+    and ``--out`` gets demo.json and the checkpoint."""
+    import argparse
+    import json
+
+    from fp8chain.runtime import demo
+
+    args = argparse.Namespace(device="cpu", prompts=2, tokens=1, seed=3, layers=1, out=str(tmp_path / "out"),
+                              eager=False)
+    assert demo.run_demo(args) == 0
+    out = capsys.readouterr().out
+    assert "0 decode steps in 0.00 s (n/a)" in out and "tokens identical with the chain on and off: YES" in out
+    summary = json.loads((tmp_path / "out" / "demo.json").read_text())
+    assert summary["identical"] and summary["quantize_saved_per_step"] == 5
+    assert (tmp_path / "out" / "checkpoint" / "config.json").exists()
+
+
 @pytest.mark.parametrize("seed", ["-1", str(2**63), str(2**64)])
 def test_demo_seed_names_one_checkpoint(seed, capsys):
     """torch's generator folds a negative seed onto a large one and refuses 2**64: a seed outside
@@ -186,28 +204,30 @@ def test_demo_seed_names_one_checkpoint(seed, capsys):
     assert "is not a seed in [0, 2**63)" in capsys.readouterr().err
 
 
-def test_demo_refuses_an_out_path_that_is_a_file(tmp_path):
+def test_demo_refuses_an_out_path_that_is_a_file_or_empty(tmp_path):
     import argparse
 
     from fp8chain.runtime import demo
 
     afile = tmp_path / "afile"
     afile.write_text("")
-    with pytest.raises(SystemExit, match="demo --out .*afile: exists and is not a directory"):
-        demo.run_demo(argparse.Namespace(device="cpu", prompts=1, tokens=1, seed=0, layers=1, out=str(afile),
-                                         eager=False))
+    for out, why in ((str(afile), ".*afile: exists and is not a directory"), ("", "'': an empty path")):
+        with pytest.raises(SystemExit, match=f"demo --out {why}"):
+            demo.run_demo(argparse.Namespace(device="cpu", prompts=1, tokens=1, seed=0, layers=1, out=out,
+                                             eager=False))
 
 
 def test_bench_and_demo_refuse_a_directory_they_cannot_write_before_running(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("")
-    for target, why in ((afile, "exists and is not a directory"), (afile / "sub", f"{afile} is not a directory")):
+    for target, why in ((afile, f"{afile}: exists and is not a directory"),
+                        (afile / "sub", f"{afile / 'sub'}: {afile} is not a directory"), ("", "'': an empty path")):
         for argv in (["bench", "quant", "--results-dir", str(target)], ["bench", "all", "--results-dir", str(target)],
                      ["demo", "--out", str(target)]):
             with pytest.raises(SystemExit) as exit_info:
                 cli.main(argv)
             assert exit_info.value.code == 2
-            assert f"cannot write to {target}: {why}" in capsys.readouterr().err
+            assert f"cannot write to {why}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -102,8 +102,8 @@ def run_demo(args) -> int:
     graphs = device == "cuda" and not getattr(args, "eager", False)
 
     config = DeepseekV41Config.tiny(num_hidden_layers=layers)
-    out_dir = Path(args.out) if getattr(args, "out", None) else None
-    if out_dir is not None and (problem := output_dir_problem(out_dir)) is not None:
+    out_dir = Path(args.out) if getattr(args, "out", None) is not None else None
+    if out_dir is not None and (problem := output_dir_problem(args.out)) is not None:
         raise SystemExit(f"demo --out {problem}")
     tmp = None
     if out_dir is None:
@@ -154,9 +154,9 @@ def run_demo(args) -> int:
                                   prefill_s=run.prefill_s, decode_s=run.decode_s,
                                   decode_steps=run.decode_steps)
             arm = "on " if chain else "off"
-            rate = run.decode_steps / run.decode_s if run.decode_s > 0 else float("nan")
+            rate = f"{run.decode_steps / run.decode_s:.1f} steps/s" if run.decode_steps and run.decode_s > 0 else "n/a"
             print(f"  chain {arm}: prefill {run.prefill_s * 1e3:.1f} ms, {run.decode_steps} decode "
-                  f"steps in {run.decode_s:.2f} s ({rate:.1f} steps/s), standalone quantize "
+                  f"steps in {run.decode_s:.2f} s ({rate}), standalone quantize "
                   f"launches per step: {per_step:g}")
         model.set_chain(True)
 
@@ -184,11 +184,3 @@ def run_demo(args) -> int:
         if tmp is not None:
             tmp.cleanup()
 
-
-def main(argv=None) -> int:
-    parser = add_demo_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    return run_demo(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
