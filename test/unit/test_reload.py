@@ -182,6 +182,23 @@ def test_a_fresh_layer_given_only_its_weight_refuses_to_run():
     assert layer.input_format is not None
 
 
+def test_a_fresh_layer_given_only_its_scales_refuses_to_run():
+    """The weight starts as e4m3 NaN codes, as the scales start NaN: a first load of the scales
+    alone fails processing (it served zeros) and the layer refuses to run; a NaN code in a
+    loaded weight is refused too."""
+    layer = make_layer()
+    with pytest.raises(ValueError, match=rf"weight: {N * K} of {N * K} values are e4m3 NaN codes"):
+        load_weights(layer, [("weight_scale_inv", checkpoint()["weight_scale_inv"])])
+    with pytest.raises(RuntimeError, match="weights not processed"):
+        layer(torch.randn(3, K).to(torch.bfloat16))
+    tensors = checkpoint()
+    tensors["weight"].view(torch.uint8)[5, 7] = 0xFF
+    with pytest.raises(ValueError, match=r"weight: 1 of .* NaN codes .* first at \[5, 7\]"):
+        load_weights(layer, tensors.items())
+    load_weights(layer, checkpoint().items())
+    assert layer.input_format is not None
+
+
 def test_partial_reload_and_sharded_reload():
     full_a, full_b = checkpoint(n=2 * N), checkpoint(n=2 * N)
     layer = ColumnParallelLinear(K, 2 * N, quant_config=CFG32, tp_rank=1, tp_size=2)

@@ -33,6 +33,8 @@ from ..parameter import copy_or_rebind_param, set_param_attrs
 
 logger = logging.getLogger(__name__)
 
+E4M3_NAN_CODE = 0x7F  # e4m3fn's NaN, with either sign bit (0xFF)
+
 __all__ = ["Fp8Config", "Fp8LinearMethod", "check_weights", "prepare_consumer", "check_pair_input",
            "consumer_gemm"]
 
@@ -137,7 +139,10 @@ class Fp8LinearMethod(LinearMethodBase):
             if sharded % b:
                 raise ValueError(f"{layer.display_name}: per-rank size {sharded} is not a multiple "
                                  f"of the {b}x{b} weight block; block scales cannot be sharded")
-        weight = nn.Parameter(torch.zeros(n, k, dtype=FP8_DTYPE, device=device), requires_grad=False)
+        # NaN codes until loaded, as the scales: processing refuses them, so a first load missing
+        # the weight fails instead of serving zeros
+        weight = nn.Parameter(torch.full((n, k), E4M3_NAN_CODE, dtype=torch.uint8, device=device).view(FP8_DTYPE),
+                              requires_grad=False)
         scale = nn.Parameter(torch.full((cdiv(n, b), cdiv(k, b)), float("nan"), dtype=torch.float32, device=device),
                              requires_grad=False)
         for p in (weight, scale):
@@ -220,12 +225,17 @@ def check_weights(weight: torch.Tensor, scale: torch.Tensor, block: int, scale_f
                   name: str) -> None:
     """The checkpoint tensors a consumer reads, before anything is derived from them: ``weight``
     e4m3 ``[N, K]`` and its ``weight_scale_inv`` ``scale``, fp32 ``[ceil(N/b), ceil(K/b)]``, positive
-    and finite, powers of two when the checkpoint says ``scale_fmt: "ue8m0"`` (``TypeError`` /
-    ``ValueError`` naming the tensor, the count and the first bad value)."""
+    and finite, powers of two when the checkpoint says ``scale_fmt: "ue8m0"``, and no NaN code in
+    ``weight`` (``TypeError`` / ``ValueError`` naming the tensor, the count and the first bad value)."""
     try:
         check_block_scaled(weight, scale, block)
     except (TypeError, ValueError) as error:
         raise type(error)(f"{name}: {error}") from None
+    nan = (weight.view(torch.uint8) & 0x7F) == E4M3_NAN_CODE
+    if nan.any():
+        idx = nan.nonzero()[0].tolist()
+        raise ValueError(f"{name}.weight: {int(nan.sum())} of {weight.numel()} values are e4m3 NaN codes (a weight "
+                         f"never loaded starts so); first at {idx}")
     if scale_fmt == "ue8m0":
         bad = ~powers_of_two(scale)
         need = "positive, finite powers of two (checkpoint scale_fmt='ue8m0')"
