@@ -150,6 +150,32 @@ def test_merged_column_parallel_shards_each_part(tp_size):
         MergedColumnParallelLinear(k, [inter + 1, inter - 1], tp_size=tp_size)
 
 
+def test_a_deep_copied_sharded_layer_reloads_its_shard():
+    """torch's Parameter deep copy drops loader attributes: the layer's own deep copy keeps them,
+    the loader bound to the copy, so a full checkpoint tensor is still sharded (it was refused as
+    a shape mismatch) and loads into the copy alone."""
+    import copy
+
+    from fp8chain.layers.loading import load_weights
+
+    n, k, block, tp_size = 128, 64, 32, 2
+    config = Fp8Config(weight_block_size=(block, block), scale_fmt="ue8m0")
+    full_w, full_s = _fp8_weight(2 * n, k), _pow2_scales(2 * n // block, k // block)
+    for kind, sizes in ((ColumnParallelLinear, (k, 2 * n)), (MergedColumnParallelLinear, (k, [n, n]))):
+        layer = kind(*sizes, quant_config=config, tp_rank=1, tp_size=tp_size)
+        load_weights(layer, [("weight", full_w), ("weight_scale_inv", full_s)])
+        twin = copy.deepcopy(layer)
+        assert twin.weight.weight_loader.__self__ is twin and twin.weight.shard_dim == 0
+        assert twin.weight_scale_inv.weight_loader.__self__ is twin
+        before = layer.weight.view(torch.uint8).clone()
+        other_w = _fp8_weight(2 * n, k).view(torch.uint8)
+        load_weights(twin, [("weight", other_w.view(full_w.dtype)), ("weight_scale_inv", full_s)])
+        rank_rows = (other_w[n:] if kind is ColumnParallelLinear else
+                     torch.cat([other_w[n // 2:n], other_w[n + n // 2:]]))  # rank 1's half of each part
+        assert torch.equal(twin.weight.view(torch.uint8), rank_rows)
+        assert torch.equal(layer.weight.view(torch.uint8), before)
+
+
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_unquantized_column_parallel_outputs_are_slices(tp_size):
     n, k = 64, 40

@@ -21,6 +21,7 @@ into the existing storage.
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -170,6 +171,24 @@ class LinearBase(nn.Module):
     def forward_bias(self) -> torch.Tensor | None:
         """The bias this rank adds (all of them except RowParallel ranks > 0)."""
         return self.bias
+
+    def __deepcopy__(self, memo):
+        """A deep copy whose parameters keep their loader metadata (torch's ``Parameter`` deep copy
+        drops attributes such as ``weight_loader`` and ``shard_dim``), a loader that is a method of
+        this layer bound to the copy: a copied tensor-parallel layer reloads its shard as this does."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        for name, param in self._parameters.items():
+            copied = new._parameters[name]
+            if param is None or copied is None:
+                continue
+            for attr, value in vars(param).items():
+                if getattr(value, "__self__", None) is self:
+                    value = getattr(new, value.__func__.__name__)
+                setattr(copied, attr, value)
+        return new
 
     def _param_name(self, param: torch.Tensor) -> str:
         for name, p in self._parameters.items():
