@@ -316,6 +316,32 @@ def test_select_without_deep_gemm_picks_triton_and_logs_reasons(caplog, monkeypa
     assert "triton" in text and "deep_gemm rejected" in text
 
 
+@pytest.mark.parametrize("fake_deep_gemm", [(10, 0)], indirect=True)
+def test_a_layer_deep_gemm_cannot_serve_on_blackwell_reads_the_triton_format(fake_deep_gemm, caplog):
+    """On Blackwell the producers' format is DeepGEMM's packed UE8M0, which only DeepGEMM reads; a
+    layer whose K DeepGEMM refuses (DSv4.1's TP4 shared down, K = 576) takes the format the Triton
+    GEMM reads instead of the torch fallback, and publishes it; a configured triton backend too."""
+    _, calls, _ = fake_deep_gemm
+    n, k, m = 256, 576, 3
+    w, s = _weights(n, k, 32)
+    for backend in (None, "triton"):
+        config = Fp8Config(weight_block_size=(32, 32), scale_fmt="ue8m0", backend=backend)
+        layer = ReplicatedLinear(k, n, quant_config=config)
+        layer.deepgemm_mxfp8_input = True
+        with caplog.at_level(logging.WARNING):
+            load_weights(layer, [("weight", w), ("weight_scale_inv", s)])
+        assert "torch fallback" not in caplog.text
+        assert layer.gemm_backend.name == "triton" and layer.input_format is G32 and layer.act_format is G32
+        pair = ref.quantize(_activation(m, k), G32)
+        want = ref.fp8_gemm(pair, w, s, 32)
+        got = layer(pair)
+        assert ((got.double() - want).norm() / want.norm()) < 5e-3
+    wide = ReplicatedLinear(512, n, quant_config=Fp8Config(weight_block_size=(32, 32), scale_fmt="ue8m0"))
+    wide.deepgemm_mxfp8_input = True
+    load_weights(wide, [("weight", _weights(n, 512, 32)[0]), ("weight_scale_inv", _weights(n, 512, 32)[1])])
+    assert wide.gemm_backend.name == "deep_gemm" and wide.input_format is PACKED  # K % 128 == 0: DeepGEMM's
+
+
 @pytest.mark.parametrize("fake_deep_gemm", [(9, 0)], indirect=True)
 def test_select_prefers_deep_gemm_then_triton(fake_deep_gemm, caplog):
     _, _, caps = fake_deep_gemm

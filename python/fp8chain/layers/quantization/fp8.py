@@ -276,20 +276,32 @@ def prepare_consumer(layer, block: int, prefer: str | None = None, name: str | N
     name = name or getattr(layer, "display_name", type(layer).__name__)
     requested = input_requested(layer)
     n, k = layer.weight.shape
-    backend, fmt, derived, reason = None, None, {}, None
+    portable = ActFormat.SM90_G32_FP32_MN if block == 32 else ActFormat.SM90_G128_FP32_MN
+    errors: list[ValueError] = []
     try:
-        fmt = gemm_backends.input_format_for(block)
-        backend = gemm_backends.select_backend(fmt, block, n, k, prefer=prefer)
-        derived = backend.derive_weight_tensors(layer.weight, layer.weight_scale_inv, block)
-    except ValueError as exc:
+        formats = list(dict.fromkeys([gemm_backends.input_format_for(block), portable]))
+    except ValueError as exc:  # no format for this block: the fallback still needs one
+        formats = []
+        errors.append(exc)
+    # the arch's format first (Blackwell's packed UE8M0 where DeepGEMM runs), then the one the
+    # Triton GEMM reads on any arch, for a layer the first one's backends cannot serve (DeepGEMM
+    # refuses K % 128 != 0: DSv4.1's TP4 shared down)
+    backend, derived, reasons = None, {}, []
+    for fmt in formats:
+        try:
+            backend = gemm_backends.select_backend(fmt, block, n, k, prefer=prefer)
+            derived = backend.derive_weight_tensors(layer.weight, layer.weight_scale_inv, block)
+            break
+        except ValueError as exc:
+            errors.append(exc)
+            reason = str(exc).strip() or type(exc).__name__
+            reasons.append(f"{backend.name}: {reason}" if backend is not None else reason)  # selected, not derived
+            backend, derived = None, {}
+    if backend is None:
         if prefer is not None:  # a configured backend is a requirement, not a hint
-            raise
-        reason = str(exc).strip() or type(exc).__name__
-        if backend is not None:  # selected, but could not derive its weight tensors
-            reason = f"{backend.name}: {reason}"
-        backend, derived = None, {}
-    if fmt is None:  # no format for this block on this arch: the fallback still needs one
-        fmt = ActFormat.SM90_G32_FP32_MN if block == 32 else ActFormat.SM90_G128_FP32_MN
+            raise errors[0]
+        fmt = formats[0] if formats else portable
+        reason = "; ".join(reasons) or str(errors[0])
     names = []
     for key, tensor in derived.items():
         copy_or_rebind_param(layer, key, tensor, match_strides=True)
