@@ -9,7 +9,8 @@
   ``reference.router_topk``: ``logits = x @ weight.T`` in fp32, ``scores = sqrt(softplus(logits))``,
   the ``top_k`` largest ``scores + bias`` (NaN counts as +inf, ties go to the lower index), their
   unbiased scores renormalized to sum 1 (``renormalize``) and times ``scaling`` (a number finite
-  in fp32, else ``ValueError``). A token with a NaN logit gets NaN weights. ``out``: ``(idx, weights)`` buffers of those shapes to write.
+  in fp32, else ``ValueError``). A token with a NaN logit gets NaN weights; a chosen expert whose
+  key is NaN (a NaN bias too) weighs NaN. ``out``: ``(idx, weights)`` buffers of those shapes to write.
 
 Launch 1 (``_router_logits_kernel``): each program sums bf16 products in fp32 (``dot_bf16``) for a
 ``[BLOCK_E experts, BLOCK_T tokens]`` tile over one slice of H and stores the partial logits in a
@@ -90,6 +91,9 @@ def _router_topk_kernel(part_ptr, bias_ptr, idx_ptr, wt_ptr, T, E, stride_part, 
         logits += tl.load(parts + part * stride_part, mask=mask, other=0.0)
     scores = _sqrt_softplus(logits)
     key = scores + tl.load(bias_ptr + offs_e, mask=e_ok, other=0.0)[None, :]
+    # a NaN key (score or bias) is chosen first and weighs NaN: a NaN bias must not route every
+    # token to its expert with finite weights
+    scores = tl.where(key != key, float("nan"), scores)
     key = tl.where(key != key, float("inf"), key)
     taken = (offs_t[:, None] < 0) | ~e_ok[None, :]  # padding experts are never chosen
     cols = tl.arange(0, K_PAD)[None, :]

@@ -103,18 +103,43 @@ def test_router_shapes_cpu(experts, hidden, top_k, renormalize, device):
         torch.testing.assert_close(weights, torch.full_like(weights, SCALING))
 
 
-@pytest.mark.cpu
-def test_router_nan_expert_is_chosen_and_poisons_the_weights(device):
-    """A NaN in one expert's router row makes its key NaN for every token: it ranks first (as +inf),
-    so every token routes to it and gets NaN weights, never a finite routing that hides it."""
+def check_nan_expert(device, nan_in):
+    """A NaN in one expert's router row or in its bias makes its key NaN for every token: it ranks
+    first (as +inf), so every token routes to it and gets NaN weights, never a finite routing that
+    hides it (a NaN bias once gave finite weights: they come from the unbiased scores)."""
     x, weight, bias = _inputs(5, 48, 128, device)
-    weight[29, 7] = float("nan")
+    if nan_in == "weight":
+        weight[29, 7] = float("nan")
+    else:
+        bias[29] = float("nan")
     idx, weights = router.router_topk(x, weight, bias, 6, SCALING, out=_poisoned_out(5, 6, device))
-    want_idx, _ = ref.router_topk(x, weight, bias, 6, SCALING)
+    want_idx, want_weights = ref.router_topk(x, weight, bias, 6, SCALING)
     assert (idx[:, 0] == 29).all() and torch.equal(idx[:, 0], want_idx[:, 0])
-    assert torch.isnan(weights).all()
+    assert torch.isnan(weights).all() and torch.isnan(want_weights).all()
     idx, weights = router.router_topk(x, weight, bias, 6, SCALING, renormalize=False)
     assert torch.isnan(weights[:, 0]).all() and torch.isfinite(weights[:, 1:]).all()
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("nan_in", ["weight", "bias"])
+def test_router_nan_expert_is_chosen_and_poisons_the_weights(device, nan_in):
+    check_nan_expert(device, nan_in)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nan_in", ["weight", "bias"])
+def test_router_nan_expert_is_chosen_and_poisons_the_weights_gpu(device, nan_in):
+    check_nan_expert(device, nan_in)
+
+
+@pytest.mark.cpu
+def test_router_untied_holds_every_chosen_place_apart():
+    """The ordered choice is checked only where the keys it orders are apart: with every expert
+    chosen a tie anywhere still orders two experts either way (it counted as untied)."""
+    keys = torch.tensor([[3.0, 2.0, 1.0], [3.0, 1.0, 1.0], [2.0, 2.0, 1.0]])
+    assert ref.router_untied(keys, 3, 1e-3).tolist() == [True, False, False]
+    assert ref.router_untied(keys, 1, 1e-3).tolist() == [True, True, False]
+    assert ref.router_untied(keys[:, :1], 1, 1e-3).tolist() == [True, True, True]  # one expert
 
 
 @pytest.mark.cpu

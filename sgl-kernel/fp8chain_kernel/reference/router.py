@@ -4,8 +4,10 @@
 ``scores = sqrt(softplus(logits))`` (softplus: ``log1p(exp(l))``, ``l`` itself above 20); the
 experts are the ``top_k`` largest ``scores + bias`` (fp32 ``bias [E]``, selection only), a NaN
 counting as +inf and ties going to the lower expert index, in descending order; their weights are
-the unbiased scores, divided by their sum (at least 1e-20) with ``renormalize``, times ``scaling``.
-A NaN in a token's logits therefore picks NaN experts and gives the token NaN weights.
+the unbiased scores, divided by their sum (at least 1e-20) with ``renormalize``, times ``scaling``;
+a chosen expert whose key is NaN weighs NaN. A NaN in a token's logits therefore picks NaN
+experts and gives the token NaN weights, and so does a NaN bias (it is chosen first), for every
+token, with ``renormalize``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: fl
     scores = _scores(logits)
     if idx is None:
         idx = torch.sort(_keys(scores, bias), dim=-1, descending=True, stable=True).indices[..., :top_k]
-    weights = scores.gather(-1, idx)
+    # an expert whose key is NaN (its score or its bias) weighs NaN
+    weights = torch.where(torch.isnan(scores + bias.float()), torch.nan, scores).gather(-1, idx)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
     return idx, weights * scaling
@@ -57,8 +60,8 @@ def router_keys(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> to
 def router_untied(keys: torch.Tensor, top_k: int, margin: float) -> torch.Tensor:
     """bool ``[T]``: the tokens whose ``top_k + 1`` largest keys are all more than ``margin`` apart,
     so a router computing the logits in another order must make the reference's choice (all
-    tokens where every expert is chosen)."""
-    if top_k >= keys.shape[-1]:
-        return torch.ones(keys.shape[0], dtype=torch.bool, device=keys.device)
+    tokens where every expert is chosen, the chosen experts' order included: all keys apart)."""
     top = keys.sort(dim=-1, descending=True, stable=True).values[:, :top_k + 1]
+    if top.shape[-1] < 2:
+        return torch.ones(keys.shape[0], dtype=torch.bool, device=keys.device)
     return (top[:, :-1] - top[:, 1:]).amin(dim=-1) > margin
