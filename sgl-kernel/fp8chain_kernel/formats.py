@@ -92,17 +92,25 @@ class QuantizedActivation(_DataScale):
     """FP8 data plus scales in ``fmt``.
 
     A NamedTuple of ``(data, scale)`` carrying ``fmt`` as an attribute, so code written for
-    upstream's plain tuples keeps working: ``fp8, scale = pair``.
+    upstream's plain tuples keeps working: ``fp8, scale = pair``. Each pair is an instance of
+    its format's subclass (``QuantizedActivation.SM90_G32_FP32_MN``, ...), which carries ``fmt``:
+    code that rebuilds a NamedTuple from its fields, ``type(pair)(data, scale)`` (torch's pytree:
+    ``tree_map``, ``torch.compile``), keeps the format.
     """
 
-    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, fmt: ActFormat | str):
-        pair = super().__new__(cls, data, scale)
-        pair.fmt = ActFormat(fmt)
-        return pair
+    fmt: ActFormat  # each format's subclass sets it
+
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, fmt: ActFormat | str | None = None):
+        if fmt is None:
+            if cls is QuantizedActivation:
+                raise TypeError("a QuantizedActivation needs its format: QuantizedActivation(data, scale, fmt)")
+            fmt = cls.fmt
+        return super().__new__(getattr(QuantizedActivation, ActFormat(fmt).name), data, scale)
 
     @classmethod
     def _make(cls, iterable):
-        raise TypeError("a QuantizedActivation needs its format: QuantizedActivation(data, scale, fmt)")
+        data, scale = iterable
+        return cls(data, scale)
 
     def __getnewargs__(self):
         return (self.data, self.scale, self.fmt)
@@ -125,6 +133,13 @@ class QuantizedActivation(_DataScale):
         if not is_int(count) or not 0 <= count <= self.data.shape[0]:
             raise ValueError(f"rows(count) takes an int in 0..{self.data.shape[0]}, got {count!r}")
         return QuantizedActivation(self.data[:count], self.scale[:count], self.fmt)
+
+
+for _fmt in ActFormat:  # one subclass per format (pickle finds them by their qualified names)
+    _pair_type = type(_fmt.name, (QuantizedActivation,), {"fmt": _fmt, "__slots__": (), "__module__": __name__,
+                                                          "__qualname__": f"QuantizedActivation.{_fmt.name}"})
+    setattr(QuantizedActivation, _fmt.name, _pair_type)
+del _fmt, _pair_type
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

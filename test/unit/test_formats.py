@@ -1,5 +1,7 @@
 """ActFormat layouts, empty_pair, check_pair and the reference numerics (CPU, torch only)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -85,6 +87,26 @@ def test_check_pair_rejects_bad_pairs():
     relabelled.fmt = "sm90_g32_fp32_mn"  # the attribute set by hand
     with pytest.raises(TypeError, match="ActFormat"):
         check_pair(relabelled)
+
+
+@pytest.mark.parametrize("fmt", list(ActFormat))
+def test_a_pair_keeps_its_format_where_its_fields_are_rebuilt(fmt):
+    """torch's pytree rebuilds a NamedTuple as ``type(pair)(*leaves)`` (tree_map, torch.compile):
+    each format's subclass carries the format, so the rebuilt pair keeps it; the base class still
+    refuses a pair without one."""
+    import torch.utils._pytree as pytree
+
+    pair = empty_pair(3, 256, fmt, "cpu")
+    leaves, spec = pytree.tree_flatten({"x": pair})
+    assert len(leaves) == 2 and leaves[0] is pair.data and leaves[1] is pair.scale
+    rebuilt = pytree.tree_map(lambda t: t[:2], {"x": pair})["x"]  # views: the scales keep their stride
+    assert isinstance(rebuilt, QuantizedActivation) and rebuilt.fmt is fmt and rebuilt.shape == (2, 256)
+    check_pair(rebuilt, fmt)
+    assert type(pair)._make([pair.data, pair.scale]).fmt is fmt and copy.deepcopy(pair).fmt is fmt
+    data, scale = pair  # still unpacks as upstream's tuples
+    for make in (lambda: QuantizedActivation(data, scale), lambda: QuantizedActivation._make([data, scale])):
+        with pytest.raises(TypeError, match="needs its format"):
+            make()
 
 
 def test_check_pair_accepts_rows_of_a_larger_buffer():
