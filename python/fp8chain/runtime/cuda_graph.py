@@ -5,10 +5,10 @@ bucket; bucket ``b`` is captured on their first ``b`` rows, so every graph reads
 storage and a replay only needs the new step's values copied in. Rows past the live batch are
 padding: token 0 at position 0 in the engine's scratch slot, so their KV writes never touch a
 live sequence (they race for that one scratch row, which only padding rows read). Every bucket
-runs eagerly first (Triton compiles outside capture; the layers' registered warmups run too),
-and its logits must be finite (else ``capture`` raises), then graphs are captured from the largest bucket down, sharing one memory pool. Outputs are the
-logits tensors the captured forward produced (static too): ``run`` returns a view of them, valid
-until the next replay.
+runs eagerly first (Triton compiles outside capture; the layers' registered warmups run too) and
+must give finite logits (else ``capture`` raises), then graphs are captured from the largest
+bucket down, sharing one memory pool. Outputs are the logits tensors the captured forward
+produced (static too): ``run`` returns a view of them, valid until the next replay.
 """
 
 from __future__ import annotations
