@@ -168,7 +168,8 @@ class LayerUnit:
         ``layer`` is the first copy."""
         self.layers, self.config = list(layers), config
         self.layer = self.layers[0]
-        self._turn = 0
+        #: one step, each call on the next copy (``harness.rotating``: graphs start on the first)
+        self.step = harness.rotating(self._step, [(layer,) for layer in self.layers])
         h, hc = config.hidden_size, config.hc_mult
         self.residual = torch.randn(rows, hc, h, device=device).bfloat16()
         self.x = torch.randn(rows, h, device=device).bfloat16()
@@ -197,9 +198,8 @@ class LayerUnit:
             self._x_pairs[on] = quant.quantize(self.x, fmt, out=self._x_pairs.get(on))
         self.x_pair = self._x_pairs.get(on)
 
-    def step(self):
-        layer, chain = self.layers[self._turn], self.chain
-        self._turn = (self._turn + 1) % len(self.layers)
+    def _step(self, layer: DeepseekV41DecoderLayer):
+        chain = self.chain
         overlap = layer.overlap_stats
         residual, x, pair = run_sublayer(
             layer.hc_attn,
@@ -503,17 +503,18 @@ def run(args) -> tuple[dict, list[dict]]:
         unit = LayerUnit(copies, config, rows, args.context, "cuda", prefill=is_prefill)
         record = {"shapes": shapes, "M": rows, "phase": "prefill" if is_prefill else "decode"}
         with torch.no_grad():
-            _time_arms(unit, record, "", args.iters, diagnostics=True, captures=args.captures)
-            _time_best_stats_splits(unit, record, args.iters)
+            iters = harness.graph_calls(unit.step, args.iters)  # whole turns over the copies
+            _time_arms(unit, record, "", iters, diagnostics=True, captures=args.captures)
+            _time_best_stats_splits(unit, record, iters)
             with stats_at_sublayer_start(copies):
-                _time_arms(unit, record, "_stats_at_start", args.iters)
+                _time_arms(unit, record, "_stats_at_start", iters)
             with stats_in_line(copies):
-                _time_arms(unit, record, "_serial_stats", args.iters)
+                _time_arms(unit, record, "_serial_stats", iters)
             with precomputed_stats(copies, unit.residual):
-                _time_arms(unit, record, "_no_stats", args.iters)
+                _time_arms(unit, record, "_no_stats", iters)
             if launch.enabled():
                 with launch.programmatic_launches(False):
-                    _time_arms(unit, record, "_no_pdl", args.iters)
+                    _time_arms(unit, record, "_no_pdl", iters)
             unit.set_chain(True)
             if peer is not None:
                 inputs = (unit.residual, unit.x, unit.positions, unit.slots, unit.kv_cache)

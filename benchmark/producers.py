@@ -197,7 +197,7 @@ class Case:
             raise ValueError(name)
         self.cols = cols
         quant_out = empty_pair(t, cols, fmt, device)
-        self.bf16_quant = lambda: (self.bf16(), quant.quantize(y, fmt, out=quant_out))
+        self.bf16_quant = harness.followed_by(self.bf16, lambda: quant.quantize(y, fmt, out=quant_out))
         bf16_out = t * cols * 2
         fp8_out = _pair_bytes(t, cols, fmt)
         self.bytes_bf16 = self.in_bytes + bf16_out
@@ -308,9 +308,10 @@ def run_launch_sweep(args) -> tuple[dict, list[dict]]:
         # every shape's two arms replay in turn: differences are fractions of a microsecond. The
         # units own the buffers the graphs read and write: alive until the replays are done.
         units = [Case(name, rows, fmt, DEVICE, config=config) for config in configs]
-        graphs = {(index, arm): harness.capture_graph(getattr(unit, arm), args.iters)
+        iters = harness.graph_calls(units[0].fp8, args.iters)
+        graphs = {(index, arm): harness.capture_graph(getattr(unit, arm), iters)
                   for index, unit in enumerate(units) for arm in ("bf16", "fp8")}
-        for (index, arm), us in harness.replay_times_us(graphs, args.iters).items():
+        for (index, arm), us in harness.replay_times_us(graphs, iters).items():
             records.append({"producer": name, "T": rows, "config": configs[index] or "rule", "arm": arm, "us": us})
         del graphs, units
         harness.save_results("producers_launch_sweep", meta, records, args.results_dir)

@@ -58,12 +58,17 @@ def test_unit_steps_take_the_weight_copies_in_turn():
         copies.append(bench.build_layer(config, "cpu"))
     unit = bench.LayerUnit(copies, config, 2, 16, "cpu")
     assert unit.layer is copies[0]
-    turns = []
-    for _ in range(3):
-        turns.append(unit._turn)
-        with torch.no_grad():
+    seen = []  # which copy each step reads: its wqkv_a's forward
+    hooks = [layer.attn.wqkv_a.register_forward_pre_hook(lambda module, args, i=i: seen.append(i))
+             for i, layer in enumerate(copies)]
+    with torch.no_grad():
+        for _ in range(3):
             unit.step()
-    assert turns == [0, 1, 0]
+        unit.step.reset()  # a graph's capture starts on the first copy again
+        unit.step()
+    for hook in hooks:
+        hook.remove()
+    assert seen == [0, 1, 0, 0] and unit.step.period == 2
     assert_unit_chain_on_equals_off(unit)  # copy 1 chained, copy 0 unchained
 
 

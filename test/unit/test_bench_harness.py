@@ -1,6 +1,7 @@
 """The benchmark harness: weight rotation past L2, --quick's defaults, tables, results metadata."""
 
 import argparse
+import contextlib
 
 import pytest
 
@@ -27,6 +28,34 @@ def test_rotating_calls_each_item_in_turn():
     assert [call() for _ in range(4)] == [3, 7, 11, 3]
     assert seen == [(1, 2), (3, 4), (5, 6), (1, 2)]
     assert call.period == 3
+    call.reset()
+    assert call() == 3
+    both = harness.followed_by(call, lambda: "after")  # an arm adding a launch turns with the rotation
+    assert both() == (7, "after") and both.period == 3
+    both.reset()
+    assert both() == (3, "after")
+
+
+def test_graphs_capture_whole_turns_from_the_first_item(monkeypatch):
+    """A rotation's graph is captured from its first item on (after the warm-up calls) over whole
+    turns, so two graphs replayed in turn never read one copy back to back; ``graph_calls`` rounds
+    up to whole turns and ``capture_graph`` refuses a part turn."""
+    import types
+
+    seen = []
+    call = harness.rotating(seen.append, [(0,), (1,), (2,)])
+    assert [harness.graph_calls(call, n) for n in (1, 3, 20, 21)] == [3, 3, 21, 21]
+    stream = types.SimpleNamespace(wait_stream=lambda other: None)
+    fake_cuda = types.SimpleNamespace(  # capture_graph's calls, run eagerly
+        is_available=lambda: True, Stream=lambda: stream, current_stream=lambda: stream,
+        stream=lambda s: contextlib.nullcontext(), synchronize=lambda: None,
+        CUDAGraph=lambda: types.SimpleNamespace(replay=lambda: None), graph=lambda g: contextlib.nullcontext())
+    monkeypatch.setattr(harness.torch, "cuda", fake_cuda)
+    for _ in range(2):  # two arms' graphs over the same copies
+        harness.capture_graph(call, 6)
+    assert seen == [0, 1, 2] + [0, 1, 2] * 2 + [0, 1, 2] + [0, 1, 2] * 2  # warm-up, then whole turns from 0
+    with pytest.raises(ValueError, match="20 calls of a rotation of 3 items"):
+        harness.capture_graph(call, 20)
 
 
 def test_no_timing_after_the_profiler(monkeypatch):

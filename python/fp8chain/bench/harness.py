@@ -37,10 +37,16 @@ def capture_graph(fn: Callable[[], object], iters: int = 100) -> torch.cuda.CUDA
 
     ``fn`` must be capturable (no host sync; allocations come from the graph's own pool). Warms up
     eagerly first so compilation stays outside the graph. Whatever ``fn`` reads must stay alive as
-    long as the graph is replayed.
+    long as the graph is replayed. A ``rotating`` ``fn`` is captured from its first item on, over
+    whole turns (``iters`` a multiple of its ``period``: ``graph_calls``), so that graphs replayed
+    in turn meet at the rotation's usual distance: one graph's last call never reads the copy the
+    next graph's first call reads.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("timing CUDA graphs needs a CUDA device")
+    period = getattr(fn, "period", 1)
+    if iters % period:
+        raise ValueError(f"{iters} calls of a rotation of {period} items: take graph_calls(fn, iters)")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -48,6 +54,8 @@ def capture_graph(fn: Callable[[], object], iters: int = 100) -> torch.cuda.CUDA
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    if hasattr(fn, "reset"):
+        fn.reset()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(iters):
@@ -93,9 +101,11 @@ def graph_time_us(fn: Callable[[], object], iters: int = 100, repeats: int = 7) 
 
 
 def graph_calls(fn: Callable[[], object], iters: int) -> int:
-    """Calls of ``fn`` per captured graph: ``iters``, or one per weight copy of a ``rotating``
-    ``fn`` where it has more (a graph of fewer calls would leave copies unread)."""
-    return max(iters, getattr(fn, "period", 1))
+    """Calls of ``fn`` per captured graph: ``iters`` rounded up to whole turns of a ``rotating``
+    ``fn`` (a graph of fewer calls would leave copies unread, one of a part turn would end on a
+    copy the next graph starts on: ``capture_graph``)."""
+    period = getattr(fn, "period", 1)
+    return -(-max(iters, 1) // period) * period
 
 
 L2_DEFEAT_BYTES = 160 << 20  # weight copies that a benchmark rotates through add up to this
@@ -111,7 +121,8 @@ def copies_past_l2(nbytes: int, most: int = 64) -> int:
 def rotating(fn: Callable[..., object], items: list[tuple]) -> Callable[[], object]:
     """A no-argument call that runs ``fn(*items[i])`` for i = 0, 1, 2, ... in turn (with
     ``copies_past_l2`` weight copies: each call reads weights the previous ones did not). Its
-    ``period`` is ``len(items)``: a graph of fewer calls would leave copies unread."""
+    ``period`` is ``len(items)`` (a graph of fewer calls would leave copies unread); ``reset()``
+    starts the turn again from the first item."""
     state = {"i": 0}
 
     def call():
@@ -120,7 +131,20 @@ def rotating(fn: Callable[..., object], items: list[tuple]) -> Callable[[], obje
         return fn(*item)
 
     call.period = len(items)
+    call.reset = lambda: state.update(i=0)  # capture_graph: every graph from the first item on
     return call
+
+
+def followed_by(call: Callable[[], object], after: Callable[[], object]) -> Callable[[], object]:
+    """``call()`` then ``after()`` as one call, carrying a ``rotating`` ``call``'s ``period`` and
+    ``reset`` (an arm that adds a launch to another arm's rotation turns with it)."""
+    def both():
+        return call(), after()
+
+    for attr in ("period", "reset"):
+        if hasattr(call, attr):
+            setattr(both, attr, getattr(call, attr))
+    return both
 
 
 def copy_time_us(moved_bytes: int, device=None, iters: int = 100) -> float:
