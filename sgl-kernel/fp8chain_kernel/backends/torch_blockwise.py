@@ -106,12 +106,25 @@ class TorchBlockwiseBackend(GemmBackend):
              derived: dict, out: torch.Tensor | None = None, _force_view: str | None = None) -> torch.Tensor:
         """``_force_view`` (benchmarks only) skips the calibration verdict and runs that layout."""
         m, n, k = _check_operands(pair, weight, weight_scale, 128, out)
-        if pair.fmt is not ActFormat.SM90_G128_FP32_MN:
-            raise TypeError(f"torch_blockwise reads {ActFormat.SM90_G128_FP32_MN.value}, got a pair in {pair.fmt.value}")
+        _check_g128(pair)
         if out is None:
             out = torch.empty((m, n), dtype=torch.bfloat16, device=weight.device)
         if m == 0:
             return out
+        args, kwargs = self.scaled_mm_operands(pair, weight, weight_scale, derived, _force_view)
+        result = torch._scaled_mm(*args, **kwargs)
+        out.copy_(result[:m])
+        return out
+
+    def scaled_mm_operands(self, pair: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
+                           derived: dict, _force_view: str | None = None) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` of ``torch._scaled_mm`` for ``pair x weight^T``: the pair's rows
+        padded to a multiple of 4 and its scales in the layout cuBLAS reads (copies where they are
+        not already), the weight scales in the calibrated layout; the result has ``align4(M)`` rows.
+        The benchmark times ``_scaled_mm`` alone on these, as a caller holding its operands in
+        cuBLAS's layouts would run it."""
+        m, n, k = _check_operands(pair, weight, weight_scale, 128, None)
+        _check_g128(pair)
         mp = align4(m)
         data, scale = pair.data, pair.scale
         if mp != m or data.stride(0) != k:
@@ -133,7 +146,10 @@ class TorchBlockwiseBackend(GemmBackend):
             view = self._scale_b_view.get(aligned)
             if view is None:
                 raise ValueError(f"torch._scaled_mm has no working 128x128 scale layout for K/128 = {k // 128}")
-        scale_b = self._scale_b(padded_b, k, view, weight_scale)
-        result = torch._scaled_mm(data, weight.t(), scale_a=scale, scale_b=scale_b, out_dtype=torch.bfloat16)
-        out.copy_(result[:m])
-        return out
+        return (data, weight.t()), dict(scale_a=scale, scale_b=self._scale_b(padded_b, k, view, weight_scale),
+                                        out_dtype=torch.bfloat16)
+
+
+def _check_g128(pair: QuantizedActivation) -> None:
+    if pair.fmt is not ActFormat.SM90_G128_FP32_MN:
+        raise TypeError(f"torch_blockwise reads {ActFormat.SM90_G128_FP32_MN.value}, got a pair in {pair.fmt.value}")
