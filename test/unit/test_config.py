@@ -92,8 +92,8 @@ def test_validation_rejects_unsupported_structures(bad):
     (dict(vocab_size=-5), "vocab_size must be a positive int"),
     (dict(num_experts_per_tok=0), "num_experts_per_tok must be a positive int"),
     (dict(norm_topk_prob="false"), "norm_topk_prob must be true or false"),
-    (dict(routed_scaling_factor=True), "routed_scaling_factor must be a positive number"),
-    (dict(rms_norm_eps=-1e-6), "rms_norm_eps must be a positive number"),
+    (dict(routed_scaling_factor=True), "routed_scaling_factor must be a positive finite number"),
+    (dict(rms_norm_eps=-1e-6), "rms_norm_eps must be a positive finite number"),
     (dict(quantization_config=None), "quantization_config must be a dict"),
     (dict(quantization_config={"weight_block_size": [32]}), "weight_block_size is two positive ints"),
     # what the FP8 linears read, refused with the config rather than when the model is built
@@ -101,6 +101,16 @@ def test_validation_rejects_unsupported_structures(bad):
      r"weight_block_size must be \[32, 32\] or \[128, 128\]"),
     (dict(quantization_config={**DeepseekV41Config.tiny().quantization_config, "quant_method": "awq"}),
      "quantization_config: "),
+    # what the first forward would refuse: wo_a's rows per group in whole scale groups, finite floats
+    (dict(o_lora_rank=48), "o_lora_rank=48 must be a multiple of the weight block's 32 rows"),
+    (dict(routed_scaling_factor=float("inf")), "routed_scaling_factor must be a positive finite number"),
+    (dict(rope_theta=float("inf")), "rope_theta must be a positive finite number"),
+    (dict(rope_theta=float("nan")), "rope_theta must be a positive finite number"),
+    # keys the model does not read but which describe another model
+    (dict(hidden_act="gelu"), "hidden_act='gelu' \\(the shared and routed experts run SiLU\\)"),
+    (dict(qk_nope_head_dim=128), "qk_nope_head_dim=128 \\(head_dim - qk_rope_head_dim = 64\\)"),
+    (dict(quantization_config={**DeepseekV41Config.tiny().quantization_config, "fmt": "e5m2"}),
+     "fmt must be 'e4m3'"),
     # the checkpoint layout has every dense linear in FP8: a layer kept in bf16 could never load
     (dict(quantization_config={**DeepseekV41Config.tiny().quantization_config,
                                "modules_to_not_convert": ["layers.0.attn.wq_b"]}),
@@ -121,6 +131,12 @@ def test_from_dict_refuses_other_models_and_says_what_it_ignores(caplog):
     with caplog.at_level("WARNING"):
         config = DeepseekV41Config.from_dict({**tiny, "rope_scaling": yarn})
     assert "rope_scaling" in caplog.text and config.extra["rope_scaling"] == yarn
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # still the model it runs, without that feature: said
+        config = DeepseekV41Config.from_dict({**tiny, "n_group": 4, "topk_group": 1, "sliding_window": 128,
+                                              "hidden_act": "silu", "qk_nope_head_dim": 64})
+    assert "group-limited routing" in caplog.text and "sliding_window=128" in caplog.text
+    assert config.extra["n_group"] == 4
     assert DeepseekV41Config.from_dict({**tiny, "swiglu_limit": None}).swiglu_limit is None
 
 

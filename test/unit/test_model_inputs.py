@@ -145,6 +145,19 @@ def test_forward_accepts_the_last_id_position_and_slot(model):
     assert logits.shape == (2, 512) and torch.isfinite(logits).all()
 
 
+def test_forward_of_no_tokens_gives_no_logits(model):
+    """T = 0 runs through every layer in both arms (a reshape inferred a width from 0 elements)."""
+    caches = model.make_kv_cache(SLOTS, LENGTH)
+    before = [c.clone() for c in caches]
+    empty = torch.zeros(0, dtype=torch.long)
+    for chain in (True, False):
+        model.set_chain(chain)
+        logits = model(empty, empty, empty, caches)
+        assert logits.shape == (0, model.config.vocab_size) and logits.dtype == torch.float32
+    model.set_chain(True)
+    assert all(torch.equal(a, b) for a, b in zip(before, caches))
+
+
 def test_forward_skips_the_value_check_while_a_graph_is_captured(model, monkeypatch):
     """Capture forbids the host read: the values are then left to what fills the graph's inputs
     (the runtime Engine), and the forward goes straight to the embedding."""

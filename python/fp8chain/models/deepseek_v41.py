@@ -37,6 +37,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -124,14 +125,13 @@ class DeepseekV41Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DeepseekV41Config":
-        """From a HF ``config.json`` dict; unknown keys go to ``extra``."""
+        """From a HF ``config.json`` dict; keys it does not read go to ``extra``, missing keys take
+        Flash's values (``flash()``). Keys it does not read that change what a model computes are
+        refused where the model cannot be the one described (another activation, a contradicting
+        ``qk_nope_head_dim``) and logged where it still runs the rest of it (``rope_scaling``,
+        group-limited routing, a sliding window): ``_check_read_keys``."""
         if d.get("model_type", "deepseek_v4") != "deepseek_v4":
             raise ValueError(f"model_type {d['model_type']!r} is not a DeepSeek-V4 config (deepseek_v4)")
-        if d.get("rope_scaling"):
-            logger.warning("config rope_scaling %r is not implemented: positions rotate with plain RoPE "
-                           "(rope_theta); scaling such as YaRN changes the frequencies and the attention "
-                           "scale at every position, so the logits differ from the scaled model's "
-                           "everywhere", d["rope_scaling"])
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in d.items() if k in names}
         identity = ("architectures", "model_type", "extra")  # to_dict writes these itself
@@ -144,6 +144,7 @@ class DeepseekV41Config:
             kwargs["quantization_config"] = dict(kwargs["quantization_config"])
         config = cls(**kwargs, extra=extra)
         config.validate()
+        _check_read_keys(d, config)
         return config
 
     @classmethod
@@ -232,7 +233,7 @@ class DeepseekV41Config:
 
     def _value_errors(self) -> list[str]:
         """What is of the wrong kind: every count and width a positive int, every float setting a
-        positive number, the switches bools, the weight blocks two positive ints."""
+        positive finite number, the switches bools, the weight blocks two positive ints."""
         errors = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -241,8 +242,8 @@ class DeepseekV41Config:
             elif f.type in ("float", "float | None"):
                 optional = f.type == "float | None"
                 number = isinstance(value, (int, float)) and not isinstance(value, bool)
-                if not ((optional and value is None) or (number and value > 0)):
-                    errors.append(f"{f.name} must be a positive number{' or None' if optional else ''}, "
+                if not ((optional and value is None) or (number and 0 < value < math.inf)):
+                    errors.append(f"{f.name} must be a positive finite number{' or None' if optional else ''}, "
                                   f"got {value!r}")
             elif f.type == "bool" and not isinstance(value, bool):
                 errors.append(f"{f.name} must be true or false, got {value!r}")
@@ -306,12 +307,40 @@ class DeepseekV41Config:
         for name, (n, k) in self.fp8_linear_shapes().items():
             if n % bn or k % bk:
                 errors.append(f"{name}: [{n}, {k}] must be a multiple of the {bn}x{bk} weight blocks")
+        if self.o_lora_rank % bn:  # wo_a writes wo_b's pair: a scale group never spans two einsum groups
+            errors.append(f"o_lora_rank={self.o_lora_rank} must be a multiple of the weight block's {bn} rows")
         for name, k in (("hidden_size", self.hidden_size), ("moe_intermediate_size",
                                                               self.moe_intermediate_size)):
             if k % 32:
                 errors.append(f"{name}={k} must be a multiple of 32 (MXFP4 groups)")
         if errors:
             raise ValueError("invalid DeepseekV41Config: " + "; ".join(errors))
+
+
+def _check_read_keys(d: dict, config: DeepseekV41Config) -> None:
+    """config.json keys the model does not read but that say what it computes: ``ValueError`` where
+    the model cannot be the one described, a WARNING where it runs without that feature."""
+    refused = []
+    if d.get("hidden_act", "silu") != "silu":
+        refused.append(f"hidden_act={d['hidden_act']!r} (the shared and routed experts run SiLU)")
+    if "qk_nope_head_dim" in d and d["qk_nope_head_dim"] != config.qk_nope_head_dim:
+        refused.append(f"qk_nope_head_dim={d['qk_nope_head_dim']!r} (head_dim - qk_rope_head_dim = "
+                       f"{config.qk_nope_head_dim})")
+    if refused:
+        raise ValueError("invalid DeepseekV41Config: " + "; ".join(refused))
+    if d.get("rope_scaling"):
+        logger.warning("config rope_scaling %r is not implemented: positions rotate with plain RoPE "
+                       "(rope_theta); scaling such as YaRN changes the frequencies and the attention "
+                       "scale at every position, so the logits differ from the scaled model's "
+                       "everywhere", d["rope_scaling"])
+    n_group, topk_group = d.get("n_group"), d.get("topk_group")
+    if is_int(n_group) and is_int(topk_group) and 1 < n_group and topk_group < n_group:
+        logger.warning("config n_group=%d, topk_group=%d (group-limited routing) is not implemented: the "
+                       "router picks the top %d of all experts, which can span more groups", n_group,
+                       topk_group, config.num_experts_per_tok)
+    if d.get("sliding_window") is not None:
+        logger.warning("config sliding_window=%r is not implemented: every token attends to its whole "
+                       "context", d["sliding_window"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,7 +438,7 @@ class MQALayer(nn.Module):
         cos, sin = self.rope_tables(kv_cache.shape[1], kv_cache.device)
         q = impl.rope_qkv(q, kv, cos, sin, kv_cache, slots, positions, self.eps, kv_weight=self.kv_norm.weight)
         o = impl.mqa_attention(q, kv_cache, slots, positions, self.attn_sink, self.softmax_scale, cos, sin)
-        return o.view(q.shape[0], self.o_groups, -1)
+        return o.view(q.shape[0], self.o_groups, self.wo_a.shape[2])  # explicit: T = 0 too
 
     def share_rope_tables(self, tables: dict) -> None:
         """Keep the RoPE tables in ``tables``, a dict the caller shares between layers (the model

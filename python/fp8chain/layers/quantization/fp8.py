@@ -101,6 +101,8 @@ class Fp8Config:
             raise ValueError(f"Fp8Config reads quant_method {cls.get_name()!r}, got {method!r}")
         if not config.get("is_checkpoint_fp8_serialized", True):
             raise ValueError("fp8: only FP8-serialized checkpoints are supported")
+        if config.get("fmt", "e4m3") != "e4m3":  # the weights the consumers read are e4m3fn
+            raise ValueError(f"fp8: fmt must be 'e4m3', got {config['fmt']!r}")
         block = config.get("weight_block_size")
         if block is None:
             raise ValueError("fp8: weight_block_size is required (block-wise FP8 checkpoints only)")
