@@ -210,15 +210,22 @@ class LinearBase(nn.Module):
                 and loaded.shape[dim] == param.shape[dim] * self.tp_size):
             size = param.shape[dim]
             loaded = loaded.narrow(dim, self.tp_rank * size, size)
-        if tuple(loaded.shape) != tuple(param.shape):
-            shard = "" if dim is None or self.tp_size == 1 else \
-                f" (rank {self.tp_rank} of {self.tp_size}, full size along dim {dim}: " \
-                f"{param.shape[dim] * self.tp_size})"
-            raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match "
-                             f"parameter shape {tuple(param.shape)}{shard}")
+        shard = "" if dim is None or self.tp_size == 1 else \
+            f" (rank {self.tp_rank} of {self.tp_size}, full size along dim {dim}: {param.shape[dim] * self.tp_size})"
+        self._copy_checked(name, param, param.data, loaded,
+                           f"checkpoint shape {tuple(loaded.shape)} does not match parameter shape "
+                           f"{tuple(param.shape)}{shard}")
+
+    @staticmethod
+    def _copy_checked(name: str, param: nn.Parameter, target: torch.Tensor, loaded: torch.Tensor,
+                      shape_mismatch: str) -> None:
+        """Copy ``loaded`` into ``target`` (``param`` or a view of it) after the shape check
+        (``shape_mismatch`` is the error's text) and the dtype check."""
+        if tuple(loaded.shape) != tuple(target.shape):
+            raise ValueError(f"{name}: {shape_mismatch}")
         check_loadable_dtype(param, loaded, f"{name}: checkpoint")
         with torch.no_grad():
-            param.data.copy_(loaded)
+            target.copy_(loaded)
 
     # ---- forward --------------------------------------------------------------------------
     def forward(self, x):
@@ -282,14 +289,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             start, size = sum(rows[:loaded_shard_id]), rows[loaded_shard_id]
             if self.tp_size > 1 and loaded.dim() == param.dim() and loaded.shape[0] == size * self.tp_size:
                 loaded = loaded.narrow(0, self.tp_rank * size, size)
-            target = param.narrow(0, start, size)
-            if tuple(loaded.shape) != tuple(target.shape):
-                raise ValueError(f"{name}: part {loaded_shard_id} has shape {tuple(loaded.shape)}; this rank's rows "
-                                 f"of it are {tuple(target.shape)}, the whole part "
-                                 f"{(size * self.tp_size, *target.shape[1:])}")
-            check_loadable_dtype(param, loaded, f"{name}: checkpoint")
-            with torch.no_grad():
-                target.copy_(loaded)
+            target = param.data.narrow(0, start, size)
+            self._copy_checked(name, param, target, loaded,
+                               f"part {loaded_shard_id} has shape {tuple(loaded.shape)}; this rank's rows of it are "
+                               f"{tuple(target.shape)}, the whole part {(size * self.tp_size, *target.shape[1:])}")
             return
         if self.tp_size > 1 and sharded_rows and isinstance(loaded, torch.Tensor) and loaded.dim() == param.dim():
             if loaded.shape[0] == param.shape[0] * self.tp_size:

@@ -23,10 +23,11 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: fl
     """``(idx int64 [T, top_k], weights fp32 [T, top_k])`` from fp32 ``logits [T, E]``; ``idx``
     given: keep that expert choice and compute only its weights."""
     scores = _scores(logits)
+    key = scores + bias.float()
     if idx is None:
-        idx = torch.sort(_keys(scores, bias), dim=-1, descending=True, stable=True).indices[..., :top_k]
+        idx = torch.sort(_nan_as_inf(key), dim=-1, descending=True, stable=True).indices[..., :top_k]
     # an expert whose key is NaN (its score or its bias) weighs NaN
-    weights = torch.where(torch.isnan(scores + bias.float()), torch.nan, scores).gather(-1, idx)
+    weights = torch.where(torch.isnan(key), torch.nan, scores).gather(-1, idx)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
     return idx, weights * scaling
@@ -36,9 +37,8 @@ def _scores(logits: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(F.softplus(logits.float()))
 
 
-def _keys(scores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def _nan_as_inf(key: torch.Tensor) -> torch.Tensor:
     """What the choice ranks: ``scores + bias``, a NaN as +inf."""
-    key = scores + bias.float()
     return torch.where(torch.isnan(key), torch.inf, key)
 
 
@@ -54,7 +54,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k
 
 def router_keys(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """fp32 ``[T, E]`` selection keys of the tokens ``x``: ``scores + bias``, a NaN as +inf."""
-    return _keys(_scores(_logits(x, weight)), bias)
+    return _nan_as_inf(_scores(_logits(x, weight)) + bias.float())
 
 
 def router_untied(keys: torch.Tensor, top_k: int, margin: float) -> torch.Tensor:
