@@ -593,7 +593,11 @@ def _split_plan(tiles: int, k: int, cfg: GemmConfig, device):
 
 
 def _check_config(cfg: GemmConfig, k: int, group: int, a_fp8: bool) -> None:
-    """A config the kernels can run for K in groups of ``group`` (ValueError otherwise)."""
+    """A config the kernels can run for K in groups of ``group`` (ValueError otherwise; TypeError
+    for anything but a ``GemmConfig``)."""
+    if not isinstance(cfg, GemmConfig):
+        gemv_note = " (the GEMV reads FP8 pairs only)" if isinstance(cfg, GemvConfig) else ""
+        raise TypeError(f"config must be a GemmConfig{gemv_note}, got {type(cfg).__name__}")
     counts = (cfg.block_n, cfg.block_m, cfg.block_k, cfg.split, cfg.stages, cfg.warps, cfg.tile_group)
     # a zero tile_group would divide by zero in the tile order; the tiles and warps are aranges
     powers = (cfg.block_n, cfg.block_m, cfg.block_k, cfg.warps)

@@ -12,6 +12,7 @@ import torch
 from fp8chain_kernel import act, attention, einsum, gemm, mhc, norm, quant
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import ActFormat, QuantizedActivation, check_distinct_elements, check_pair
+from fp8chain_kernel.gemv import GemvConfig
 
 pytestmark = pytest.mark.cpu
 
@@ -306,6 +307,16 @@ def test_gemm_refuses_a_float_weight_block():
     w, s = ref.random_fp8_weight(64, 128, 32, "cpu")
     with pytest.raises(ValueError, match="weight_block must be the int 32 or 128"):
         gemm.fp8_gemm(quant.quantize(bf16(2, 128), G32), w, s, weight_block=32.0)
+
+
+def test_gemm_refuses_a_config_of_another_type():
+    w, s = ref.random_fp8_weight(64, 128, 32, "cpu")
+    pair = quant.quantize(bf16(2, 128), G32)
+    for config in ({"block_n": 64}, (64, 16, 128)):
+        with pytest.raises(TypeError, match="config must be a GemmConfig, got"):
+            gemm.fp8_gemm(pair, w, s, weight_block=32, config=config)
+    with pytest.raises(TypeError, match=r"config must be a GemmConfig \(the GEMV reads FP8 pairs only\), got GemvConfig"):
+        gemm.w8a16_gemm(bf16(2, 128), w, s, weight_block=32, config=GemvConfig(64, 128))
 
 
 def test_gemm_outputs_refuse_shared_memory_and_overlapping_inputs():

@@ -239,6 +239,35 @@ def test_deep_gemm_refuses_an_out_it_would_write_wrongly(fake_deep_gemm):
     assert len(calls) == before
 
 
+@pytest.mark.parametrize("fake_deep_gemm", [(9, 0), (10, 0)], indirect=True)
+def test_deep_gemm_refuses_other_formats_and_strided_weights_before_the_call(fake_deep_gemm):
+    """Called directly (not through ``select_backend``), the backend still refuses a pair in a
+    format DeepGEMM does not read on this arch (TypeError naming both) and a weight its TMA
+    cannot read (ValueError), and wrong dtypes of the weight scales or ``out`` as TypeError."""
+    arch, calls, _ = fake_deep_gemm
+    m, n, k = 3, 64, 256
+    fmt, block = (G128, 128) if arch[0] == 9 else (PACKED, 32)
+    backend = backends.get_backend("deep_gemm")
+    w, s = _weights(n, k, block)
+    derived = backend.derive_weight_tensors(w, s, block)
+    before = len(calls)
+    for other in (f for f in (G32, G128, PACKED) if f is not fmt):
+        with pytest.raises(TypeError, match=f"reads {fmt.value}, got {other.value}"):
+            backend.gemm(ref.quantize(_activation(m, k), other), w, s, derived)
+    pair = ref.quantize(_activation(m, k), fmt)
+    padded_rows = torch.zeros(n, k + 128, dtype=torch.float8_e4m3fn)[:, :k]
+    padded_rows.copy_(w)
+    with pytest.raises(ValueError, match="weight must be K-major contiguous"):
+        backend.gemm(pair, padded_rows, s, derived)
+    with pytest.raises(TypeError, match="weight_scale must be float32"):
+        backend.gemm(pair, w, s.double(), derived)
+    with pytest.raises(TypeError, match="out must be bfloat16"):
+        backend.gemm(pair, w, s, derived, out=torch.empty(m, n))
+    assert len(calls) == before
+    backend.gemm(pair, w, s, derived)  # the pair and weight it reads go through
+    assert len(calls) == before + 1
+
+
 @pytest.mark.parametrize("fake_deep_gemm", [(9, 0)], indirect=True)
 def test_fake_catches_k_major_scales(fake_deep_gemm):
     """The fake is not a rubber stamp: K-major activation scales (the common mistake) fail."""
@@ -276,6 +305,9 @@ def test_fake_catches_missing_ue8m0_flag_and_raw_weight_scales(fake_deep_gemm):
         deep_gemm.fp8_gemm_nt((pair.data, pair.scale), (w, s), d, recipe=(1, 1, 32), disable_ue8m0_cast=True)
     with pytest.raises(ValueError, match="weight_scale_inv_deepgemm"):
         backends.get_backend("deep_gemm").gemm(pair, w, s, {})
+    stale = {"weight_scale_inv_deepgemm": ref.pack_weight_scale_for_deepgemm(*_weights(2 * n, k, 32)[1:], 2 * n, k)}
+    with pytest.raises(ValueError, match=r"must be int32 \(64, 2\) for this weight, got torch.int32 \(128, 2\)"):
+        backends.get_backend("deep_gemm").gemm(pair, w, s, stale)
 
 
 @pytest.mark.parametrize("fake_deep_gemm", [(9, 0)], indirect=True)

@@ -88,13 +88,17 @@ def _check_operands(pair, weight, weight_scale, weight_block: int, out) -> tuple
     if ka != k:
         raise ValueError(f"activation has K={ka}, weight has K={k}")
     want = (cdiv(n, weight_block), cdiv(k, weight_block))
-    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != want:
+    if weight_scale.dtype != torch.float32:
+        raise TypeError(f"weight_scale must be float32 {want}, got {weight_scale.dtype} {tuple(weight_scale.shape)}")
+    if tuple(weight_scale.shape) != want:
         raise ValueError(f"weight_scale must be float32 {want}, got {weight_scale.dtype} {tuple(weight_scale.shape)}")
     for name, t in (("weight", weight), ("weight_scale", weight_scale)):
         if t.device != pair.data.device:
             raise ValueError(f"{name} is on {t.device}, the activation on {pair.data.device}")
     if out is not None:
-        if out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n):
+        if out.dtype != torch.bfloat16:
+            raise TypeError(f"out must be bfloat16 {(m, n)}, got {out.dtype} {tuple(out.shape)}")
+        if tuple(out.shape) != (m, n):
             raise ValueError(f"out must be bfloat16 {(m, n)}, got {out.dtype} {tuple(out.shape)}")
         check_rows(out, "out", (m, n), pair.data.device)  # unit column stride, one location per element
         check_no_overlap([("out", out)], pair_parts(pair, "a") + [("weight", weight), ("weight_scale", weight_scale)])

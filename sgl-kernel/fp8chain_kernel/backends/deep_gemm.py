@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import ActFormat, QuantizedActivation, align4
+from ..formats import ActFormat, QuantizedActivation, align4, cdiv
 from . import GemmBackend, _check_operands
 
 
@@ -31,6 +31,17 @@ def _arch():
     from . import probe
 
     return probe().arch
+
+
+def _arch_format(arch: tuple[int, int] | None) -> tuple[ActFormat, int] | None:
+    """The pair format and weight block DeepGEMM reads on ``arch``; None where it does not run."""
+    if arch is None:
+        return None
+    if arch[0] == 9:  # fp32 scales in 128-column groups only
+        return ActFormat.SM90_G128_FP32_MN, 128
+    if arch[0] >= 10:
+        return ActFormat.SM100_G32_UE8M0_PACKED_MN, 32
+    return None
 
 
 class DeepGemmBackend(GemmBackend):
@@ -47,13 +58,10 @@ class DeepGemmBackend(GemmBackend):
             return caps.deep_gemm_reason or "deep_gemm unavailable"
         fmt = ActFormat(fmt)
         arch = caps.arch
-        if arch[0] == 9:  # fp32 scales in 128-column groups only
-            ok = (fmt, weight_block) == (ActFormat.SM90_G128_FP32_MN, 128)
-        elif arch[0] >= 10:
-            ok = (fmt, weight_block) == (ActFormat.SM100_G32_UE8M0_PACKED_MN, 32)
-        else:
+        reads = _arch_format(arch)
+        if reads is None:
             return f"DeepGEMM runs on SM90/SM100, this is sm{arch[0]}{arch[1]}"
-        if not ok:
+        if (fmt, weight_block) != reads:
             return f"on sm{arch[0]}{arch[1]} it does not read {fmt.value} with {weight_block}x{weight_block} blocks"
         if k % 128:
             return f"K={k} is not a multiple of 128"
@@ -72,8 +80,18 @@ class DeepGemmBackend(GemmBackend):
              derived: dict, out: torch.Tensor | None = None) -> torch.Tensor:
         import deep_gemm
 
-        block = pair.fmt.group_size
+        arch = _arch()
+        reads = _arch_format(arch)
+        if reads is None:
+            raise RuntimeError(f"DeepGEMM runs on SM90/SM100, this is {'no CUDA device' if arch is None else arch}")
+        fmt, block = reads
+        if not isinstance(pair, QuantizedActivation) or pair.fmt is not fmt:
+            got = pair.fmt.value if isinstance(pair, QuantizedActivation) else type(pair).__name__
+            raise TypeError(f"deep_gemm on sm{arch[0]}{arch[1]} reads {fmt.value}, got {got}")
         m, n, k = _check_operands(pair, weight, weight_scale, block, out)
+        if not weight.is_contiguous() or weight.data_ptr() % 16:
+            raise ValueError(f"weight must be K-major contiguous and 16-byte aligned (DeepGEMM's TMA), got "
+                             f"strides {weight.stride()}, address % 16 = {weight.data_ptr() % 16}")
         if out is None:
             out = torch.empty((m, n), dtype=torch.bfloat16, device=weight.device)
         if m == 0:
@@ -94,6 +112,9 @@ class DeepGemmBackend(GemmBackend):
             if packed_w is None:
                 raise ValueError("the SM100 DeepGEMM path needs derived['weight_scale_inv_deepgemm'] "
                                  "(derive_weight_tensors at load)")
+            if packed_w.dtype != torch.int32 or tuple(packed_w.shape) != (n, cdiv(k, 128)):
+                raise ValueError(f"weight_scale_inv_deepgemm must be int32 {(n, cdiv(k, 128))} for this weight, got "
+                                 f"{packed_w.dtype} {tuple(packed_w.shape)}: derive it again (process_weights_after_loading)")
             if packed_w.shape[1] > 1 and packed_w.stride() != (1, align4(n)):
                 # a deepcopy or .to() of the layer makes the padded view dense (N % 4 != 0)
                 raise ValueError(f"weight_scale_inv_deepgemm has strides {packed_w.stride()}, DeepGEMM reads "
