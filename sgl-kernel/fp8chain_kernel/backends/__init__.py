@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import ActFormat, QuantizedActivation, cdiv, check_no_overlap, check_pair, pair_parts
+from ..gemm import check_block_scaled
 from ..norm import check_rows
 
 __all__ = [
@@ -81,17 +82,10 @@ class GemmBackend:
 
 def _check_operands(pair, weight, weight_scale, weight_block: int, out) -> tuple[int, int, int]:
     check_pair(pair)
-    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
-        raise TypeError(f"weight must be a 2-D float8_e4m3fn [N, K], got {weight.dtype} {tuple(weight.shape)}")
-    n, k = weight.shape
+    n, k = check_block_scaled(weight, weight_scale, weight_block)
     m, ka = pair.data.shape
     if ka != k:
         raise ValueError(f"activation has K={ka}, weight has K={k}")
-    want = (cdiv(n, weight_block), cdiv(k, weight_block))
-    if weight_scale.dtype != torch.float32:
-        raise TypeError(f"weight_scale must be float32 {want}, got {weight_scale.dtype} {tuple(weight_scale.shape)}")
-    if tuple(weight_scale.shape) != want:
-        raise ValueError(f"weight_scale must be float32 {want}, got {weight_scale.dtype} {tuple(weight_scale.shape)}")
     for name, t in (("weight", weight), ("weight_scale", weight_scale)):
         if t.device != pair.data.device:
             raise ValueError(f"{name} is on {t.device}, the activation on {pair.data.device}")
