@@ -73,9 +73,12 @@ HC_STREAMS: tl.constexpr = tl.constexpr(HC)
 
 @triton.jit
 def _rms_scale(sum_sq, H, eps, BM: tl.constexpr):
-    """``1 / sqrt(sum_sq / H + eps)`` per row as a ``[BM, 1]`` column (correctly rounded steps)."""
+    """``1 / sqrt(sum_sq / H + eps)`` per row as a ``[BM, 1]`` column (correctly rounded steps),
+    NaN where the sum of squares overflows fp32 (the scale would be 0: a finite row normed to
+    zeros, or a token's mixes those of the bases alone, silently wrong)."""
     mean = tl.math.div_rn(sum_sq, tl.zeros((BM,), tl.float32) + H)
-    return tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), tl.sqrt_rn(mean + eps))[:, None]
+    scale = tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), tl.sqrt_rn(mean + eps))
+    return tl.where(sum_sq < float("inf"), scale, float("nan"))[:, None]
 
 
 @triton.jit
@@ -175,10 +178,7 @@ def _stats_finish_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_
     t3 = rows[:, None, None]
     ok3 = t_ok[:, None, None]
     sumsq, mp, m = _split_sums(part_ptr, rows, t_ok, offs_s, NSPLIT, T, NMIX, NP)
-    r3 = _rms_scale(sumsq, K, rms_eps, BT)[:, :, None]
-    # a sum of squares past fp32's range (RMS above ~1e17) would give r = 0: finite mixes of the
-    # bases alone, silently wrong; NaN instead, as for a token holding NaN or inf
-    r3 = tl.where(sumsq[:, None, None] < float("inf"), r3, float("nan"))
+    r3 = _rms_scale(sumsq, K, rms_eps, BT)[:, :, None]  # NaN where the sum of squares overflows
 
     # pre (i = 0) and post (i = 1), one value per lane; rows 2 and 3 repeat post and are not stored.
     i_pp = tl.minimum(i3, 1)

@@ -49,10 +49,8 @@ def check_silu_mul(rows, inter, fmt, device, limit):
     only = act.silu_mul(gu, limit=limit, out_format=fmt, out=poisoned_pair(rows, inter, fmt, device),
                         return_bf16=False)
     assert_pairs_equal(only, pair)
-    y_plain = act.silu_mul(gu, limit=limit)
-    if device.type == "cpu":
-        assert torch.equal(y_plain, y)
-    assert_close_bf16(y_plain, silu_mul_fp32(gu, limit))
+    # bf16 only: the unchained model must see the very values the chained one quantizes
+    assert torch.equal(act.silu_mul(gu, limit=limit), y)
 
 
 @pytest.mark.cpu

@@ -309,6 +309,29 @@ def test_rope_qkv_matches_reference_cpu(tokens, heads, dim):
 
 
 @pytest.mark.cpu
+def test_rope_qkv_head_or_latent_whose_sum_of_squares_overflows_is_nan():
+    """A query head or a raw latent of finite values whose sum of squares overflows fp32 is
+    normed to NaN, not zeros (the reference's rms_rsqrt); the other heads and tokens are not."""
+    tokens, heads, dim = 3, 4, 128
+    q = torch.randn(tokens, heads * dim).bfloat16()
+    kv = torch.randn(tokens, dim).bfloat16()
+    weight = torch.rand(dim).add(0.5).bfloat16()
+    cos, sin = ref.rope_tables(32, ROPE_DIM, THETA, "cpu")
+    slots, positions = torch.arange(tokens), torch.tensor([3, 9, 31])
+    q[1, 2 * dim:3 * dim] *= 1e20   # token 1, head 2
+    kv[2] *= 1e20                   # token 2's latent
+    cache = torch.randn(tokens, 32, dim).bfloat16()
+    want_cache = cache.clone()
+    got = rope_qkv(q, kv, cos, sin, cache, slots, positions, 1e-6, kv_weight=weight)
+    want = ref.rope_qkv(q, kv, cos, sin, want_cache, slots, positions, 1e-6, kv_weight=weight)
+    for out in (got, want):
+        assert torch.isnan(out[1, 2]).all()
+        assert torch.isfinite(out[1, [0, 1, 3]].float()).all() and torch.isfinite(out[[0, 2]].float()).all()
+    for c in (cache, want_cache):
+        assert torch.isnan(c[2, 31]).all() and torch.isfinite(c[[0, 1], [3, 9]].float()).all()
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize("tokens,dim", [(1, 128), (5, 96)])
 def test_rope_qkv_normalizes_the_raw_latent(tokens, dim):
     """kv_weight: the kv RMSNorm runs inside rope_qkv; its bf16 rounding is rms_norm's, so the

@@ -661,6 +661,35 @@ def test_row_split_and_whole_row_programs(monkeypatch, targets):
             assert_close_bf16(x_only[ok], ref_mhc.mhc_norm_fp32(ref_mhc.mhc_combine(new_r[ok], pre[ok]), weight, EPS))
 
 
+@cpu
+@pytest.mark.parametrize("targets", [1, 16], ids=["whole-rows", "split-rows"])
+def test_row_whose_sum_of_squares_overflows_is_nan(monkeypatch, targets):
+    """Finite values whose sum of squares overflows fp32 (an RMS above ~1e19) give a NaN row of
+    x and NaN FP8 data, not zeros, in whole-row and split-row programs alike, as the reference
+    does; R' keeps its finite values and the other rows are untouched."""
+    monkeypatch.setattr(mhc, "_target_programs", lambda device: targets)
+    t, h, bad = 5, 512, 3
+    residual, y, weight, pre, post, comb = make_inputs(t, h, "cpu")
+    clean = mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, EPS)
+    residual[bad] = residual[bad] * 1e20
+    y[bad] = y[bad] * 1e20
+    fmt = FORMATS[0]
+    new_r, x, pair = mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, EPS, out_format=fmt,
+                                           out_residual=sentinel_poison((t, 4, h), "cpu"),
+                                           out_bf16=sentinel_poison((t, h), "cpu"),
+                                           out=poisoned_pair(t, h, fmt, "cpu"))
+    assert torch.isfinite(new_r[bad].float()).all()
+    v = ref_mhc.mhc_combine(new_r[bad:bad + 1], pre[bad:bad + 1])
+    assert not torch.isfinite(v.float().square().sum())
+    assert torch.isnan(x[bad]).all() and torch.isnan(ref_mhc.mhc_norm_fp32(v, weight, EPS)).all()
+    assert torch.isnan(pair.data[bad].float()).all()
+    assert_pairs_equal(pair, reference.quantize(x, fmt))
+    ok = [i for i in range(t) if i != bad]
+    assert_bitwise(new_r[ok], clean[0][ok])
+    assert_bitwise(x[ok], clean[1][ok])
+    assert torch.isnan(mhc.mhc_combine_norm(new_r, pre, weight, EPS)[bad]).all()
+
+
 # --------------------------------------------------------------------------- validation
 
 

@@ -160,7 +160,9 @@ def test_rms_norm_gpu(rows, cols, fmt):
 
 def check_special_rows(rows, cols, fmt, device):
     """All-zero rows: zero output, zero data, finite positive scales. A NaN row stays NaN in bf16
-    and in the FP8 data (0x7F/0xFF); the other rows equal a run without it."""
+    and in the FP8 data (0x7F/0xFF); so does a row of finite values whose sum of squares
+    overflows fp32 (its rsqrt would be 0: zeros, silently wrong); the other rows equal a run
+    without them."""
     x, w, _ = _inputs(rows, cols, device, False)
     x = x.contiguous()
     x[1] = 0
@@ -169,11 +171,20 @@ def check_special_rows(rows, cols, fmt, device):
     assert (clean_pair.data[1].float() == 0).all()  # +-0 (a negative weight gives -0)
     s = ref.scales_as_float(clean_pair)[1]
     assert torch.isfinite(s).all() and (s > 0).all()
+    clean_x_row = x[2].clone()
     x[2, cols // 3] = float("nan")
     y, pair = norm.rms_norm(x, w, EPS, out_format=fmt, out=poisoned_pair(rows, cols, fmt, device))
     assert torch.isnan(y[2]).all()
     assert ((pair.data[2].view(torch.uint8) & 0x7F) == 0x7F).all()
     assert_other_rows_unchanged(y, pair, clean_y, clean_pair, changed_row=2)
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+    x[2] = clean_x_row
+    x[3] = x[3] * 1e20
+    assert torch.isfinite(x[3].float()).all() and not torch.isfinite(x[3].float().square().sum())
+    y, pair = norm.rms_norm(x, w, EPS, out_format=fmt, out=poisoned_pair(rows, cols, fmt, device))
+    assert torch.isnan(y[3]).all() and torch.isnan(ref.rms_norm(x, w, EPS)[3]).all()
+    assert ((pair.data[3].view(torch.uint8) & 0x7F) == 0x7F).all()
+    assert_other_rows_unchanged(y, pair, clean_y, clean_pair, changed_row=3)
     assert_pairs_equal(pair, ref.quantize(y, fmt))
 
 
@@ -261,8 +272,8 @@ def test_rms_norm_bad_inputs(device):
         norm.rms_norm(x.float(), w, EPS)
     with pytest.raises(TypeError):
         norm.rms_norm(x, w.float(), EPS)
-    with pytest.raises(TypeError):
-        norm.rms_norm(x.numpy() if device.type == "cpu" else x.cpu(), w, EPS)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got ndarray"):
+        norm.rms_norm(x.float().cpu().numpy(), w, EPS)
     with pytest.raises(ValueError):
         norm.rms_norm(x[0], w, EPS)
     with pytest.raises(ValueError):

@@ -50,7 +50,7 @@ from fp8chain_kernel import einsum as einsum_kernels
 from fp8chain_kernel.act import check_limit
 from fp8chain_kernel.norm import check_eps
 from fp8chain_kernel.router import MAX_EXPERTS, MAX_TOP_K
-from fp8chain_kernel.reference import (apply_rope, attention_with_sinks, dequantize_weight, rope_cos_sin,
+from fp8chain_kernel.reference import (apply_rope, attention_with_sinks, dequantize_weight, rms_rsqrt, rope_cos_sin,
                                        rope_tables)
 from fp8chain_kernel.formats import QuantizedActivation, is_int, overlaps
 from fp8chain_kernel.launch import on_device
@@ -1048,13 +1048,13 @@ class DeepseekV41Reference:
         self.w = w
 
     def _norm(self, x, weight):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * weight
+        return x * rms_rsqrt(x, self.config.rms_norm_eps) * weight
 
     def _stats(self, residual, pfx):
         c, hc = self.config, self.config.hc_mult
         fn, scale, base = self.w[f"{pfx}_fn"], self.w[f"{pfx}_scale"], self.w[f"{pfx}_base"]
         flat = residual.reshape(residual.shape[0], -1)
-        r = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
+        r = rms_rsqrt(flat, c.rms_norm_eps)
         mix = (flat @ fn.t()) * r
         pre = torch.sigmoid(mix[:, :hc] * scale[0] + base[:hc]) + c.hc_eps
         post = 2 * torch.sigmoid(mix[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
@@ -1072,7 +1072,7 @@ class DeepseekV41Reference:
         q_lora = self._norm(x @ w[f"{pfx}.wq_a.weight"].t(), w[f"{pfx}.q_norm.weight"])
         kv = self._norm(x @ w[f"{pfx}.wkv.weight"].t(), w[f"{pfx}.kv_norm.weight"])
         q = (q_lora @ w[f"{pfx}.wq_b.weight"].t()).view(t, nh, d)
-        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
+        q = q * rms_rsqrt(q, c.rms_norm_eps)
         cos, sin = rope_cos_sin(positions, rd, c.rope_theta)
         q = torch.cat([q[..., :d - rd], apply_rope(q[..., d - rd:], cos, sin)], -1)
         kv = torch.cat([kv[:, :d - rd], apply_rope(kv[:, d - rd:], cos, sin)], -1)

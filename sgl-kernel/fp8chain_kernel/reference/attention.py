@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .norm import rms_norm
+from .norm import rms_norm, rms_rsqrt
 
 __all__ = ["rope_cos_sin", "apply_rope", "rope_tables", "check_cache_indices", "rope_qkv", "mqa_attention",
            "attention_with_sinks"]
@@ -74,7 +74,7 @@ def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_tab
     t, d = kv.shape
     cos, sin = cos_table[positions], sin_table[positions]
     q = q.float().view(t, -1, d)
-    q = q * torch.rsqrt(q.pow(2).mean(dim=-1, keepdim=True) + eps)
+    q = q * rms_rsqrt(q, eps)
     kv_cache[slots, positions] = _rope_last(kv.float(), cos, sin).to(kv_cache.dtype)
     return _rope_last(q, cos, sin).to(torch.bfloat16)
 

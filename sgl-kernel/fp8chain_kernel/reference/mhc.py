@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import ActFormat
+from .norm import rms_rsqrt
 from .quant import quantize
 
 __all__ = [
@@ -72,7 +73,7 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     if hc != HC:
         raise ValueError(f"mHC expects {HC} streams, got residual shape {tuple(residual.shape)}")
     x = residual.reshape(t, hc * h).to(dtype)
-    r = torch.rsqrt(x.square().mean(dim=1, keepdim=True) + rms_eps)
+    r = rms_rsqrt(x, rms_eps)
     m = ((x @ fn.to(dtype).t()) * r).float()
     return _mixes(m, scale, base, hc_eps, sinkhorn_iters)
 
@@ -108,7 +109,7 @@ def mhc_combine(residual: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 def mhc_norm_fp32(v: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """Unrounded fp32 ``(v * rsqrt(mean(v^2) + eps)) * w`` of a bf16 ``v [T, H]``."""
     v = v.float()
-    rs = torch.rsqrt(v.square().mean(dim=1, keepdim=True) + norm_eps)
+    rs = rms_rsqrt(v, norm_eps)
     return (v * rs) * norm_weight.float()
 
 

@@ -4,7 +4,9 @@ Numerics (the spec the Triton kernel is tested against):
 
 * with ``residual``: ``h = bf16(x + residual)`` (one rounding of the fp32 sum), written back into
   ``residual`` in place (the fused add-norm convention); without it ``h = x``;
-* ``y = bf16(h * rsqrt(mean(h^2) + eps) * weight)``, all in fp32, rounded to bf16 once;
+* ``y = bf16(h * rsqrt(mean(h^2) + eps) * weight)``, all in fp32, rounded to bf16 once; a row
+  whose mean square overflows fp32 (finite values, an RMS above ~1.8e19) gives NaN, not zeros
+  (``rms_rsqrt``);
 * with ``out_format``, the pair is ``reference.quantize(y, out_format)``.
 
 The return structure is the kernel's: ``y``; ``(y, pair)`` with ``out_format``; ``pair`` alone
@@ -19,14 +21,21 @@ import torch
 from ..formats import ActFormat
 from .quant import quantize
 
-__all__ = ["rms_norm"]
+__all__ = ["rms_norm", "rms_rsqrt"]
+
+
+def rms_rsqrt(h: torch.Tensor, eps: float, dim: int = -1) -> torch.Tensor:
+    """``rsqrt(mean(h^2) + eps)`` along ``dim`` (kept), in ``h``'s dtype; NaN where the mean square
+    overflows that dtype: its rsqrt would be 0 and norm a row of finite values to zeros, silently
+    wrong (the kernels do the same)."""
+    mean_sq = h.square().mean(dim=dim, keepdim=True)
+    return torch.where(mean_sq < torch.inf, torch.rsqrt(mean_sq + eps), torch.nan)
 
 
 def rms_norm_fp32(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """fp32 ``h * rsqrt(mean(h^2) + eps) * weight`` before the bf16 rounding (for error bounds)."""
     h = h.float()
-    rstd = torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return h * rstd * weight.float()
+    return h * rms_rsqrt(h, eps) * weight.float()
 
 
 def add_residual(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
