@@ -6,7 +6,8 @@
   that sums them in a fixed order (deterministic), applies the sigmoids, the softmax and the
   Sinkhorn normalisations.
 * ``mhc_post``: ``R'[o] = bf16(post[o]*y + sum_i comb[i][o]*R[i])``.
-* ``mhc_combine_norm``: ``x = bf16(RMSNorm(bf16(sum_k pre[k]*R[k])))`` (+ the FP8 pair of x).
+* ``mhc_combine_norm``: ``x = bf16(RMSNorm(bf16(sum_k pre[k]*R[k])))`` (+ the FP8 pair of x); a
+  row whose sum of squares overflows fp32 gives NaN (``_rms_scale``), not zeros.
 * ``mhc_mega_boundary``: post of the finished sublayer + combine with the carried ``pre`` +
   RMSNorm of the next sublayer (+ the FP8 pair of x), one launch.
 

@@ -8,7 +8,8 @@ return_bf16=True, config=None)``
   written). Then ``h = bf16(x + residual)``
   is written back into ``residual`` in place (fused add-norm convention) and normalised;
   otherwise ``h = x``.
-* ``y = bf16(h * rsqrt(mean(h^2) + eps) * weight)``, computed in fp32 and rounded once.
+* ``y = bf16(h * rsqrt(mean(h^2) + eps) * weight)``, computed in fp32 and rounded once; a row
+  whose sum of squares overflows fp32 gives NaN (``fp8_tile.rms_rstd``), not zeros.
 * ``out_format`` (an ``ActFormat``): the same launch quantizes the bf16-rounded ``y`` with
   ``fp8_tile.quantize_tile``, so the pair equals ``reference.quantize(y, out_format)`` bit for bit.
 * Returns ``y`` (bf16 ``[T, H]``) without ``out_format``; ``(y, pair)`` with it; only ``pair``
