@@ -266,6 +266,14 @@ def test_decode_refuses_to_replay_what_a_replay_would_get_wrong(monkeypatch):
         engine.decode(one, one)
     model.load_weights(tensors.items())
     engine.decode(one, one)
+    nan_scale = model.layers[0].ffn.experts.w2_scale.clone()
+    nan_scale.view(-1)[0] = 255
+    with pytest.raises(ValueError, match="255"):  # the routed experts alone fail their processing
+        loading.load_weights(model, [("layers.0.ffn.experts.w2_scale", nan_scale)])
+    with pytest.raises(RuntimeError, match=r"layers.0.ffn.experts: routed experts: weights not processed"):
+        engine.decode(one, one)
+    model.load_weights(tensors.items())
+    engine.decode(one, one)
     for switch_on, switch_off in ((lambda: setattr(model.layers[0].ffn.gate, "record", []),
                                    lambda: setattr(model.layers[0].ffn.gate, "record", None)),
                                   (lambda: setattr(model.layers[0].attn, "keep_indexer_inputs", True),
@@ -275,4 +283,4 @@ def test_decode_refuses_to_replay_what_a_replay_would_get_wrong(monkeypatch):
             engine.decode(one, one)
         switch_off()
     engine.decode(one, one)
-    assert len(replays) == 3
+    assert len(replays) == 4

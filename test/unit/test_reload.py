@@ -307,3 +307,40 @@ def test_layer_loader_reprocesses_the_routed_experts_and_reads_e8m0_scales_as_by
         other = torch.randint(0, 256, tuple(experts.w13_weight.shape), generator=gen, dtype=torch.uint8)
         load_weights(experts, [("w13_weight", other.view(torch.float4_e2m1fn_x2))])
         assert torch.equal(experts.w13_weight, other)
+
+
+def test_routed_experts_left_unprocessed_by_a_failed_load_refuse_to_run():
+    """A reload whose MXFP4 scales hold the NaN byte 255 fails; so does one that writes a tensor
+    and then fails on the next. Either way the routed experts refuse to run (their bf16 copies no
+    longer follow their parameters) until a load succeeds, which equals a fresh load."""
+    from fp8chain.layers.moe import RoutedExpertsReference
+
+    def make():
+        return RoutedExpertsReference(num_experts=2, hidden_size=64, intermediate_size=32, swiglu_limit=None)
+
+    experts = make()
+    gen = torch.Generator().manual_seed(5)
+    good = {name: torch.randint(0, 256, tuple(p.shape), generator=gen, dtype=torch.uint8)
+            for name, p in experts.named_parameters()}
+    for name in ("w13_scale", "w2_scale"):
+        good[name] = torch.randint(118, 127, tuple(good[name].shape), generator=gen, dtype=torch.uint8)
+    x = torch.randn(3, 64).bfloat16()
+    idx, weights = torch.tensor([[0, 1], [1, 0], [0, 1]]), torch.rand(3, 2)
+    load_weights(experts, good.items())
+    before = experts(x, idx, weights)
+    nan_scale = good["w2_scale"].clone()
+    nan_scale[1, 3, 0] = 255
+    with pytest.raises(ValueError, match="255"):
+        load_weights(experts, [("w2_scale", nan_scale)])
+    with pytest.raises(RuntimeError, match="routed experts: weights not processed"):
+        experts(x, idx, weights)
+    load_weights(experts, good.items())
+    assert torch.equal(experts(x, idx, weights), before)
+    with pytest.raises(ValueError, match="does not match"):  # w13_weight written, then the next refused
+        load_weights(experts, [("w13_weight", good["w13_weight"].flip(0)), ("w2_weight", good["w2_weight"][:1])])
+    with pytest.raises(RuntimeError, match="routed experts: weights not processed"):
+        experts(x, idx, weights)
+    load_weights(experts, good.items())
+    fresh = make()
+    load_weights(fresh, good.items())
+    assert torch.equal(experts(x, idx, weights), fresh(x, idx, weights))

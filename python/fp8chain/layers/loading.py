@@ -84,12 +84,16 @@ def process_weights_after_loading(model: nn.Module) -> int:
 
 
 def invalidate_processed(model: nn.Module) -> None:
-    """Every quantized layer of ``model`` refuses to run until it is processed again (its
-    ``quant_method.invalidate``): after a load that wrote some tensors and then failed."""
+    """Every processed module of ``model`` refuses to run until it is processed again (a quantized
+    layer's ``quant_method.invalidate``, the module's own ``invalidate`` where it derives tensors
+    itself): after a load that wrote some tensors and then failed."""
     for module in model.modules():
-        invalidate = getattr(getattr(module, "quant_method", None), "invalidate", None)
-        if invalidate is not None:
-            invalidate(module)
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            if hasattr(method, "invalidate"):
+                method.invalidate(module)
+        elif callable(getattr(module, "invalidate", None)):
+            module.invalidate()
 
 
 @torch.no_grad()

@@ -235,21 +235,39 @@ class RoutedExpertsReference(nn.Module):
                              persistent=False)
         self.register_buffer("w2_dequant", torch.zeros(e, h, i, dtype=torch.bfloat16),
                              persistent=False)
+        #: why the bf16 copies do not follow the MXFP4 parameters (``invalidate``); None when they do
+        self.stale: str | None = None
 
     def process_weights_after_loading(self) -> None:
         """Derive the bf16 weights into the existing buffers (same storage on every reload), one
         expert at a time: dequantizing all of Flash's 256 experts at once would take ~70 GB of
-        int64 codes and fp32 values on the way."""
-        with torch.no_grad():
-            check_mxfp4_scales(self.w13_scale)  # before any write: the error names the expert
-            check_mxfp4_scales(self.w2_scale)
-            for e in range(self.num_experts):
-                self.w13_dequant[e].copy_(dequantize_mxfp4(self.w13_weight[e], self.w13_scale[e], torch.bfloat16))
-                self.w2_dequant[e].copy_(dequantize_mxfp4(self.w2_weight[e], self.w2_scale[e], torch.bfloat16))
+        int64 codes and fp32 values on the way. A failure (refused scales, out of memory) leaves
+        the module refusing to run (``invalidate``) until a processing succeeds."""
+        try:
+            with torch.no_grad():
+                check_mxfp4_scales(self.w13_scale)  # before any write: the error names the expert
+                check_mxfp4_scales(self.w2_scale)
+                for e in range(self.num_experts):
+                    self.w13_dequant[e].copy_(dequantize_mxfp4(self.w13_weight[e], self.w13_scale[e], torch.bfloat16))
+                    self.w2_dequant[e].copy_(dequantize_mxfp4(self.w2_weight[e], self.w2_scale[e], torch.bfloat16))
+        except BaseException:
+            self.invalidate()
+            raise
+        self.stale = None
+
+    def invalidate(self) -> None:
+        """The MXFP4 parameters changed without a successful processing (a load or a processing
+        that failed part-way): the bf16 copies are poisoned with NaN and ``forward`` refuses to run
+        until ``process_weights_after_loading`` succeeds."""
+        self.stale = "routed experts: weights not processed (a load failed part-way?); load the weights again"
+        self.w13_dequant.fill_(float("nan"))
+        self.w2_dequant.fill_(float("nan"))
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` bf16 -> fp32 ``[T, H]`` (routing weights applied, already scaled);
         ``topk_idx`` and ``topk_weights`` are both ``[T, k]``."""
+        if self.stale is not None:
+            raise RuntimeError(self.stale)
         t = x.shape[0]
         if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape[0] != t or topk_weights.shape != topk_idx.shape:
             # scatter would leave rows without routing at zero, or read only part of the weights

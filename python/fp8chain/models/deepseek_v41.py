@@ -777,8 +777,9 @@ class DeepseekV41ForCausalLM(nn.Module):
     def check_replayable(self) -> None:
         """Raise ``RuntimeError`` where a captured decode graph must not replay; its replay runs no
         Python, so the ``Engine`` asks before each one (and the graph runner before capture):
-        ``check_weights_loaded``; every FP8 linear processed (a ``layers.loading.load_weights`` that
-        failed part-way leaves them refusing eager calls, which a replay would not make); and no
+        ``check_weights_loaded``; every FP8 linear and the routed experts processed (a
+        ``layers.loading.load_weights`` that failed part-way leaves them refusing eager calls, which a
+        replay would not make); and no
         host-side diagnostics on (``TopKRouter.record``, ``MQALayer.keep_indexer_inputs``: a replay
         would leave them holding what the capture saw)."""
         self.check_weights_loaded()
@@ -787,6 +788,8 @@ class DeepseekV41ForCausalLM(nn.Module):
                 raise RuntimeError(f"{name}: weights not processed (a load failed part-way?); load the weights "
                                    "again before replaying decode graphs")
         for i, layer in enumerate(self.layers):
+            if layer.ffn.experts.stale is not None:
+                raise RuntimeError(f"layers.{i}.ffn.experts: {layer.ffn.experts.stale}")
             if layer.ffn.gate.record is not None or layer.attn.keep_indexer_inputs:
                 raise RuntimeError(f"layers.{i}: ffn.gate.record or attn.keep_indexer_inputs is on; decode graph "
                                    "replays run no Python and would not update them: run eagerly to use them")
