@@ -150,6 +150,25 @@ def test_merged_column_parallel_shards_each_part(tp_size):
         MergedColumnParallelLinear(k, [inter + 1, inter - 1], tp_size=tp_size)
 
 
+def test_merged_column_parallel_at_tp1_loads_parts_and_refuses_parts_of_partial_blocks():
+    """At TP1 too every part is whole weight blocks (a scale row would span gate and up rows), and
+    the weight, its block scales and the bias load part by part (``loaded_shard_id``)."""
+    config = Fp8Config(weight_block_size=(32, 32), scale_fmt="ue8m0")
+    with pytest.raises(ValueError, match=r"per-rank part sizes \[48, 48\] are not multiples of the 32x32 weight block"):
+        MergedColumnParallelLinear(128, [48, 48], quant_config=config)
+    inter, k = 64, 128
+    layer = MergedColumnParallelLinear(k, [inter, inter], bias=True, quant_config=config)
+    full_w, full_s = _fp8_weight(2 * inter, k), _pow2_scales(2 * inter // 32, k // 32)
+    full_b = torch.randn(2 * inter).to(torch.bfloat16)
+    for part in (1, 0):
+        rows = slice(part * inter, (part + 1) * inter)
+        layer.weight_loader(layer.weight, full_w[rows], loaded_shard_id=part)
+        layer.weight_loader(layer.weight_scale_inv, full_s[part * inter // 32:(part + 1) * inter // 32], loaded_shard_id=part)
+        layer.weight_loader(layer.bias, full_b[rows], loaded_shard_id=part)
+    assert torch.equal(layer.weight.view(torch.uint8), full_w.view(torch.uint8))
+    assert torch.equal(layer.weight_scale_inv, full_s) and torch.equal(layer.bias, full_b)
+
+
 def test_a_deep_copied_sharded_layer_reloads_its_shard():
     """torch's Parameter deep copy drops loader attributes: the layer's own deep copy keeps them,
     the loader bound to the copy, so a full checkpoint tensor is still sharded (it was refused as

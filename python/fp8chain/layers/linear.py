@@ -150,7 +150,8 @@ class LinearBase(nn.Module):
         if bias:
             shape = self._bias_size()
             b = nn.Parameter(torch.zeros(shape, dtype=params_dtype, device=device), requires_grad=False)
-            set_param_attrs(b, shard_dim=0 if shape != output_size else None,
+            # sharded with the output rows where the weight is (column-parallel, at any tp_size)
+            set_param_attrs(b, shard_dim=0 if self.weight_shard_dim == 0 else None,
                             weight_loader=self.weight_loader)
             self.register_parameter("bias", b)
         else:
@@ -266,7 +267,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             divide(size, tp_size, "each merged output size")
         super().__init__(input_size, sum(self.output_sizes), **kwargs)
         block = getattr(self, "weight_block_size", None)  # set by a block-quantized method
-        if block is not None and self.tp_size > 1 and any(size // self.tp_size % block[0] for size in self.output_sizes):
+        if block is not None and any(size // self.tp_size % block[0] for size in self.output_sizes):
             raise ValueError(f"{self.display_name}: per-rank part sizes {[size // self.tp_size for size in self.output_sizes]} "
                              f"are not multiples of the {block[0]}x{block[1]} weight block; block scales cannot be sharded")
 
