@@ -74,6 +74,23 @@ def test_forward_refuses_two_tokens_at_one_cache_row(model):
     assert model(*_inputs(model, ids=(5, 7), positions=(0, 0), slots=(0, 1))).shape == (2, 512)
 
 
+def test_a_deep_copy_counts_its_quantizes_into_its_own_counter(model):
+    """The quantize counter's hooks follow a deep copy of the model: running the copy unchained
+    counts into the copy's counter and leaves the original's alone."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    twin.set_chain(False)
+    for m in (model, twin):
+        m.quantize_counter.reset()
+        m.quantize_counter.enabled = True
+    try:
+        twin(*_inputs(twin))
+    finally:
+        model.quantize_counter.enabled = False
+    assert twin.quantize_counter.count >= 5 and model.quantize_counter.count == 0
+
+
 def test_forward_refuses_layers_sharing_one_cache():
     """A cache shared by two layers lets the later layer overwrite the earlier one's keys: the
     logits of that call are right, the next step's are not."""

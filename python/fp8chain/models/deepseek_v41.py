@@ -34,6 +34,7 @@ window), hash-routed layers, multi-token prediction, expert parallelism.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -1005,14 +1006,14 @@ class QuantizeCounter:
         self.enabled = False
         self.per_linear: dict[str, int] = {}
         for name, linear in model.fp8_linears().items():
-            linear.register_forward_pre_hook(self._hook(name))
+            # a partial of a bound method, not a closure: a deep copy of the model copies it with
+            # the counter, so the copy counts into its own
+            linear.register_forward_pre_hook(functools.partial(self._count, name))
 
-    def _hook(self, name):
-        def hook(module, args):
-            if self.enabled and args and not isinstance(args[0], QuantizedActivation):
-                self.count += 1
-                self.per_linear[name] = self.per_linear.get(name, 0) + 1
-        return hook
+    def _count(self, name: str, module, args) -> None:
+        if self.enabled and args and not isinstance(args[0], QuantizedActivation):
+            self.count += 1
+            self.per_linear[name] = self.per_linear.get(name, 0) + 1
 
     def reset(self) -> None:
         self.count = 0
