@@ -84,10 +84,37 @@ def _random_rows(rows: int, cols: int, device) -> torch.Tensor:
 
 def _special_rows(rows: int, cols: int, device) -> torch.Tensor:
     """``_random_rows`` (row 1 zero) with a NaN in row 2 and +-inf in row 3 (rows >= 4)."""
-    x = _random_rows(rows, cols, device)
+    return _with_special_values(_random_rows(rows, cols, device))
+
+
+def _with_special_values(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x [rows >= 4, cols]`` with a NaN in row 2 and +-inf in row 3."""
+    x = x.clone()
+    cols = x.shape[1]
     x[2, cols // 3] = float("nan")
     x[3, 5], x[3, cols - 1] = float("inf"), -float("inf")
     return x
+
+
+#: the rows ``_with_special_values`` leaves alone
+CLEAN_ROWS = [0, 1, 4]
+
+
+def _require_special_rows_visible(what: str, produce, x: torch.Tensor, fmt: ActFormat, normed: bool) -> None:
+    """``produce(x) -> (y, pair)`` on ``x`` and on ``_with_special_values(x)``: the NaN row keeps a
+    NaN in y and in the pair's data (a normalised row: rows 2 and 3 NaN throughout, the infinity
+    too; elementwise or per group, an infinity may be clamped), the other rows are bitwise the
+    clean run's, and the pair is ``reference.quantize(y)``."""
+    y0, pair0 = produce(x)
+    y, pair = produce(_with_special_values(x))
+    bad = slice(2, 4) if normed else slice(2, 3)
+    _require(bool(torch.isnan(y[bad]).all() if normed else torch.isnan(y[bad]).any()),
+             f"{what} {fmt.value}: a NaN / inf row came out finite")
+    _require(bool(torch.isnan(pair.data[bad].float()).any()), f"{what} {fmt.value}: the NaN row's FP8 data is finite")
+    same = torch.equal(y[CLEAN_ROWS].view(torch.int16), y0[CLEAN_ROWS].view(torch.int16)) and torch.equal(
+        pair.data[CLEAN_ROWS].view(torch.uint8), pair0.data[CLEAN_ROWS].view(torch.uint8))
+    _require(same, f"{what} {fmt.value}: rows without NaN / inf changed beside one that has them")
+    _require(_pairs_equal(pair, ref.quantize(y, fmt)), f"{what} pair {fmt.value}: NaN / inf rows")
 
 
 def _token_counts(quick) -> tuple[int, ...]:
@@ -127,8 +154,13 @@ def check_producers(device, quick) -> str:
             y, pair = act.silu_mul(gate_up, limit=10.0, out_format=fmt)
             _require_rounded(y, silu_mul_fp32(gate_up, 10.0), f"silu_mul {fmt.value} T={rows}")
             _require(_pairs_equal(pair, ref.quantize(y, fmt)), f"silu_mul pair {fmt.value} T={rows}")
+        weight = (torch.rand(hidden, device=device) + 0.5).bfloat16()
+        _require_special_rows_visible("rms_norm", lambda x: norm.rms_norm(x, weight, 1e-6, out_format=fmt),
+                                      _random_rows(5, hidden, device), fmt, normed=True)
+        _require_special_rows_visible("silu_mul", lambda x: act.silu_mul(x, limit=10.0, out_format=fmt),
+                                      _random_rows(5, 2 * inter, device), fmt, normed=False)
     return (f"rms_norm, silu_mul: T in {list(rows_list)} x {len(ActFormat)} formats, bf16 correctly rounded "
-            f"from the fp32 reference, pairs bitwise")
+            f"from the fp32 reference, pairs bitwise, NaN / inf rows visible")
 
 
 def check_wo_a_and_mhc(device, quick) -> str:
@@ -159,8 +191,18 @@ def check_wo_a_and_mhc(device, quick) -> str:
             _require_rounded(x, ref.mhc_norm_fp32(ref.mhc_combine(new_residual, pre), norm_weight, 1e-6),
                              f"mhc_mega_boundary x {fmt.value} T={rows}")
             _require(_pairs_equal(pair, ref.quantize(x, fmt)), f"mhc_mega_boundary pair {fmt.value} T={rows}")
+        _require_special_rows_visible(
+            "wo_a_einsum", lambda o: einsum.wo_a_einsum(o.view(-1, groups, width), wo_a, out_format=fmt),
+            torch.randn(5, groups * width, device=device).bfloat16(), fmt, normed=False)
+        residual = _random_rows(5, 4 * hidden, device).view(5, 4, hidden)
+        pre, post, comb = torch.rand(5, 4, device=device), 2 * torch.rand(5, 4, device=device), \
+            torch.rand(5, 4, 4, device=device)
+        _require_special_rows_visible(
+            "mhc_mega_boundary",
+            lambda y_in: mhc.mhc_mega_boundary(y_in, residual, pre, post, comb, norm_weight, 1e-6, out_format=fmt)[1:],
+            _random_rows(5, hidden, device), fmt, normed=True)
     return (f"wo_a_einsum G={groups} (worst relative error {worst:.1e}), mhc_mega_boundary H={hidden} (the "
-            f"residual bitwise, x correctly rounded): {len(ActFormat)} formats, pairs bitwise")
+            f"residual bitwise, x correctly rounded): {len(ActFormat)} formats, pairs bitwise, NaN / inf rows visible")
 
 
 def check_attention(device, quick) -> str:

@@ -94,6 +94,26 @@ def test_verify_fails_a_kernel_that_computes_wrong(module, name, wrong, check, m
         verify.CHECKS[check](torch.device("cpu"), True)
 
 
+def _hiding_nan(real, x, *args, **kwargs):
+    return real(x.nan_to_num(0.0), *args, **kwargs)
+
+
+@pytest.mark.parametrize("module,name,check", [
+    ("norm", "rms_norm", "producers"),
+    ("act", "silu_mul", "producers"),
+    ("einsum", "wo_a_einsum", "wo_a + mhc"),
+    ("mhc", "mhc_mega_boundary", "wo_a + mhc"),
+])
+def test_verify_fails_a_producer_that_hides_nan(module, name, check, monkeypatch):
+    """A producer that turns a NaN (or an infinity) of its input into finite values fails its
+    check: verify feeds every producer rows holding NaN and +-inf."""
+    import importlib
+
+    _break(monkeypatch, importlib.import_module(f"fp8chain_kernel.{module}"), name, _hiding_nan)
+    with pytest.raises(AssertionError, match="NaN / inf row came out finite"):
+        verify.CHECKS[check](torch.device("cpu"), True)
+
+
 def test_verify_reports_a_check_that_raises_and_runs_the_rest(monkeypatch, capsys):
     ran = []
 
