@@ -36,6 +36,18 @@ def test_generate_refuses_bad_prompts(model, prompts, match):
         Engine(model, max_batch=2, max_len=16).generate(prompts, 2)
 
 
+def test_engine_refuses_prompts_of_bytes_or_text_and_a_non_bool_graph_switch(model):
+    """Bytes iterate as ints 0..255 (a prompt silently misread as token ids); the string "False"
+    is truthy (CUDA graphs silently on)."""
+    engine = Engine(model, max_batch=2, max_len=16)
+    for prompt in (b"\x01\x02", bytearray(b"\x01"), "12"):
+        with pytest.raises(TypeError, match="prompts are sequences of token ids"):
+            engine.generate([prompt], 2)
+    for switch in ("False", 0, None):
+        with pytest.raises(TypeError, match="cuda_graphs must be a bool"):
+            Engine(model, max_batch=2, max_len=16, cuda_graphs=switch)
+
+
 def test_generate_refuses_negative_token_counts(model):
     engine = Engine(model, max_batch=2, max_len=16)
     with pytest.raises(ValueError, match="max_new_tokens must be a non-negative int"):
@@ -238,6 +250,12 @@ def test_graph_runner_forward_runs_its_padding_rows(loaded, monkeypatch):
     assert logits.shape == (4, 512) and torch.isfinite(logits[:1]).all()
     with pytest.raises(ValueError, match="tokens share the KV-cache row"):  # what the check says about them
         loaded(runner.input_ids, runner.positions, runner.slots, caches)
+    for slot in (3, -1, 1.0):
+        with pytest.raises(ValueError, match=r"scratch_slot must be a slot of the KV cache, an int in \[0, 3\)"):
+            DecodeGraphRunner(loaded, caches, [4], scratch_slot=slot)
+    for buckets in ([2.5], [0], [], [True]):
+        with pytest.raises(ValueError, match="batch buckets must be positive ints"):
+            DecodeGraphRunner(loaded, caches, buckets, scratch_slot=2)
 
 
 def test_decode_refuses_to_replay_what_a_replay_would_get_wrong(monkeypatch):

@@ -96,7 +96,8 @@ def test_non_finite_output_fails_warmup():
 
 def test_bad_arguments():
     model = loaded_model()
-    with pytest.raises(ValueError):
-        warmup(model, [-1])
+    for sizes in ([-1], [1.5], [True]):
+        with pytest.raises(ValueError, match="batch sizes must be ints >= 0"):
+            warmup(model, sizes)
     with pytest.raises(ValueError, match="unknown warmup fill"):
         warmup(model, [1], fills=["ones"])

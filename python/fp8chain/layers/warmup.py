@@ -31,6 +31,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from fp8chain_kernel.formats import is_int
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["WarmupRun", "register_warmup", "warmup_providers", "warmup", "linear_warmup",
@@ -84,9 +86,10 @@ def warmup(module: nn.Module, batch_sizes: Iterable[int], *, fills: Iterable[str
     ``"zeros"`` is always included. Raises ``RuntimeError`` naming the module, path, rows and
     fill when an output is not finite (e.g. zero rows producing NaN scales).
     """
-    sizes = sorted({int(b) for b in batch_sizes})
-    if any(b < 0 for b in sizes):
-        raise ValueError(f"batch sizes must be >= 0, got {sizes}")
+    batch_sizes = list(batch_sizes)
+    if any(not is_int(b) or b < 0 for b in batch_sizes):
+        raise ValueError(f"batch sizes must be ints >= 0, got {batch_sizes}")
+    sizes = sorted(set(batch_sizes))
     fills = list(dict.fromkeys(["zeros", *fills]))
     runs: list[WarmupRun] = []
     providers = warmup_providers(module)

@@ -14,6 +14,7 @@ produced (static too): ``run`` returns a view of them, valid until the next repl
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Sequence
 
 import torch
@@ -43,17 +44,28 @@ def check_capturable(model) -> None:
                          "(run it with cuda_graphs=False)")
 
 
+def is_integer(value) -> bool:
+    """An integer (numpy's too), not a bool or a float."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 class DecodeGraphRunner:
     def __init__(self, model, kv_caches: list[torch.Tensor], batch_sizes: Sequence[int], *,
                  scratch_slot: int):
+        """``scratch_slot``: a KV-cache slot no sequence uses; the padding rows of a bucket write
+        their keys there (the ``Engine`` keeps slot ``max_batch`` for it)."""
         check_capturable(model)
         if not torch.cuda.is_available():
             raise RuntimeError("CUDA graphs need a CUDA device")
         self.model = model
         self.kv_caches = kv_caches
+        batch_sizes = list(batch_sizes)
+        if not batch_sizes or any(not is_integer(b) or b < 1 for b in batch_sizes):
+            raise ValueError(f"batch buckets must be positive ints, got {batch_sizes}")
         self.batch_sizes = sorted({int(b) for b in batch_sizes})
-        if not self.batch_sizes or self.batch_sizes[0] < 1:
-            raise ValueError(f"batch buckets must be positive, got {list(batch_sizes)}")
+        slots = kv_caches[0].shape[0] if kv_caches else 0
+        if not is_integer(scratch_slot) or not 0 <= scratch_slot < slots:
+            raise ValueError(f"scratch_slot must be a slot of the KV cache, an int in [0, {slots}), got {scratch_slot!r}")
         self.scratch_slot = int(scratch_slot)
         self.device = model.embed.weight.device
         self.chain = bool(model.chain)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import numbers
 import time
 from typing import Iterable, Sequence
 
@@ -21,7 +20,7 @@ import torch
 
 from fp8chain_kernel.attention import INDEX_DTYPES
 
-from .cuda_graph import DecodeGraphRunner, check_capturable, on_model_device
+from .cuda_graph import DecodeGraphRunner, check_capturable, is_integer, on_model_device
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +38,6 @@ class GenerationResult:
     logits: list[torch.Tensor] | None = None  # per step fp32 [B, V] (``return_logits=True``)
 
 
-def _integer(value) -> bool:
-    """An integer (numpy's too), not a bool or a float."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 class Engine:
     """Greedy generation for a batch of prompts with ``DeepseekV41ForCausalLM``.
 
@@ -58,7 +52,7 @@ class Engine:
     def __init__(self, model, *, max_batch: int = 8, max_len: int = 256, cuda_graphs: bool = False,
                  graph_batch_sizes: Sequence[int] | None = None):
         for name, value in (("max_batch", max_batch), ("max_len", max_len)):
-            if not _integer(value) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.model = model
         self.device = model.embed.weight.device
@@ -70,6 +64,8 @@ class Engine:
                            self.max_len, trained)
         self.scratch_slot = self.max_batch
         self.kv_caches = model.make_kv_cache(self.max_batch + 1, self.max_len, self.device)
+        if not isinstance(cuda_graphs, bool):  # the string "False" is truthy
+            raise TypeError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         if cuda_graphs:
@@ -85,7 +81,7 @@ class Engine:
             raise TypeError(f"graph_batch_sizes must be a sequence of ints, got {type(graph_batch_sizes).__name__}")
         else:
             graph_batch_sizes = list(graph_batch_sizes)  # a generator would be spent by the check
-        if not graph_batch_sizes or any(not _integer(b) or not 0 < b <= self.max_batch for b in graph_batch_sizes):
+        if not graph_batch_sizes or any(not is_integer(b) or not 0 < b <= self.max_batch for b in graph_batch_sizes):
             raise ValueError(f"graph_batch_sizes must be ints in 1..max_batch={self.max_batch}, "
                              f"got {graph_batch_sizes!r}")
         self.graph_batch_sizes = sorted({int(b) for b in graph_batch_sizes})
@@ -166,7 +162,7 @@ class Engine:
         """Greedy ``max_new_tokens`` tokens for each prompt (step ``s`` logits kept on request)."""
         b = len(prompts)
         self._check_prompts(prompts)
-        if not _integer(max_new_tokens) or max_new_tokens < 0:
+        if not is_integer(max_new_tokens) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
         longest = max(len(p) for p in prompts)
         # the cache holds the prompt and every generated token but the last (it is never fed back)
@@ -210,10 +206,12 @@ class Engine:
             raise ValueError(f"batch of {len(prompts)} prompts; this engine takes 1..{self.max_batch}")
         vocab = self.model.embed.weight.shape[0]
         for i, prompt in enumerate(prompts):
+            if isinstance(prompt, (str, bytes, bytearray)):  # bytes iterate as ints: a silent misreading
+                raise TypeError(f"prompt {i} is {type(prompt).__name__}: prompts are sequences of token ids")
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty")
             if len(prompt) > self.max_len:
                 raise ValueError(f"prompt {i} has {len(prompt)} tokens; this engine's max_len is {self.max_len}")
-            bad = next((t for t in prompt if not _integer(t) or not 0 <= t < vocab), None)
+            bad = next((t for t in prompt if not is_integer(t) or not 0 <= t < vocab), None)
             if bad is not None:
                 raise ValueError(f"prompt {i} holds {bad!r}: token ids are ints in [0, {vocab})")
