@@ -460,6 +460,7 @@ def _fake_scaled_mm(calls):
         m, k = a.shape
         n = b.shape[1]
         assert a.dtype == torch.float8_e4m3fn and a.is_contiguous() and m % 4 == 0, (a.stride(), m)
+        assert a.data_ptr() % 16 == 0 and scale_a.data_ptr() % 16 == 0, "operands must be 16-byte aligned"
         assert b.stride() == (1, k), f"mat_b must be column-major, strides {b.stride()}"
         assert tuple(scale_a.shape) == (m, cdiv(k, 128)) and scale_a.stride() == (1, m), scale_a.stride()
         sbt = scale_b.t()
@@ -505,7 +506,13 @@ def test_torch_blockwise_prepares_arguments_like_torch_checks(monkeypatch, m):
     n, k = 256, 512
     w, s = _weights(n, k, 128)
     big = ref.quantize(_activation(m + 5, k), G128)
-    for pair in (ref.quantize(_activation(m, k), G128), big.rows(m)):
+    pair = ref.quantize(_activation(m, k), G128)
+    data = torch.empty(m * k + 4, dtype=torch.uint8)[4:].view(torch.float8_e4m3fn).view(m, k)
+    data.copy_(pair.data)
+    scale = torch.zeros(pair.scale.shape[1] * align4(m) + 1)[1:].as_strided(pair.scale.shape, (1, align4(m)))
+    scale.copy_(pair.scale)
+    assert data.data_ptr() % 16 and scale.data_ptr() % 16
+    for pair in (pair, big.rows(m), pair._replace(data=data, scale=scale)):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
         got = backend.gemm(pair, w, s, backend.derive_weight_tensors(w, s, 128), out=out)
         assert got is out and calls[-1] == -(-m // 4) * 4

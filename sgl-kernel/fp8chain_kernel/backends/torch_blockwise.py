@@ -127,11 +127,13 @@ class TorchBlockwiseBackend(GemmBackend):
         _check_g128(pair)
         mp = align4(m)
         data, scale = pair.data, pair.scale
-        if mp != m or data.stride(0) != k:
+        # cuBLAS reads its operands from 16-byte aligned addresses: a pair viewed at an odd offset
+        # into a larger buffer is copied like a padded one
+        if mp != m or data.stride(0) != k or data.data_ptr() % 16:
             padded = torch.zeros((mp, k), dtype=data.dtype, device=data.device)
             padded[:m] = data
             data = padded
-        if mp != m or scale.stride() != (1, mp):
+        if mp != m or scale.stride() != (1, mp) or scale.data_ptr() % 16:
             fresh = torch.zeros((scale.shape[1], mp), dtype=torch.float32, device=scale.device).t()
             fresh[:m] = scale
             scale = fresh
