@@ -21,8 +21,9 @@ One Triton kernel serves both, see docs/gemm.md:
   Dequantized: both operands are scaled to bf16 in registers (exact when the scales are powers of
   two, as DSv4.1's 32x32 blocks and ``sm90_g32_fp32_mn`` are: e4m3 x 2^e is a bf16 value) and one
   bf16 ``tl.dot`` covers BLOCK_K columns with fp32 accumulation over all of K. The H200 sweep picks
-  block-diagonal for 32-groups at M <= 16 and dequantized above (per-32 FP8 dots pay one wgmma
-  wait and one promotion per 32 columns);
+  block-diagonal for 32-groups at M <= 16 (M <= 64 for the TP4 shards) and mostly dequantized
+  above (per-32 FP8 dots pay one wgmma wait and one promotion per 32 columns; docs/gemm.md names
+  the exceptions);
 * split-K for decode shapes: each K slice stores its fp32 partial tile to a workspace and bumps a
   per-tile counter; the program that arrives last sums the partials in slice order (so the result
   is deterministic and independent of arrival order), writes bf16 and re-arms the counter;
