@@ -7,9 +7,13 @@ Columns per (shape, M), all timed in one process with CUDA-graph replay (median)
 * ``bf16_quant_us``: bf16 activations -> standalone quantize -> the same GEMM (unchained);
 * ``w8a16_us``: bf16 activations x FP8 weights widened in the kernel (Triton W8A16);
 * ``cublas_g128_us``: cuBLAS blockwise (``torch._scaled_mm``, 1x128 x 128x128) on the g128 problem;
-* ``triton_g128_us``: the Triton GEMM on the same g128 problem;
+* ``triton_g128_us``: the Triton GEMM on the same g128 problem (both None where K % 128 != 0: no
+  g128 problem);
 * ``floor_us``: weight bytes / device copy bandwidth measured in this run; ``bw_frac``: floor /
-  pair_us (the fraction of copy bandwidth the pair GEMM reaches on weight bytes).
+  pair_us (the fraction of copy bandwidth the pair GEMM reaches on weight bytes: the decode bound);
+* ``roofline_us``: the pair GEMM's roofline, the larger of every byte it moves (weights and their
+  scales, the pair, the bf16 output) / copy bandwidth and its flops / the FP8 matmul rate measured
+  in this run (``harness.fp8_matmul_rate``); ``roofline_frac``: roofline_us / pair_us.
 
 Weights rotate through enough copies to exceed L2 (every call streams its weights from HBM).
 ``--sweep`` times candidate launch configs per (shape, M bucket) and prints the best (the source
@@ -40,7 +44,7 @@ from fp8chain_kernel.gemv import MAX_GEMV_TOKENS, GemvConfig, select_gemv  # noq
 
 SHAPES = {**gemm.DSV41_TP1_LINEARS, **gemm.DSV41_TP4_SHARDS}
 # by default the TP1 linears and the TP4 shard of wo_b (the one with 128-group table entries); the
-# other shards run on request (--shapes), with --groups 32 (the down shard's K = 576)
+# other shards run on request (--shapes; the down shard's K = 576 has no g128 arms)
 DEFAULT_SHAPES = [*gemm.DSV41_TP1_LINEARS, "wo_b_tp4"]
 MS = [1, 4, 16, 64, 256, 2048]
 QUICK_MS = [1, 16, 64, 2048]
@@ -408,6 +412,12 @@ def run(args):
 
     caps = backends.probe()
     meta["cublas_blockwise"] = caps.scaled_mm_blockwise or caps.scaled_mm_reason
+    try:
+        fp8_rate = harness.fp8_matmul_rate(device)
+        meta["fp8_matmul_TFLOPs"] = fp8_rate / 1e12
+    except RuntimeError as exc:  # no FP8 torch._scaled_mm here: the roofline counts bytes alone
+        fp8_rate = None
+        meta["fp8_matmul_rate_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     blockwise = backends.get_backend("torch_blockwise") if caps.scaled_mm_blockwise else None
     shapes = [s for s in args.shapes.split(",") if s]
     records = []
@@ -415,15 +425,16 @@ def run(args):
     weights_key, w32, w128 = None, None, None
     for name, m in harness.progress(points, desc="gemm"):
         n, k = SHAPES[name]
+        g128 = k % 128 == 0
         if weights_key != name:
             copies = harness.copies_past_l2(n * k)
             w32 = _weights(n, k, 32, device, copies)
-            w128 = _weights(n, k, 128, device, copies)
+            w128 = _weights(n, k, 128, device, copies) if g128 else []
             derived = [blockwise.derive_weight_tensors(w, s, 128) if blockwise else None for w, s in w128]
             weights_key = name
         x = torch.randn(m, k, device=device).bfloat16()
         pair32 = quant.quantize(x, G32)
-        pair128 = quant.quantize(x, G128)
+        pair128 = quant.quantize(x, G128) if g128 else None
         out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
         rec = dict(shape=name, n=n, k=k, m=m)
         arms = {
@@ -431,11 +442,12 @@ def run(args):
             "bf16_quant_us": harness.rotating(
                 lambda w, s: gemm.fp8_gemm(x, w, s, weight_block=32, fmt=G32, out=out), w32),
             "w8a16_us": harness.rotating(lambda w, s: gemm.w8a16_gemm(x, w, s, weight_block=32, out=out), w32),
-            "triton_g128_us": harness.rotating(
-                lambda w, s: gemm.fp8_gemm(pair128, w, s, weight_block=128, out=out), w128),
         }
-        rec["cublas_g128_us"] = None
-        if blockwise is not None:
+        rec["cublas_g128_us"] = rec["triton_g128_us"] = None
+        if g128:
+            arms["triton_g128_us"] = harness.rotating(
+                lambda w, s: gemm.fp8_gemm(pair128, w, s, weight_block=128, out=out), w128)
+        if blockwise is not None and g128:
             # K/128 % 4 != 0: torch 2.11 takes only a layout cuBLAS reads differently (wrong
             # result); its time is still recorded (same cuBLAS kernel), flagged cublas_valid=False.
             # Timed: _scaled_mm alone, its operands padded and laid out once outside the graph (the
@@ -449,6 +461,8 @@ def run(args):
         rec.update(_time_arms(arms, args))
         rec["floor_us"] = n * k / copy_bw * 1e6
         rec["bw_frac"] = rec["floor_us"] / rec["pair_us"]
+        rec["roofline_us"] = roofline_us(m, n, k, 32, copy_bw, fp8_rate)
+        rec["roofline_frac"] = rec["roofline_us"] / rec["pair_us"]
         if rec["cublas_g128_us"]:
             rec["pair_vs_cublas"] = rec["cublas_g128_us"] / rec["pair_us"]
             rec["g128_vs_cublas"] = rec["cublas_g128_us"] / rec["triton_g128_us"]
@@ -460,7 +474,19 @@ def run(args):
 
 
 COLUMNS = ["shape", "m", "pair_us", "bf16_quant_us", "w8a16_us", "cublas_g128_us", "triton_g128_us",
-           "floor_us", "bw_frac", "pair_vs_cublas", "g128_vs_cublas"]
+           "floor_us", "bw_frac", "roofline_us", "roofline_frac", "pair_vs_cublas", "g128_vs_cublas"]
+
+
+def roofline_us(m: int, n: int, k: int, group: int, copy_bw: float, fp8_rate: float | None) -> float:
+    """The larger of the bytes a pair GEMM moves (e4m3 weights and their fp32 block scales, the
+    pair's data and fp32 scales, the bf16 output) over ``copy_bw`` and its ``2 M N K`` flops over
+    ``fp8_rate`` (None: bytes alone), in us."""
+    blocks = -(-n // group) * -(-k // group)
+    nbytes = n * k + 4 * blocks + m * k + 4 * m * -(-k // group) + 2 * m * n
+    seconds = nbytes / copy_bw
+    if fp8_rate:
+        seconds = max(seconds, 2 * m * n * k / fp8_rate)
+    return seconds * 1e6
 
 
 def report(meta, records, results_dir=None) -> str:

@@ -31,7 +31,9 @@ FP8 launch and the launch rule's in graphs replayed in turn, and writes
 ``producers_launch_sweep.json`` (the source of ``norm._launch_config`` and ``act._launch_config``).
 
 Next to each figure: the bytes-moved floor of each arm (bytes / copy bandwidth measured in the
-same run), and the ratios fp8/bf16-only and fp8/(bf16+quant). ``fp8_launches`` counts kernel
+same run; for the wo_a einsum also ``floor_compute_us``, its flops / the bf16 matmul rate measured
+in the same run, and ``fp8_roofline_fraction``, the larger floor over the FP8 arm's time), and the
+ratios fp8/bf16-only and fp8/(bf16+quant). ``fp8_launches`` counts kernel
 launches of the FP8 arm (torch.profiler).
 """
 
@@ -74,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweeps = parser.add_mutually_exclusive_group()
     sweeps.add_argument("--sweep-wo-a", action="store_true",
                         help="time candidate wo_a_einsum launch configs (FP8 out) instead of the four arms")
-    parser.add_argument("--splits", nargs="+", type=int, default=None,
+    parser.add_argument("--splits", nargs="+", type=positive_int, default=None,
                         help="with --sweep-wo-a: only one-scale-group tiles, with these K splits")
     sweeps.add_argument("--sweep-launch", action="store_true",
                         help="time candidate program shapes of RMSNorm, q_norm and SiLU*mul instead of the four arms")
@@ -334,6 +336,8 @@ def best_launches(records: list[dict]) -> list[dict]:
 def run(args) -> tuple[dict, list[dict]]:
     if (args.sweep_wo_a or args.sweep_launch) and len(args.formats) > 1:
         raise SystemExit("--sweep-wo-a and --sweep-launch time one format; pass one --formats value")
+    if args.splits is not None and not args.sweep_wo_a:
+        raise SystemExit("--splits narrows the --sweep-wo-a candidates; pass --sweep-wo-a too")
     if args.sweep_wo_a and not wo_a_sweep_cases(args):
         raise SystemExit("--sweep-wo-a: no wo_a producer at T <= 64 among --producers and --rows")
     if args.sweep_launch and not launch_sweep_cases(args):
@@ -347,6 +351,8 @@ def run(args) -> tuple[dict, list[dict]]:
     meta = harness.bench_meta()
     bandwidth = harness.copy_bandwidth()
     meta["copy_bandwidth_TBps"] = bandwidth / 1e12
+    matmul_rate = harness.bf16_matmul_rate() if any(p.startswith("wo_a") for p in args.producers) else None
+    meta["bf16_matmul_TFLOPs"] = matmul_rate / 1e12 if matmul_rate else None
     meta["notes"] = ("fp8_us writes the pair only where fp8_returns_bf16 is false; compiled_peer_us is "
                      "torch.compile(reference producer + reference.quantize); wo_a peer: bf16 torch.einsum")
     producers = list(args.producers)
@@ -374,8 +380,10 @@ def run(args) -> tuple[dict, list[dict]]:
         rec["fp8_over_bf16_quant"] = rec["fp8_us"] / rec["bf16_quant_us"]
         rec["fp8_over_peer"] = None
         rec["fp8_bw_fraction"] = rec["floor_fp8_us"] / rec["fp8_us"]
-        if hasattr(case, "flops"):
+        if hasattr(case, "flops"):  # the einsum's bf16 tensor-core products
             rec["fp8_tflops"] = case.flops / (rec["fp8_us"] * 1e-6) / 1e12
+            rec["floor_compute_us"] = case.flops / matmul_rate * 1e6
+            rec["fp8_roofline_fraction"] = max(rec["floor_fp8_us"], rec["floor_compute_us"]) / rec["fp8_us"]
         records.append(rec)
         harness.save_results("producers", meta, records, args.results_dir)  # partial results survive
         del case

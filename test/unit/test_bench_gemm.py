@@ -103,3 +103,14 @@ def test_gemv_candidates_up_to_four_tokens():
     assert all(128 % c.block_n == 0 and c.block_k % 128 == 0 for c in bench.gemv_candidates(128))
     bench, args = _sweep_args("--modes", "block_diag")
     assert not any(isinstance(c, bench.GemvConfig) for c in bench._candidates(args, 1, 1792, 5120, 32))
+
+
+def test_roofline_counts_every_byte_and_the_flops():
+    """Weights (1 B) and their fp32 32x32 block scales, the pair's data and fp32 scales, the bf16
+    output over the bandwidth; the larger of that and 2 M N K over the FP8 rate."""
+    bench = _load_benchmark("gemm")
+    nbytes = 256 * 512 + 4 * 8 * 16 + 4 * 512 + 4 * 4 * 16 + 2 * 4 * 256
+    assert bench.roofline_us(4, 256, 512, 32, 1e12, 1e15) == pytest.approx(nbytes / 1e12 * 1e6)
+    assert bench.roofline_us(4, 256, 512, 32, 1e12, None) == pytest.approx(nbytes / 1e12 * 1e6)
+    flops = 2 * 2048 * 256 * 512
+    assert bench.roofline_us(2048, 256, 512, 32, 1e12, 1e14) == pytest.approx(flops / 1e14 * 1e6)

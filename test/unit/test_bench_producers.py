@@ -54,12 +54,16 @@ def test_sweep_launch_option_and_report(tmp_path):
     text = bench.report({"date": "today", "sweep": "launch"}, records, tmp_path)
     assert "| silu_mul | 16 | 1.6 | 1.8 | 1.1 |" in text
     assert json.loads((tmp_path / "producers_launch_sweep.json").read_text())["records"] == records
-    # a sweep with nothing to time never reaches the report (which would write producers.json)
-    assert not (tmp_path / "producers.json").exists()
+    # a sweep with nothing to time, or --splits without the sweep it narrows, is refused before
+    # any GPU work or result file
     for argv, match in ((["--sweep-launch", "--producers", "wo_a_g8"], "names none of"),
-                        (["--sweep-wo-a", "--rows", "256", "2048"], "no wo_a producer at T <= 64")):
+                        (["--sweep-wo-a", "--rows", "256", "2048"], "no wo_a producer at T <= 64"),
+                        (["--splits", "2"], "--splits narrows the --sweep-wo-a candidates")):
         with pytest.raises(SystemExit, match=match):
-            bench.run(parser.parse_args(argv))
+            bench.run(parser.parse_args([*argv, "--results-dir", str(tmp_path / "run")]))
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--sweep-wo-a", "--splits", "0"])
 
 
 @pytest.mark.cpu

@@ -175,6 +175,23 @@ def bf16_matmul_rate(device=None, size: int = 8192) -> float:
     return 2 * size**3 / (graph_time_us(lambda: torch.matmul(a, b, out=out), iters=5, repeats=5) * 1e-6)
 
 
+def fp8_matmul_rate(device=None, size: int = 8192) -> float:
+    """e4m3 matmul throughput in flop/s: a ``size``-cubed ``torch._scaled_mm`` (per-tensor scales,
+    bf16 output) under graph replay (the tensor-core rate an FP8 GEMM's flops are held against).
+    Raises ``RuntimeError`` where torch has no FP8 ``_scaled_mm`` for this device."""
+    device = torch.device(device or "cuda")
+    if not hasattr(torch, "_scaled_mm"):
+        raise RuntimeError(f"torch {torch.__version__} has no torch._scaled_mm")
+    a = torch.randn(size, size, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(size, size, device=device).to(torch.float8_e4m3fn).t()  # column-major, as cuBLAS reads it
+    one = torch.ones((), device=device)
+
+    def matmul():
+        return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    return 2 * size**3 / (graph_time_us(matmul, iters=5, repeats=5) * 1e-6)
+
+
 def kernel_profile(fn: Callable[[], object]) -> dict[str, dict[str, float]]:
     """Kernel name -> ``{"launches": n, "us": total GPU time}`` during one eager call of ``fn``
     (torch.profiler, CUDA activity), after one warm-up call. Kernels launch without PDL here: with
