@@ -50,7 +50,9 @@ time depends on the graph it was captured in (docs/benchmarks.md, the M = 2 gap)
 Launches and quantize launches per step come from torch.profiler, after every case is timed.
 Successive steps of a graph take copies of the layer in turn (``weight_copies``: three of a TP4
 rank's 60 MB, one of TP1's 200 MB), so each step streams its weights from HBM, as serving does
-with 42 other layers between two steps of one layer; the compiled peer reads the first copy.
+with 42 other layers between two steps of one layer; the compiled peer reads one set of random
+g128 weights of its own and the first copy's other parameters, not rotated (at TP4, ~60 MB against
+the 50 MB L2: partly cached, which favours the peer).
 """
 
 from __future__ import annotations
@@ -311,7 +313,8 @@ def stats_in_line(layers: list[DeepseekV41DecoderLayer]):
 def quantize_launches_removed():
     """Every FP8 linear fed bf16 takes a pair quantized on its first call for that input shape
     (eagerly, before a graph is captured) instead of quantizing at every call: the step launches no
-    quantize, and its GEMMs read stale pairs (a timing diagnostic, not a computation)."""
+    quantize, and its GEMMs read stale pairs (a timing diagnostic, not a computation). Yields the
+    pairs: a graph captured here reads them, so its caller keeps them until the graph's last replay."""
     pairs = {}
 
     def stale_pair(x, fmt, out=None):
@@ -324,7 +327,7 @@ def quantize_launches_removed():
 
     saved, fp8_method.quantize = fp8_method.quantize, stale_pair
     try:
-        yield
+        yield pairs
     finally:
         fp8_method.quantize = saved
 
@@ -425,6 +428,7 @@ def _time_arms(unit: LayerUnit, record: dict, variant: str, iters: int, diagnost
     captured that many times, every graph timed, ``record["{arm}{variant}_captures_us"]`` the
     list in capture order (the first is ``{arm}{variant}_us``)."""
     graphs = {}
+    graph_inputs = []  # what a diagnostic graph reads besides the unit's buffers: alive through its replays
     for arm, on in ARMS:
         unit.set_chain(on)
         for capture in range(captures):
@@ -440,8 +444,9 @@ def _time_arms(unit: LayerUnit, record: dict, variant: str, iters: int, diagnost
             for expert in shared:
                 expert.fuse_silu_mul = True
         unit.set_chain(False)
-        with quantize_launches_removed():
+        with quantize_launches_removed() as stale_pairs:
             graphs[("unchained_no_quantize", 0)] = harness.capture_graph(unit.step, iters)
+        graph_inputs.append(stale_pairs)
     times = harness.replay_times_us(graphs, iters, rounds=7)
     for (name, capture), us in times.items():
         if capture == 0:
@@ -493,7 +498,7 @@ def run(args) -> tuple[dict, list[dict]]:
         config = layer_config(shapes)
         if shapes not in layers:
             layers[shapes] = build_layers(config, "cuda")
-            try:  # the peer reads the first copy's weights (its own FP8 g128 copies of them)
+            try:  # the peer: its own random g128 FP8 weights, the first copy's other parameters
                 peers[shapes] = None if args.no_peer else CompiledPeer(layers[shapes][0], config, "cuda")
             except RuntimeError as exc:
                 print(f"no compiled peer: {exc}", file=sys.stderr)
