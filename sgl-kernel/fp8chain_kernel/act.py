@@ -19,6 +19,8 @@ them in place of the launch rule (benchmarks' sweeps).
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import triton
 import triton.language as tl
@@ -92,7 +94,7 @@ def check_limit(limit) -> None:
     inf: Triton passes a float argument as fp32, so a larger finite value would arrive as inf (no
     clamp) and a tinier one as a subnormal or 0 (every gate clamped to about 0), not the limit given."""
     if limit is not None:
-        if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0:
+        if not isinstance(limit, numbers.Real) or isinstance(limit, bool) or not limit > 0:
             raise ValueError(f"limit must be a positive number or None, got {limit!r}")
         if limit < _FP32.tiny or _FP32.max < limit < float("inf"):
             raise ValueError(f"limit must be a normal fp32 number ({_FP32.tiny:.3g} .. {_FP32.max:.3g}) or inf, "

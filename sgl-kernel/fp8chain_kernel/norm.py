@@ -66,7 +66,7 @@ def check_eps(eps, name: str = "eps") -> None:
     fp32 holds, 0 or from fp32's smallest subnormal 2^-149 to its largest (a bool, a string, a
     tensor, a negative value, NaN, inf, or a positive value fp32 rounds to 0, where the torch
     reference would still add it, raise ``ValueError``)."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps == 0 or 2.0**-149 <= eps <= FP32_MAX):
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (eps == 0 or 2.0**-149 <= eps <= FP32_MAX):
         raise ValueError(f"{name} must be a non-negative number fp32 holds (0, or 2^-149 to its largest), "
                          f"got {eps!r}")
 

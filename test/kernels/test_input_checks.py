@@ -97,6 +97,19 @@ def test_rms_norm_refuses_outputs_sharing_memory():
         norm.rms_norm(x, storage[64:128], 1e-6, out_bf16=storage.view(3, 64))
 
 
+def test_numpy_scalars_are_taken_as_the_numbers_they_are():
+    """An eps or a swiglu limit read with numpy (np.float32, np.float64) is a number like any other."""
+    import numpy as np
+
+    x, w = bf16(3, 128), bf16(128)
+    for eps in (np.float32(1e-6), np.float64(1e-6)):
+        assert torch.equal(norm.rms_norm(x, w, eps), norm.rms_norm(x, w, 1e-6))
+    gate_up = bf16(3, 256) * 8
+    assert torch.equal(act.silu_mul(gate_up, limit=np.float32(7.0)), act.silu_mul(gate_up, limit=7.0))
+    with pytest.raises(ValueError, match="eps must be a non-negative number"):
+        norm.rms_norm(x, w, np.bool_(True))
+
+
 def test_rms_norm_refuses_bool_eps_and_rows_wider_than_a_tile():
     with pytest.raises(ValueError, match="eps"):
         norm.rms_norm(bf16(2, 64), bf16(64), True)
