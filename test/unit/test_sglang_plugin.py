@@ -39,6 +39,14 @@ def upstream_method(block=32):
     return types.SimpleNamespace(quant_config=types.SimpleNamespace(weight_block_size=[block, block]))
 
 
+def upstream_process(method, layer):
+    """Stands for SGLang 0.5.23's processing off Blackwell: it prepares a requested layer for its
+    own packed pairs, which fails there, and sets the flag to that outcome, False."""
+    upstream_process.calls = getattr(upstream_process, "calls", 0) + 1
+    if layer.deepgemm_mxfp8_input:
+        layer.deepgemm_mxfp8_input = False
+
+
 def upstream_apply(method, layer, x, bias=None):
     """Stands for upstream's bf16 path: records that it ran."""
     upstream_apply.calls += 1
@@ -62,9 +70,35 @@ def test_install_registers_both_hooks(monkeypatch):
     plugin.install()
     method = "sglang.srt.layers.quantization.fp8.Fp8LinearMethod"
     assert registered == [
-        (f"{method}.process_weights_after_loading", plugin.after_process_weights, hook_type.AFTER),
+        ("sglang.srt.layers.quantization.fp8.Fp8Config.get_quant_method", plugin.after_get_quant_method,
+         hook_type.AFTER),
+        (f"{method}.process_weights_after_loading", plugin.around_process_weights, hook_type.AROUND),
         (f"{method}.apply", plugin.around_apply, hook_type.AROUND),
     ]
+
+
+def test_a_request_outlives_upstreams_processing_and_layers_are_named(monkeypatch, caplog):
+    """Upstream's processing resets the request flag off Blackwell: the hook reads it first and
+    serves it (the flag True again, as upstream leaves a layer it prepared). The layer's name comes
+    from get_quant_method's prefix (upstream's LinearBase keeps none). A layer that asks nothing is
+    left alone, and that the consumers stay idle is logged once."""
+    weight, scale = ref.random_fp8_weight(64, 128, 32)
+    layer = UpstreamLinear(weight, scale, prefix=None)
+    assert plugin.after_get_quant_method(None, object(), layer, prefix="model.layers.3.self_attn.wo_b") is None
+    upstream_process.calls = 0
+    plugin.around_process_weights(upstream_process, upstream_method(), layer)
+    assert upstream_process.calls == 1
+    assert layer.deepgemm_mxfp8_input is True and layer.input_format is backends.input_format_for(32)
+    other = next(f for f in ActFormat if f is not layer.input_format)
+    with pytest.raises(TypeError, match="model.layers.3.self_attn.wo_b reads"):
+        plugin.around_apply(upstream_apply, upstream_method(), layer, quantize(torch.randn(2, 128).bfloat16(), other))
+    monkeypatch.setattr(plugin, "_idle_noted", False)
+    with caplog.at_level(logging.INFO, logger="fp8chain.integrations.sglang"):
+        for i in range(3):
+            idle = UpstreamLinear(weight.clone(), scale.clone(), request=False, prefix=f"layers.{i}.mlp.down_proj")
+            plugin.around_process_weights(upstream_process, upstream_method(), idle)
+            assert idle.deepgemm_mxfp8_input is False and not hasattr(idle, "input_format")
+    assert caplog.text.count("asks no pre-quantized input") == 1 and "layers.0.mlp.down_proj" in caplog.text
 
 
 @pytest.mark.parametrize("rows", [1, 5])
@@ -72,7 +106,7 @@ def test_requested_layer_reads_pairs_like_fp8chains_own_linear(rows):
     n, k = 128, 256
     weight, scale = ref.random_fp8_weight(n, k, 32)
     layer = UpstreamLinear(weight.clone(), scale.clone())
-    assert plugin.after_process_weights(None, upstream_method(), layer) is None
+    assert plugin.around_process_weights(upstream_process, upstream_method(), layer) is None
     fmt = backends.input_format_for(32)
     assert layer.input_format is fmt and layer.deepgemm_mxfp8_input is True
     own = ReplicatedLinear(k, n, quant_config=Fp8Config(weight_block_size=(32, 32), scale_fmt="ue8m0"))
@@ -91,7 +125,7 @@ def test_requested_layer_reads_pairs_like_fp8chains_own_linear(rows):
 def test_bf16_input_runs_upstream():
     weight, scale = ref.random_fp8_weight(64, 128, 32)
     layer = UpstreamLinear(weight, scale)
-    plugin.after_process_weights(None, upstream_method(), layer)
+    plugin.around_process_weights(upstream_process, upstream_method(), layer)
     upstream_apply.calls = 0
     out = plugin.around_apply(upstream_apply, upstream_method(), layer, torch.randn(3, 128).bfloat16())
     assert upstream_apply.calls == 1 and out.shape == (3, 64)
@@ -100,7 +134,7 @@ def test_bf16_input_runs_upstream():
 def test_layer_without_request_is_left_to_upstream():
     weight, scale = ref.random_fp8_weight(64, 128, 32)
     layer = UpstreamLinear(weight, scale, request=False)
-    plugin.after_process_weights(None, upstream_method(), layer)
+    plugin.around_process_weights(upstream_process, upstream_method(), layer)
     assert not hasattr(layer, "input_format")
     pair = quantize(torch.randn(2, 128).bfloat16(), backends.input_format_for(32))
     with pytest.raises(TypeError, match="reads bf16 input"):
@@ -110,7 +144,7 @@ def test_layer_without_request_is_left_to_upstream():
 def test_pair_in_another_format_raises_naming_both():
     weight, scale = ref.random_fp8_weight(64, 128, 32)
     layer = UpstreamLinear(weight, scale)
-    plugin.after_process_weights(None, upstream_method(), layer)
+    plugin.around_process_weights(upstream_process, upstream_method(), layer)
     other = next(f for f in ActFormat if f is not layer.input_format)
     with pytest.raises(TypeError, match=f"reads {layer.input_format.value}, got a pair in {other.value}"):
         plugin.around_apply(upstream_apply, upstream_method(), layer, quantize(torch.randn(2, 128).bfloat16(), other))
@@ -120,17 +154,23 @@ def test_unsupported_block_refuses_the_request(caplog):
     weight, scale = ref.random_fp8_weight(64, 128, 32)
     layer = UpstreamLinear(weight, scale)
     with caplog.at_level(logging.WARNING, logger="fp8chain.integrations.sglang"):
-        plugin.after_process_weights(None, upstream_method(block=64), layer)
+        plugin.around_process_weights(upstream_process, upstream_method(block=64), layer)
     assert layer.deepgemm_mxfp8_input is False and layer.input_format is None
     assert "no fp8chain consumer for weight block [64, 64]" in caplog.text
 
 
-def test_blackwell_is_left_to_upstream(monkeypatch):
+@pytest.mark.parametrize("prepared", [True, False])
+def test_blackwell_is_left_to_upstream(monkeypatch, prepared):
+    """On Blackwell the flag ends as upstream's own preparation left it, fp8chain adds nothing."""
     weight, scale = ref.random_fp8_weight(64, 128, 32)
     layer = UpstreamLinear(weight, scale)
     monkeypatch.setattr(plugin, "_upstream_serves_request", lambda device: True)
-    plugin.after_process_weights(None, upstream_method(), layer)
-    assert layer.deepgemm_mxfp8_input is True and not hasattr(layer, "input_format")
+
+    def upstream_on_blackwell(method, layer):
+        layer.deepgemm_mxfp8_input = prepared
+
+    plugin.around_process_weights(upstream_on_blackwell, upstream_method(), layer)
+    assert layer.deepgemm_mxfp8_input is prepared and not hasattr(layer, "input_format")
 
 
 @pytest.mark.parametrize("capability,hip,serves", [((9, 0), None, True), ((8, 0), None, False),
@@ -153,7 +193,7 @@ def test_a_device_fp8chain_does_not_serve_keeps_upstreams_weights(monkeypatch, c
     layer = UpstreamLinear(marlin_packed, torch.ones(2, 4))
     monkeypatch.setattr(plugin, "_why_not_fp8chain", lambda device: "sm_80 (test)")
     with caplog.at_level(logging.WARNING, logger="fp8chain.integrations.sglang"):
-        plugin.after_process_weights(None, upstream_method(), layer)  # no TypeError: not read
+        plugin.around_process_weights(upstream_process, upstream_method(), layer)  # no TypeError: not read
     assert layer.deepgemm_mxfp8_input is False and layer.input_format is None
     assert "no fp8chain consumer on sm_80 (test); keeping bf16 input" in caplog.text
     assert layer.weight.dtype == torch.int32 and layer.weight.data_ptr() == marlin_packed.data_ptr()
@@ -166,7 +206,7 @@ def test_weights_repacked_for_amx_are_not_read(caplog):
     layer = UpstreamLinear(amx_packed, torch.ones(2, 4))
     layer.use_intel_amx_backend = True
     with caplog.at_level(logging.WARNING, logger="fp8chain.integrations.sglang"):
-        plugin.after_process_weights(None, upstream_method(), layer)
+        plugin.around_process_weights(upstream_process, upstream_method(), layer)
     assert layer.deepgemm_mxfp8_input is False and layer.input_format is None
     assert "no fp8chain consumer for weights repacked for Intel AMX" in caplog.text
     assert not getattr(layer, "derived_weight_names", None)
@@ -181,14 +221,14 @@ def test_reprocessing_after_a_reload_keeps_derived_storage(monkeypatch):
                         lambda fmt, block, n, k, prefer=None: DerivingBackend(real(fmt, block, n, k)))
     weight, scale = ref.random_fp8_weight(128, 256, 32)
     layer = UpstreamLinear(weight, scale)
-    plugin.after_process_weights(None, upstream_method(), layer)
+    plugin.around_process_weights(upstream_process, upstream_method(), layer)
     assert layer.derived_weight_names  # the deriving backend wrote one
     before = {name: getattr(layer, name).data_ptr() for name in layer.derived_weight_names}
     new_weight, new_scale = ref.random_fp8_weight(128, 256, 32)
     layer.weight.data.copy_(new_weight)
     layer.weight_scale_inv.data.copy_(new_scale)
     layer.deepgemm_mxfp8_input = True
-    plugin.after_process_weights(None, upstream_method(), layer)
+    plugin.around_process_weights(upstream_process, upstream_method(), layer)
     assert {name: getattr(layer, name).data_ptr() for name in layer.derived_weight_names} == before
     pair = quantize(torch.randn(5, 256).bfloat16(), layer.input_format)
     out = plugin.around_apply(upstream_apply, upstream_method(), layer, pair)

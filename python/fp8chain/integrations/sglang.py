@@ -5,19 +5,26 @@ process, calls each plugin's function, then applies the hooks it registered
 (``sglang.srt.plugins.hook_registry.HookRegistry``). fp8chain registers itself there as
 ``fp8chain`` (pyproject.toml); with ``SGLANG_PLUGINS`` set, name it in that list.
 
-``install()`` registers two hooks on ``sglang.srt.layers.quantization.fp8.Fp8LinearMethod``:
+``install()`` registers three hooks:
 
-* after ``process_weights_after_loading(layer)``: a layer whose model asked for a pre-quantized
-  input (``LinearBase.deepgemm_mxfp8_input = True``, as DSv4.1's attention sets on ``wqkv_a``,
-  ``wq_b`` and ``wo_b``) on Hopper, where upstream has no such path, becomes an fp8chain
-  consumer (``prepare_consumer``): backend chosen for the arch and shape, derived weight tensors
-  written in place, ``layer.input_format`` set; or the request is
-  refused (flag False, reason logged) and the layer keeps upstream's bf16 path. Before that, its
-  weight and scales pass the checks fp8chain's own ``Fp8LinearMethod`` runs (``check_weights``),
-  which raise at load rather than at the first forward. Before Hopper, on ROCm and where the
-  method repacked the weights for Marlin (``use_marlin``, e.g. ``SGLANG_FORCE_FP8_MARLIN``) or for
-  Intel AMX on the CPU (``layer.use_intel_amx_backend``) the request is refused without reading
-  them as e4m3; Blackwell and later are upstream's.
+* after ``Fp8Config.get_quant_method(layer, prefix)``: the layer's checkpoint name, kept as
+  ``layer.fp8chain_prefix`` for log lines and errors (upstream's ``LinearBase`` does not keep it);
+* around ``Fp8LinearMethod.process_weights_after_loading(layer)``: a layer whose model asked for
+  a pre-quantized input (``LinearBase.deepgemm_mxfp8_input = True`` before the weights load) on
+  Hopper, where upstream has no such path, becomes an fp8chain consumer (``prepare_consumer``):
+  backend chosen for the arch and shape, derived weight tensors written in place,
+  ``layer.input_format`` set, the flag True again; or the request is refused (flag False, reason
+  logged) and the layer keeps upstream's bf16 path. The request is read before upstream's
+  processing runs: SGLang 0.5.23's sets the flag to what its own preparation achieved, False
+  off Blackwell. Before fp8chain prepares the layer, its weight and scales pass the checks
+  fp8chain's own ``Fp8LinearMethod`` runs (``check_weights``), which raise at load rather than
+  at the first forward. Before Hopper, on ROCm and where the method repacked the weights for
+  Marlin (``use_marlin``, e.g. ``SGLANG_FORCE_FP8_MARLIN``) or for Intel AMX on the CPU
+  (``layer.use_intel_amx_backend``) the request is refused without reading them as e4m3;
+  Blackwell and later are upstream's. SGLang 0.5.23's DeepSeek-V4 attention asks (on ``wqkv_a``
+  and ``wo_b``) only with its mega attention, which runs on Blackwell: on Hopper no layer asks
+  until fp8chain's producers are hooked into the model, and the plugin logs once that its
+  consumers stay idle.
 * around ``apply(layer, x, bias=None)``: a ``QuantizedActivation`` goes to that backend's GEMM,
   never re-quantized (a pair in another format, or for a layer that did not ask for one, raises
   ``TypeError``); any other input runs upstream's ``apply`` unchanged.
@@ -41,19 +48,22 @@ from ..layers.quantization.fp8 import (Fp8LinearMethod, check_pair_input, check_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["install", "after_process_weights", "around_apply", "FP8_LINEAR_METHOD", "PLUGIN_GROUP"]
+__all__ = ["install", "after_get_quant_method", "around_process_weights", "around_apply", "FP8_CONFIG",
+           "FP8_LINEAR_METHOD", "PLUGIN_GROUP"]
 
 PLUGIN_GROUP = "sglang.srt.plugins"  # SGLang's entry point group of general plugins
 FP8_LINEAR_METHOD = "sglang.srt.layers.quantization.fp8.Fp8LinearMethod"
+FP8_CONFIG = "sglang.srt.layers.quantization.fp8.Fp8Config"
 _BLOCK_SIZES = (32, 128)
 
 
 def install() -> None:
-    """The entry point SGLang calls: register the two hooks (applied by SGLang afterwards)."""
+    """The entry point SGLang calls: register the three hooks (applied by SGLang afterwards)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(f"{FP8_LINEAR_METHOD}.process_weights_after_loading", after_process_weights,
-                          HookType.AFTER)
+    HookRegistry.register(f"{FP8_CONFIG}.get_quant_method", after_get_quant_method, HookType.AFTER)
+    HookRegistry.register(f"{FP8_LINEAR_METHOD}.process_weights_after_loading", around_process_weights,
+                          HookType.AROUND)
     HookRegistry.register(f"{FP8_LINEAR_METHOD}.apply", around_apply, HookType.AROUND)
 
 
@@ -80,7 +90,7 @@ def _why_not_fp8chain(device: torch.device) -> str | None:
 
 
 def _layer_name(layer) -> str:
-    return getattr(layer, "prefix", None) or type(layer).__name__
+    return getattr(layer, "prefix", None) or getattr(layer, "fp8chain_prefix", None) or type(layer).__name__
 
 
 def _block_size(method) -> int | None:
@@ -97,13 +107,43 @@ def _refuse(layer, name: str, why: str) -> None:
     layer.input_format = None
 
 
-def after_process_weights(result, method, layer, *args, **kwargs):
-    """AFTER hook of ``Fp8LinearMethod.process_weights_after_loading``: see the module docstring."""
-    if not input_requested(layer):
-        return None
-    name = _layer_name(layer)
+def after_get_quant_method(result, config, layer, *args, prefix: str = "", **kwargs):
+    """AFTER hook of ``Fp8Config.get_quant_method``: keep the layer's checkpoint name."""
+    name = prefix or (args[0] if args and isinstance(args[0], str) else "")
+    if name and isinstance(layer, torch.nn.Module):
+        layer.fp8chain_prefix = name
+    return None
+
+
+_idle_noted = False  # the once-per-process note that no layer asked for a pre-quantized input
+
+
+def _note_idle(name: str) -> None:
+    global _idle_noted
+    if not _idle_noted:
+        _idle_noted = True
+        logger.info("%s asks no pre-quantized input; fp8chain's consumers take only layers whose model asks "
+                    "(SGLang 0.5.23 asks on Blackwell only, where upstream serves it). Logged once.", name)
+
+
+def around_process_weights(original, method, layer, *args, **kwargs):
+    """AROUND hook of ``Fp8LinearMethod.process_weights_after_loading``: upstream's processing,
+    then fp8chain's for a layer that asked before it (the module docstring)."""
+    requested = input_requested(layer)  # upstream's processing may reset the flag
+    result = original(method, layer, *args, **kwargs)
     if _upstream_serves_request(layer.weight.device):
-        return None
+        return result
+    name = _layer_name(layer)
+    if not requested:
+        if _why_not_fp8chain(layer.weight.device) is None:
+            _note_idle(name)
+        return result
+    layer.deepgemm_mxfp8_input = True  # the model's request, which fp8chain serves or refuses below
+    _prepare(method, layer, name)
+    return result
+
+
+def _prepare(method, layer, name: str) -> None:
     reason = _why_not_fp8chain(layer.weight.device)
     if reason is not None:  # upstream's weights and bf16 path stay as they are
         return _refuse(layer, name, f"on {reason}")
@@ -124,7 +164,6 @@ def after_process_weights(result, method, layer, *args, **kwargs):
     except BaseException:
         Fp8LinearMethod.invalidate(layer)  # no pair may reach tensors derived from earlier weights
         raise
-    return None
 
 
 def around_apply(original, method, layer, x, bias=None, *args, **kwargs):
