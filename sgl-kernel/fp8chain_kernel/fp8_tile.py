@@ -129,7 +129,8 @@ def quantize_tile(y, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.con
     mag = tl.abs(grouped)
     if EXACT_CAST:
         # NaN is ignored by amax and kept in the data. Compiled, tl.max lowers to max.f32, which
-        # already returns the non-NaN operand; the interpreter's numpy max propagates NaN.
+        # already returns the non-NaN operand; whether the interpreter's reduction does depends
+        # on the Triton version (3.6's does), so NaN is dropped here explicitly.
         mag = tl.where(mag == mag, mag, 0.0)
     amax = tl.maximum(tl.max(mag, axis=2), 1e-4)
     if POW2:

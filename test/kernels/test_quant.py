@@ -80,7 +80,10 @@ def _check_round_bf16(device, exact_cast):
     ties = (torch.randint(0, 255, (1024,)) << 23) | (torch.randint(0, 1 << 7, (1024,)) << 16) | 0x8000
     bits = torch.cat([bits, ties, torch.tensor([0x7F7FFFFF, 0x00007FFF, 0x00008000, 0x00018000, 0x7FC00001])])
     x = bits.to(torch.int32).view(torch.float32) * torch.where(torch.rand(bits.numel()) < 0.5, -1.0, 1.0)
-    x = torch.cat([x, torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])]).to(device)
+    # NaNs whose low half would carry when rounded as a number (signalling 0x7F800001 to inf,
+    # 0x7FFFFFFF to -0), put in by bits: a multiplication would quiet them
+    payloads = torch.tensor([0x7F800001, 0x7FFFFFFF, -0x7FFFFF, -1], dtype=torch.int32).view(torch.float32)
+    x = torch.cat([x, payloads, torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])]).to(device)
     got = torch.empty(x.numel(), dtype=torch.bfloat16, device=device)
     _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, got, x.numel(), EXACT_CAST=exact_cast, BLOCK=1024)
     want = x.cpu().to(torch.bfloat16)
