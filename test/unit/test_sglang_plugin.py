@@ -233,3 +233,20 @@ def test_reprocessing_after_a_reload_keeps_derived_storage(monkeypatch):
     pair = quantize(torch.randn(5, 256).bfloat16(), layer.input_format)
     out = plugin.around_apply(upstream_apply, upstream_method(), layer, pair)
     assert rel_error(out, ref.fp8_gemm(pair, new_weight, new_scale, 32)) < 5e-3
+
+def test_a_layer_no_backend_serves_keeps_upstreams_bf16_path(monkeypatch, caplog):
+    """Where no fp8chain backend serves the layer, the request is refused and the warning names
+    what runs its bf16 input in SGLang: upstream's GEMM (not fp8chain's torch fallback)."""
+    def none_serves(fmt, block, n, k, prefer=None):
+        raise ValueError("no backend reads this (test)")
+
+    monkeypatch.setattr(backends, "select_backend", none_serves)
+    weight, scale = ref.random_fp8_weight(64, 128, 32)
+    layer = UpstreamLinear(weight, scale)
+    with caplog.at_level(logging.WARNING, logger="fp8chain.layers.quantization.fp8"):
+        plugin.around_process_weights(upstream_process, upstream_method(), layer)
+    assert layer.deepgemm_mxfp8_input is False and layer.input_format is None
+    assert "keeping bf16 input, using upstream's GEMM" in caplog.text
+    upstream_apply.calls = 0
+    plugin.around_apply(upstream_apply, upstream_method(), layer, torch.randn(2, 128).bfloat16())
+    assert upstream_apply.calls == 1

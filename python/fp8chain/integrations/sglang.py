@@ -160,7 +160,7 @@ def _prepare(method, layer, name: str) -> None:
     try:
         check_weights(layer.weight, layer.weight_scale_inv, block, getattr(method.quant_config, "scale_fmt", None),
                       name)
-        prepare_consumer(layer, block, name=name)
+        prepare_consumer(layer, block, name=name, bf16_gemm="upstream's GEMM")
     except BaseException:
         Fp8LinearMethod.invalidate(layer)  # no pair may reach tensors derived from earlier weights
         raise

@@ -256,7 +256,8 @@ def input_requested(layer) -> bool:
     return bool(getattr(layer, "deepgemm_mxfp8_input", False) or getattr(layer, "fp8chain_refused_request", False))
 
 
-def prepare_consumer(layer, block: int, prefer: str | None = None, name: str | None = None) -> None:
+def prepare_consumer(layer, block: int, prefer: str | None = None, name: str | None = None,
+                     bf16_gemm: str = "the torch fallback GEMM") -> None:
     """Make ``layer`` (any module with ``weight`` e4m3 ``[N, K]``, ``weight_scale_inv`` fp32 block
     scales and a ``deepgemm_mxfp8_input`` request flag) an FP8 consumer: select the backend for
     this arch and shape, write its derived weight tensors through ``copy_or_rebind_param`` and set
@@ -270,6 +271,9 @@ def prepare_consumer(layer, block: int, prefer: str | None = None, name: str | N
     * ``fp8chain_refused_request``: whether a request was refused. A refused request is made
       again at the next processing (a reload), so a load that cannot be served does not withdraw
       it for the weights after it: loads A, B (refused), A end as a fresh load of A does.
+
+    ``bf16_gemm`` names, in the warning logged where no backend serves the layer, what runs its bf16
+    input then (the SGLang plugin: upstream's GEMM).
 
     Derived tensors of an earlier load that this one does not derive again are poisoned (NaN,
     or all bits set: UE8M0 NaN), so that a CUDA graph captured before, which still calls the
@@ -318,8 +322,7 @@ def prepare_consumer(layer, block: int, prefer: str | None = None, name: str | N
     layer.fp8chain_refused_request = requested and not honoured
     layer.input_format = fmt if honoured else None
     if backend is None:
-        logger.warning("%s: %s; %susing the torch fallback GEMM", name, reason,
-                       "keeping bf16 input, " if requested else "")
+        logger.warning("%s: %s; %susing %s", name, reason, "keeping bf16 input, " if requested else "", bf16_gemm)
 
 
 def _poison(tensor: torch.Tensor) -> None:
