@@ -1,6 +1,7 @@
 """The engine refuses what it cannot generate from, before running anything: token ids outside
 the vocabulary (a negative one would wrap around the embedding), negative token counts, engine
-sizes that are not positive, graph buckets it would otherwise drop."""
+sizes that are not positive, graph buckets it would otherwise drop. And what it generates for a
+batch is what the model gives each whole sequence alone."""
 
 import pytest
 import torch
@@ -46,6 +47,27 @@ def test_engine_refuses_prompts_of_bytes_or_text_and_a_non_bool_graph_switch(mod
     for switch in ("False", 0, None):
         with pytest.raises(TypeError, match="cuda_graphs must be a bool"):
             Engine(model, max_batch=2, max_len=16, cuda_graphs=switch)
+
+
+def test_batched_generation_equals_each_sequence_run_alone(loaded):
+    """Prompts of different lengths in one batch: every step's logits of every sequence are the
+    model's logits for that sequence run alone from scratch (its prompt and the tokens generated
+    before; the prefill's row of each prompt's last token, each decode position advanced), and
+    every token is the greedy choice of its own step's logits."""
+    prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11]]
+    steps = 4
+    run = Engine(loaded, max_batch=3, max_len=16).generate(prompts, steps, return_logits=True)
+    assert len(run.logits) == steps and all(len(t) == steps for t in run.tokens)
+    for i, prompt in enumerate(prompts):
+        for s in range(steps):
+            seq = prompt + run.tokens[i][:s]
+            n = len(seq)
+            alone = loaded(torch.tensor(seq), torch.arange(n), torch.zeros(n, dtype=torch.long),
+                           loaded.make_kv_cache(1, 16), logits_indices=torch.tensor([n - 1]))[0]
+            got = run.logits[s][i]
+            err = ((got - alone).norm() / alone.norm()).item()
+            assert err < 1e-4, f"prompt {i} step {s}: relative error {err:.2e} from the sequence run alone"
+            assert run.tokens[i][s] == int(got.argmax()), f"prompt {i} step {s}: not the greedy token"
 
 
 def test_generate_refuses_negative_token_counts(model):
