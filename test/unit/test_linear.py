@@ -99,6 +99,29 @@ def test_unquantized_row_parallel_partials_sum_to_full(tp_size):
     torch.testing.assert_close(total, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_fp8_row_parallel_partials_sum_to_the_replicated_layer_with_the_bias_once(tp_size):
+    """The FP8 method's row-parallel partials: only rank 0 adds the bias, so the sum over ranks
+    is the replicated layer's output (the bias once), within the ranks' bf16 roundings."""
+    n, k, block = 64, 256, 32
+    config = Fp8Config(weight_block_size=(block, block), scale_fmt="ue8m0")
+    w, s, b = _fp8_weight(n, k), _pow2_scales(n // block, k // block), torch.randn(n).to(torch.bfloat16) * 64
+    x = torch.randn(3, k).to(torch.bfloat16)
+    whole = ReplicatedLinear(k, n, bias=True, quant_config=config)
+    load_weights(whole, [("weight", w), ("weight_scale_inv", s), ("bias", b)])
+    total = torch.zeros(3, n)
+    for rank in range(tp_size):
+        layer = RowParallelLinear(k, n, bias=True, quant_config=config, tp_rank=rank, tp_size=tp_size,
+                                  reduce_results=False)
+        load_weights(layer, [("weight", w), ("weight_scale_inv", s), ("bias", b)])
+        cols = slice(rank * k // tp_size, (rank + 1) * k // tp_size)
+        total += layer(x[:, cols]).float()
+        if rank:
+            assert torch.equal(layer(torch.zeros(1, k // tp_size).to(torch.bfloat16)), torch.zeros(1, n).bfloat16())
+    want = whole(x).float()
+    assert ((total - want).norm() / want.norm()) < 1e-2
+
+
 def test_row_parallel_without_a_process_group_refuses_to_return_partials():
     layer = RowParallelLinear(64, 32, tp_rank=0, tp_size=2)
     with pytest.raises(RuntimeError, match="needs torch.distributed initialized"):
