@@ -277,6 +277,28 @@ def test_load_refuses_wo_a_scales_that_are_not_positive_powers_of_two(config, va
         DeepseekV41ForCausalLM(config).load_weights(tensors.items())
 
 
+@pytest.mark.parametrize("name,index", [
+    ("layers.0.attn.wq_b.weight_scale_inv", (-1, 1)),       # in rank 1's rows at TP2
+    ("layers.0.attn.wo_b.weight_scale_inv", (1, -1)),       # in rank 1's columns at TP2
+    ("layers.0.attn.wkv.weight_scale_inv", (0, 1)),         # the second half of the fused wqkv_a
+    ("layers.0.ffn.shared_experts.w3.weight_scale_inv", (1, 2)),
+])
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_load_checks_each_fp8_linear_whole_under_its_checkpoint_name(config, name, index, tp_size):
+    """A bad dense scale is refused on every tensor parallel rank (each checks the whole tensor, not
+    its shard), and the error names the checkpoint's tensor and its index there, also in a half
+    of a fused parameter (wqkv_a, gate_up)."""
+    tensors = dict(random_checkpoint_tensors(config))
+    scale = tensors[name].clone()
+    scale[index] = 3.0
+    tensors[name] = scale
+    where = [i % n for i, n in zip(index, scale.shape)]
+    for rank in range(tp_size):
+        with pytest.raises(ValueError, match=re.escape(name) + r": 1 of .* scales are not positive, finite powers "
+                                             r"of two .*first at " + re.escape(str(where)) + ": 3.0"):
+            DeepseekV41ForCausalLM(config, tp_rank=rank, tp_size=tp_size).load_weights(tensors.items())
+
+
 @pytest.mark.parametrize("name,index,value", [
     ("layers.0.hc_ffn_fn", (2, 7), float("nan")), ("layers.0.hc_ffn_fn", (2, 7), float("inf")),
     ("layers.0.hc_ffn_fn", (2, 7), -3.4e38),  # fp32, beyond bf16: mhc_stats splits fn into bf16 parts

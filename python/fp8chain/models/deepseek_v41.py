@@ -857,9 +857,29 @@ class DeepseekV41ForCausalLM(nn.Module):
                 return [done[p] for p in parts]
             return None
 
+        def dense_linear(pfx: str, linear: str, kind: str, tensor: torch.Tensor):
+            """A checked FP8 linear tensor to its parameter: yielded as it is, or fused once both
+            halves are in (``wqkv_a`` = ``wq_a`` + ``wkv``, ``gate_up`` = ``w1`` + ``w3``)."""
+            if linear in ("attn.wq_a", "attn.wkv"):
+                parts = stash(f"{pfx}.attn.wqkv_a.{kind}", linear[5:], tensor, ("wq_a", "wkv"))
+                if parts is not None:
+                    yield f"{pfx}.attn.wqkv_a.{kind}", torch.cat(parts, 0)
+            elif linear in ("attn.wq_b", "attn.wo_b"):
+                yield f"{pfx}.{linear}.{kind}", tensor
+            elif linear in ("ffn.shared_experts.w1", "ffn.shared_experts.w3"):
+                key = f"{pfx}.ffn.shared_experts.gate_up.{kind}"
+                parts = stash(key, linear[-2:], tensor, ("w1", "w3"))
+                if parts is not None:
+                    yield key, torch.cat(parts, 0)
+            else:  # the shared w2
+                yield f"{pfx}.ffn.shared_experts.down.{kind}", tensor
+
         def fp8_linear_tensors():
             """Every tensor in turn: the FP8 linears' yielded (fused pairs once both halves are in)
-            for ``loading.load_weights`` to write as they come, the rest written here."""
+            for ``loading.load_weights`` to write as they come, the rest written here. Each FP8
+            linear's weight and scales are checked whole (``check_weights``) under their checkpoint
+            name once both are in: every tensor parallel rank sees the same verdict and the error
+            names the file's tensor and index, not a rank's shard of a fused parameter."""
             for name, tensor in weights:
                 if name not in expected:
                     alias = _dense_scale_name(name)
@@ -887,23 +907,18 @@ class DeepseekV41ForCausalLM(nn.Module):
                     if h.group(2) == "fn":
                         _check_values_within(name, tensor, "fn")
                     copy_into(f"{pfx}.hc_{h.group(1)}.{h.group(2)}", tensor)
-                elif (q := re.fullmatch(r"attn\.(wq_a|wkv)\.(weight|weight_scale_inv)", rest)):
-                    parts = stash(f"{pfx}.attn.wqkv_a.{q.group(2)}", q.group(1), tensor, ("wq_a", "wkv"))
-                    if parts is not None:
-                        yield f"{pfx}.attn.wqkv_a.{q.group(2)}", torch.cat(parts, 0)
-                elif (q := re.fullmatch(r"attn\.(wq_b|wo_b)\.(weight|weight_scale_inv)", rest)):
-                    yield f"{pfx}.{rest}", tensor
+                elif (q := re.fullmatch(r"(attn\.(?:wq_a|wkv|wq_b|wo_b)|ffn\.shared_experts\.w[123])\."
+                                        r"(weight|weight_scale_inv)", rest)):
+                    linear = q.group(1)
+                    both = stash(f"{pfx}.{linear}", q.group(2), tensor, ("weight", "weight_scale_inv"))
+                    if both is not None:
+                        check_weights(*both, self.quant_config.block, self.quant_config.scale_fmt, f"{pfx}.{linear}")
+                        for kind, checked in zip(("weight", "weight_scale_inv"), both):
+                            yield from dense_linear(pfx, linear, kind, checked)
                 elif (q := re.fullmatch(r"attn\.wo_a\.(weight|weight_scale_inv)", rest)):
                     parts = stash(f"{pfx}.attn.wo_a", q.group(1), tensor, ("weight", "weight_scale_inv"))
                     if parts is not None:
                         self._load_wo_a(self.layers[i].attn, f"{pfx}.attn.wo_a", *parts, started)
-                elif (q := re.fullmatch(r"ffn\.shared_experts\.(w1|w3)\.(weight|weight_scale_inv)", rest)):
-                    key = f"{pfx}.ffn.shared_experts.gate_up.{q.group(2)}"
-                    parts = stash(key, q.group(1), tensor, ("w1", "w3"))
-                    if parts is not None:
-                        yield key, torch.cat(parts, 0)
-                elif (q := re.fullmatch(r"ffn\.shared_experts\.w2\.(weight|weight_scale_inv)", rest)):
-                    yield f"{pfx}.ffn.shared_experts.down.{q.group(1)}", tensor
                 elif (q := re.fullmatch(r"ffn\.experts\.(\d+)\.(w1|w2|w3)\.(weight|scale)", rest)):
                     e, w, kind = int(q.group(1)), q.group(2), q.group(3)
                     experts = self.layers[i].ffn.experts
@@ -924,7 +939,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             missing = expected - loaded
             if missing or pending:
                 raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. "
-                                 f"{sorted(missing)[:5]} (incomplete fused groups: {sorted(pending)[:5]})")
+                                 f"{sorted(missing)[:5]} (incomplete groups: {sorted(pending)[:5]})")
 
         def announced(items):
             for item in items:
