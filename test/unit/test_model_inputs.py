@@ -342,5 +342,20 @@ def test_load_refuses_nan_expert_scales(config):
     scale = tensors[name].view(torch.uint8).clone()
     scale[4, 1] = 255
     tensors[name] = scale.view(torch.float8_e8m0fnu)
-    with pytest.raises(ValueError, match=r"byte 255 .*first at \[3, 4, 1\]"):
-        DeepseekV41ForCausalLM(config).load_weights(tensors.items())
+    model = DeepseekV41ForCausalLM(config)
+    with pytest.raises(ValueError, match=re.escape(name) + r" \(\d+, \d+\): 1 hold the byte 255 .*first at \[4, 1\]"):
+        model.load_weights(tensors.items())
+
+
+def test_load_names_the_expert_tensor_whose_values_overflow(config):
+    """A scale byte 254 times the largest e2m1 code (6 x 2^127) is past fp32's range: refused under
+    the expert matrix's checkpoint name (the stacked parameters' index would name neither)."""
+    tensors = dict(random_checkpoint_tensors(config))
+    matrix = "layers.0.ffn.experts.5.w3"
+    scale, weight = tensors[f"{matrix}.scale"].view(torch.uint8).clone(), tensors[f"{matrix}.weight"].view(torch.uint8).clone()
+    scale[2, 0] = 254
+    weight[2, 0] = 0x07  # codes 7 (6.0) and 0
+    tensors[f"{matrix}.scale"], tensors[f"{matrix}.weight"] = scale, weight
+    model = DeepseekV41ForCausalLM(config)
+    with pytest.raises(ValueError, match=re.escape(matrix) + r": MXFP4 data .* overflow fp32 .*first at \[2, 0\]"):
+        model.load_weights(tensors.items())

@@ -49,13 +49,26 @@ def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
     raise TypeError(f"MXFP4 scales must be float8_e8m0fnu or uint8, got {scale.dtype}")
 
 
-def check_mxfp4_scales(scale: torch.Tensor) -> None:
-    """UE8M0 scale bytes are 0..254: 255 (UE8M0's NaN) raises ``ValueError`` naming the first."""
+def check_mxfp4_scales(scale: torch.Tensor, name: str = "MXFP4 scales") -> None:
+    """UE8M0 scale bytes are 0..254: 255 (UE8M0's NaN) raises ``ValueError`` naming ``name`` and
+    the first."""
     sbytes = _scale_bytes(scale)
     nan = sbytes == 255
     if nan.any():  # dequantizing would turn it into 2^128 = inf
-        raise ValueError(f"MXFP4 scales {tuple(sbytes.shape)}: {int(nan.sum())} hold the byte 255 (NaN in UE8M0; "
+        raise ValueError(f"{name} {tuple(sbytes.shape)}: {int(nan.sum())} hold the byte 255 (NaN in UE8M0; "
                          f"scales are bytes 0..254), first at {nan.nonzero()[0].tolist()}")
+
+
+def check_mxfp4(packed: torch.Tensor, scale: torch.Tensor, name: str) -> None:
+    """The checks ``dequantize_mxfp4`` makes, on one checkpoint tensor pair, the errors naming
+    ``name``: no scale byte 255, no value past fp32's range (only scale bytes 253 and 254 can
+    take one there, so only then is it decoded)."""
+    check_mxfp4_scales(scale, f"{name}.scale")
+    if bool((_scale_bytes(scale) >= 253).any()):
+        try:
+            dequantize_mxfp4(packed, scale)
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor,

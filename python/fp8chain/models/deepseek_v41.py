@@ -58,7 +58,7 @@ from fp8chain_kernel.launch import on_device
 
 from ..layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, check_tp
 from ..layers.mhc import HyperConnection, at_start, expand_streams, run_sublayer
-from ..layers.moe import MXFP4_PACKED_DTYPES, RoutedExpertsReference, SharedExpert, TopKRouter
+from ..layers.moe import MXFP4_PACKED_DTYPES, RoutedExpertsReference, SharedExpert, TopKRouter, check_mxfp4
 from ..layers.norm import RMSNorm
 from ..layers.quantization.fp8 import Fp8Config, check_weights
 
@@ -920,20 +920,23 @@ class DeepseekV41ForCausalLM(nn.Module):
                     if parts is not None:
                         self._load_wo_a(self.layers[i].attn, f"{pfx}.attn.wo_a", *parts, started)
                 elif (q := re.fullmatch(r"ffn\.experts\.(\d+)\.(w1|w2|w3)\.(weight|scale)", rest)):
-                    e, w, kind = int(q.group(1)), q.group(2), q.group(3)
+                    e, w = int(q.group(1)), q.group(2)
+                    matrix = f"{pfx}.ffn.experts.{e}.{w}"
+                    both = stash(matrix, q.group(3), tensor.view(torch.uint8), ("weight", "scale"))
+                    if both is None:
+                        continue
+                    check_mxfp4(*both, matrix)  # named here; the experts' processing sees them stacked
                     experts = self.layers[i].ffn.experts
-                    value = tensor.view(torch.uint8) if tensor.dtype != torch.uint8 else tensor
-                    target = {("w1", "weight"): experts.w13_weight[e, :inter],
-                              ("w3", "weight"): experts.w13_weight[e, inter:],
-                              ("w1", "scale"): experts.w13_scale[e, :inter],
-                              ("w3", "scale"): experts.w13_scale[e, inter:],
-                              ("w2", "weight"): experts.w2_weight[e],
-                              ("w2", "scale"): experts.w2_scale[e]}[(w, kind)]
-                    if tuple(target.shape) != tuple(value.shape):
-                        raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(target.shape)}")
+                    rows = slice(0, inter) if w == "w1" else slice(inter, 2 * inter)
+                    targets = ((experts.w13_weight[e, rows], experts.w13_scale[e, rows]) if w != "w2"
+                               else (experts.w2_weight[e], experts.w2_scale[e]))
+                    for kind, target, value in zip(("weight", "scale"), targets, both):
+                        if tuple(target.shape) != tuple(value.shape):
+                            raise ValueError(f"{matrix}.{kind}: shape {tuple(value.shape)} != {tuple(target.shape)}")
                     started()
                     with torch.no_grad():
-                        target.copy_(value)
+                        for target, value in zip(targets, both):
+                            target.copy_(value)
                 else:  # pragma: no cover - checkpoint_layout and this table are written together
                     raise KeyError(f"no rule for checkpoint tensor {name!r}")
             missing = expected - loaded
