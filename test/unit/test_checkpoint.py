@@ -255,6 +255,38 @@ def test_writer_places_layers_in_shards_and_holds_one_shard_at_a_time(tmp_path, 
     assert not expected
 
 
+def test_a_rewrite_replaces_the_checkpoint_and_an_interrupted_one_leaves_none(tmp_path, monkeypatch):
+    """Writing into a checkpoint's directory replaces it (no shard of the old one stays beside the
+    new ones), and a write that stops part-way leaves no index and no config.json: loading that
+    directory fails instead of reading two seeds' shards as one checkpoint."""
+    import safetensors.torch
+
+    from fp8chain.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    config = DeepseekV41Config.tiny(num_hidden_layers=2)
+    path = write_random_checkpoint(tmp_path / "ckpt", config, seed=7, layers_per_shard=1)
+    write_random_checkpoint(path, config, seed=9, layers_per_shard=2)
+    assert sorted(p.name for p in path.glob("*.safetensors")) == ["model-00001-of-00001.safetensors"]
+    _, tensors = load_checkpoint(path)
+    got, want = dict(tensors), dict(random_checkpoint_tensors(config, seed=9))
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)) for name, t in want.items())
+    real_save, saved = safetensors.torch.save_file, []
+
+    def failing_second_shard(tensors, fname, **kwargs):
+        if saved:
+            raise OSError("disk full (test)")
+        saved.append(fname)
+        real_save(tensors, fname, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing_second_shard)
+    with pytest.raises(OSError, match="disk full"):
+        write_random_checkpoint(path, config, seed=11, layers_per_shard=1)
+    assert not (path / INDEX_FILE).exists() and not (path / "config.json").exists()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        DeepseekV41ForCausalLM.from_pretrained(path)
+
+
 def test_load_writes_each_fp8_linear_as_its_tensors_stream_in(tiny):
     """No second copy of the checkpoint is held: by the time the next layer's first tensor arrives,
     the layer before has every FP8 linear written (the fused wqkv_a and gate_up once both halves

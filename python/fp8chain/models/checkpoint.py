@@ -158,7 +158,12 @@ def write_random_checkpoint(path, config: DeepseekV41Config, seed: int = 0, *,
                             layers_per_shard: int = 1) -> Path:
     """Write a random DSv4.1 checkpoint into directory ``path`` (``layers_per_shard`` decoder
     layers per safetensors file, a positive int); returns the path. Shards are written as they
-    fill (the layout lists tensors shard by shard), so at most one shard is held in memory."""
+    fill (the layout lists tensors shard by shard), so at most one shard is held in memory.
+
+    A checkpoint already in ``path`` is replaced: its index, ``config.json`` and
+    ``model-*-of-*.safetensors`` shards are removed first, and the new index is written last, so a
+    write that stops part-way leaves no index and no config, which no load mistakes for a
+    checkpoint (a mix of two seeds' shards would load silently)."""
     from safetensors.torch import save_file
 
     if not is_int(layers_per_shard) or layers_per_shard < 1:  # before anything is created
@@ -166,6 +171,8 @@ def write_random_checkpoint(path, config: DeepseekV41Config, seed: int = 0, *,
     config.validate()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    for old in [path / INDEX_FILE, path / "config.json", *path.glob("model-*-of-*.safetensors")]:
+        old.unlink(missing_ok=True)
     num_shards = max(1, -(-config.num_hidden_layers // layers_per_shard))
     weight_map, total = {}, 0
 
@@ -187,11 +194,11 @@ def write_random_checkpoint(path, config: DeepseekV41Config, seed: int = 0, *,
             shard, tensors = s, {}
         tensors[name] = tensor
     save(shard, tensors)
-    with open(path / INDEX_FILE, "w") as f:
-        json.dump({"metadata": {"total_size": total, "seed": int(seed)}, "weight_map": weight_map},
-                  f, indent=1, sort_keys=True)
     with open(path / "config.json", "w") as f:
         json.dump(config.to_dict(), f, indent=1)
+    with open(path / INDEX_FILE, "w") as f:  # last: its presence says the checkpoint is whole
+        json.dump({"metadata": {"total_size": total, "seed": int(seed)}, "weight_map": weight_map},
+                  f, indent=1, sort_keys=True)
     return path
 
 
