@@ -285,6 +285,8 @@ def test_a_rewrite_replaces_the_checkpoint_and_an_interrupted_one_leaves_none(tm
     assert not (path / INDEX_FILE).exists() and not (path / "config.json").exists()
     with pytest.raises(FileNotFoundError, match="config.json"):
         DeepseekV41ForCausalLM.from_pretrained(path)
+    with pytest.raises(ValueError, match="a checkpoint is a directory .* not a file; pass"):
+        DeepseekV41ForCausalLM.from_pretrained(path / "model-00001-of-00002.safetensors")
 
 
 def test_load_writes_each_fp8_linear_as_its_tensors_stream_in(tiny):

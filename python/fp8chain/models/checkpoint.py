@@ -214,6 +214,9 @@ def load_checkpoint(path) -> tuple[DeepseekV41Config, Iterator[tuple[str, torch.
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
+    if path.is_file():
+        raise ValueError(f"{path}: a checkpoint is a directory (config.json and *.safetensors shards), "
+                         f"not a file; pass {path.parent}")
     config = DeepseekV41Config.from_json(path / "config.json")
     index_path = path / INDEX_FILE
     weight_map = None
