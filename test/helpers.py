@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from fp8chain.verify import ROUNDED_FROM_FP32, bf16_ulp_error
@@ -186,3 +188,30 @@ def _in_group(rank: int, target, world: int, init_method: str, args) -> None:
         target(rank, *args)
     finally:
         dist.destroy_process_group()
+
+
+# ---- stand-ins for SGLang's block-FP8 linear (the plugin's tests) --------------------------------
+
+class UpstreamLinear(torch.nn.Module):
+    """What SGLang's block-FP8 method leaves on a linear layer after loading."""
+
+    def __init__(self, weight, scale, request=True, prefix="model.layers.0.self_attn.wq_b"):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.weight_scale_inv = torch.nn.Parameter(scale, requires_grad=False)
+        self.deepgemm_mxfp8_input = request
+        self.prefix = prefix
+
+
+def upstream_method(block=32, scale_fmt=None):
+    """SGLang's Fp8LinearMethod as the hooks read it: its config's block size and scale format."""
+    return types.SimpleNamespace(quant_config=types.SimpleNamespace(weight_block_size=[block, block],
+                                                                    scale_fmt=scale_fmt))
+
+
+def upstream_process(method, layer):
+    """Stands for SGLang 0.5.23's processing off Blackwell: it prepares a requested layer for its
+    own packed pairs, which fails there, and sets the flag to that outcome, False."""
+    upstream_process.calls = getattr(upstream_process, "calls", 0) + 1
+    if layer.deepgemm_mxfp8_input:
+        layer.deepgemm_mxfp8_input = False

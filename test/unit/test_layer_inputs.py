@@ -3,7 +3,6 @@ input and params_dtype, the SGLang hook's checkpoint tensors, Fp8Config's fields
 copy_or_rebind_param's storage, get_quantization_config's method name."""
 
 import re
-import types
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from fp8chain.layers.quantization.fp8 import Fp8Config
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import FP8_DTYPE, ActFormat
 from fp8chain_kernel.quant import quantize
+from helpers import UpstreamLinear, upstream_method, upstream_process
 
 pytestmark = pytest.mark.cpu
 
@@ -80,22 +80,6 @@ def test_a_non_dense_params_dtype_is_refused(dtype, quantized):
 
 # ---- the SGLang hook --------------------------------------------------------------------------
 
-class UpstreamLinear(nn.Module):
-    """What SGLang's block-FP8 method leaves on a linear layer after loading."""
-
-    def __init__(self, weight, scale):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
-        self.deepgemm_mxfp8_input = True
-        self.prefix = "model.layers.0.self_attn.wq_b"
-
-
-def upstream_method(scale_fmt=None):
-    return types.SimpleNamespace(quant_config=types.SimpleNamespace(weight_block_size=[32, 32],
-                                                                    scale_fmt=scale_fmt))
-
-
 def _with_scale(value):
     def edit(weight, scale):
         scale[1, 2] = value
@@ -120,7 +104,7 @@ def test_hook_runs_fp8chains_weight_checks_at_load(edit, error, message):
     weight, scale = edit(*ref.random_fp8_weight(N, K, 32))
     layer = UpstreamLinear(weight, scale)
     with pytest.raises(error, match=f"model\\.layers\\.0\\.self_attn\\.wq_b{message}"):
-        plugin.after_process_weights(None, upstream_method(), layer)
+        plugin.around_process_weights(upstream_process, upstream_method(), layer)
     # no pair is taken until a processing succeeds; the request stands for it
     assert layer.input_format is None and layer.deepgemm_mxfp8_input is False
     assert layer.fp8chain_refused_request is True
@@ -133,7 +117,7 @@ def test_hook_refuses_weights_repacked_for_marlin(caplog):
     method = upstream_method()
     method.use_marlin = True
     with caplog.at_level("WARNING", logger="fp8chain.integrations.sglang"):
-        plugin.after_process_weights(None, method, layer)
+        plugin.around_process_weights(upstream_process, method, layer)
     assert layer.deepgemm_mxfp8_input is False and layer.input_format is None
     assert "repacked for Marlin" in caplog.text
 
@@ -141,9 +125,9 @@ def test_hook_refuses_weights_repacked_for_marlin(caplog):
 def test_hook_checks_powers_of_two_when_the_config_says_ue8m0():
     weight, scale = ref.random_fp8_weight(N, K, 32)
     scale[0, 3] = 0.3
-    plugin.after_process_weights(None, upstream_method(), UpstreamLinear(weight, scale))  # arbitrary scales
+    plugin.around_process_weights(upstream_process, upstream_method(), UpstreamLinear(weight, scale))  # arbitrary scales
     with pytest.raises(ValueError, match=r"not positive, finite powers of two .*first at \[0, 3\]"):
-        plugin.after_process_weights(None, upstream_method("ue8m0"), UpstreamLinear(weight, scale))
+        plugin.around_process_weights(upstream_process, upstream_method(scale_fmt="ue8m0"), UpstreamLinear(weight, scale))
 
 
 # ---- Fp8Config --------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ import types
 
 import pytest
 import torch
-from torch import nn
 
 from fp8chain.integrations import sglang as plugin
 from fp8chain.layers.linear import ReplicatedLinear
@@ -19,32 +18,9 @@ from fp8chain_kernel import backends
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import ActFormat
 from fp8chain_kernel.quant import quantize
-from helpers import DerivingBackend, rel_error
+from helpers import DerivingBackend, UpstreamLinear, rel_error, upstream_method, upstream_process
 
 pytestmark = pytest.mark.cpu
-
-
-class UpstreamLinear(nn.Module):
-    """What SGLang's block-FP8 method leaves on a linear layer after loading."""
-
-    def __init__(self, weight, scale, request=True, prefix="model.layers.0.self_attn.wq_b"):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
-        self.deepgemm_mxfp8_input = request
-        self.prefix = prefix
-
-
-def upstream_method(block=32):
-    return types.SimpleNamespace(quant_config=types.SimpleNamespace(weight_block_size=[block, block]))
-
-
-def upstream_process(method, layer):
-    """Stands for SGLang 0.5.23's processing off Blackwell: it prepares a requested layer for its
-    own packed pairs, which fails there, and sets the flag to that outcome, False."""
-    upstream_process.calls = getattr(upstream_process, "calls", 0) + 1
-    if layer.deepgemm_mxfp8_input:
-        layer.deepgemm_mxfp8_input = False
 
 
 def upstream_apply(method, layer, x, bias=None):
