@@ -134,9 +134,10 @@ def test_from_dict_refuses_other_models_and_says_what_it_ignores(caplog):
     caplog.clear()
     with caplog.at_level("WARNING"):  # still the model it runs, without that feature: said
         config = DeepseekV41Config.from_dict({**tiny, "n_group": 4, "topk_group": 1, "sliding_window": 128,
-                                              "hidden_act": "silu", "qk_nope_head_dim": 64, "torch_dtype": "float32"})
+                                              "hidden_act": "silu", "qk_nope_head_dim": 64, "torch_dtype": "float32",
+                                              "num_hash_layers": 3})
     assert "group-limited routing" in caplog.text and "sliding_window=128" in caplog.text
-    assert "torch_dtype='float32' is not used" in caplog.text
+    assert "torch_dtype='float32' is not used" in caplog.text and "num_hash_layers=3" in caplog.text
     assert config.extra["n_group"] == 4
     assert DeepseekV41Config.from_dict({**tiny, "swiglu_limit": None}).swiglu_limit is None
 

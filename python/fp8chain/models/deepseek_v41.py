@@ -342,6 +342,9 @@ def _check_read_keys(d: dict, config: DeepseekV41Config) -> None:
     if d.get("sliding_window") is not None:
         logger.warning("config sliding_window=%r is not implemented: every token attends to its whole "
                        "context", d["sliding_window"])
+    if is_int(d.get("num_hash_layers")) and d["num_hash_layers"] > 0:
+        logger.warning("config num_hash_layers=%d (hash-routed first layers) is not implemented: every layer routes "
+                       "with its learned router", d["num_hash_layers"])
     if d.get("torch_dtype", "bfloat16") != "bfloat16":
         logger.warning("config torch_dtype=%r is not used: the model runs its activations, norms and dense "
                        "weights in bfloat16 and its quantized weights as stored", d["torch_dtype"])
