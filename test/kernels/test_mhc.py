@@ -633,30 +633,37 @@ def test_row_barrier_interleaved_launches(monkeypatch):
 
 
 @cpu
+@pytest.mark.parametrize("h", [512, 320])  # 320: a last column chunk of a row that is not whole
 @pytest.mark.parametrize("targets", [1, 16], ids=["whole-rows", "split-rows"])
-def test_row_split_and_whole_row_programs(monkeypatch, targets):
+def test_row_split_and_whole_row_programs(monkeypatch, targets, h):
     """A normalized row owned by one program, or split over programs whose last arrival normalizes
     it: both within the bounds, every output written (poisoned buffers), and the arrival counters
-    re-armed (the second call would otherwise normalize nothing)."""
+    re-armed (the second call would otherwise normalize nothing). At H = 320 and 16 rows a
+    whole-row program's last column chunk is partial. The mixes are strided views (the kernel
+    reads them through their strides)."""
     monkeypatch.setattr(mhc, "_target_programs", lambda device: targets)
-    t, h = 5, 512
+    t = 5 if h == 512 else 16
     assert mhc._boundary_config(t, h, torch.device("cpu"))["SPLIT_ROW"] == (targets > 1)
     residual, y, weight, pre, post, comb = make_inputs(t, h, "cpu")
     residual[2] = float("nan")
+    pre_view = torch.zeros(t, 8)[:, ::2].copy_(pre)
+    post_view = torch.zeros(t, 4, 3)[:, :, 1].copy_(post)
+    comb_view = comb.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not (pre_view.is_contiguous() or post_view.is_contiguous() or comb_view.is_contiguous())
+    ok = [i for i in range(t) if i != 2]
     for _ in range(2):
         for fmt in (FORMATS[0], FORMATS[-1]):
             # finite poison: row 2 must come out NaN, which a NaN poison left unwritten would fake
             out_r, out_x = sentinel_poison((t, 4, h), "cpu"), sentinel_poison((t, h), "cpu")
-            new_r, x, pair = mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, EPS, out_format=fmt,
-                                                   out_residual=out_r, out_bf16=out_x,
+            new_r, x, pair = mhc.mhc_mega_boundary(y, residual, pre_view, post_view, comb_view, weight, EPS,
+                                                   out_format=fmt, out_residual=out_r, out_bf16=out_x,
                                                    out=poisoned_pair(t, h, fmt, "cpu"))
-            ok = [0, 1, 3, 4]
             assert torch.isnan(x[2]).all() and torch.isnan(new_r[2]).all()
             check_boundary_outputs(y[ok], residual[ok], pre[ok], post[ok], comb[ok], weight, new_r[ok], x[ok],
                                    reference.quantize(x[ok], fmt), fmt)
             assert_pairs_equal(pair, reference.quantize(x, fmt))
             out_x = sentinel_poison((t, h), "cpu")
-            x_only = mhc.mhc_combine_norm(new_r, pre, weight, EPS, out_bf16=out_x)
+            x_only = mhc.mhc_combine_norm(new_r, pre_view, weight, EPS, out_bf16=out_x)
             assert torch.isnan(x_only[2]).all()
             assert_close_bf16(x_only[ok], ref_mhc.mhc_norm_fp32(ref_mhc.mhc_combine(new_r[ok], pre[ok]), weight, EPS))
 
