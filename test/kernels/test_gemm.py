@@ -207,15 +207,16 @@ def test_zero_rows_and_caller_buffers(device):
     empty = gemm.fp8_gemm(empty_pair(0, k, G32, device), w, s, weight_block=32)
     assert empty.shape == (0, n)
     # A pair that is a row slice of a buffer captured for more rows (scale column stride 12 > 8),
-    # written into a slice of a wider, poisoned output buffer.
+    # written into the first rows and columns of a larger, poisoned output buffer: no token tile
+    # writes a row past M, no column past N.
     big = ref.quantize(make_activation(11, k, device), G32)
     pair = big.rows(7)
     assert pair.scale.stride(1) == 12
-    wide = torch.full((7, n + 64), float("nan"), dtype=torch.bfloat16, device=device)
-    out = gemm.fp8_gemm(pair, w, s, weight_block=32, out=wide[:, :n])
+    wide = torch.full((64, n + 64), float("nan"), dtype=torch.bfloat16, device=device)
+    out = gemm.fp8_gemm(pair, w, s, weight_block=32, out=wide[:7, :n])
     assert out.data_ptr() == wide.data_ptr()
     check_against_reference(out, pair, w, s, 32)
-    assert torch.isnan(wide[:, n:].float()).all()
+    assert torch.isnan(wide[:, n:].float()).all() and torch.isnan(wide[7:].float()).all()
 
 
 @pytest.mark.cpu

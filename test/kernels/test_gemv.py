@@ -35,8 +35,12 @@ def poisoned_out(n, device, m=1):
 
 
 def run_gemv(pair, w, s, block, config, device):
+    """Into the first M rows of a poisoned buffer with spare rows, which no token tile may write."""
     m = pair.data.shape[0]
-    return gemm.fp8_gemm(pair, w, s, weight_block=block, out=poisoned_out(w.shape[0], device, m), config=config)
+    big = poisoned_out(w.shape[0], device, m + 8)
+    out = gemm.fp8_gemm(pair, w, s, weight_block=block, out=big[:m], config=config)
+    assert torch.isnan(big[m:].float()).all(), "rows past M written"
+    return out
 
 
 # ------------------------------------------------------------------------------------------
