@@ -97,7 +97,7 @@ def rms_rstd(sum_sq, n, eps):
     divisions, compiled, as Triton divides), the one
     expression ``norm.rms_norm`` and the attention's q and kv norms share, so they round alike.
     The mHC boundary keeps ``reference.mhc``'s own rounding instead (``mhc._rms_scale``).
-    A sum of squares past fp32's range (an RMS above ~1.8e19 at 5120 columns) gives NaN: its
+    A sum of squares past fp32's range (an RMS above ~2.6e17 at 5120 columns) gives NaN: its
     ``1 / sqrt`` would be 0, normalising a finite row to zeros, silently wrong."""
     return tl.where(sum_sq < float("inf"), 1.0 / tl.sqrt_rn(sum_sq / n + eps), float("nan"))
 

@@ -671,7 +671,7 @@ def test_row_split_and_whole_row_programs(monkeypatch, targets, h):
 @cpu
 @pytest.mark.parametrize("targets", [1, 16], ids=["whole-rows", "split-rows"])
 def test_row_whose_sum_of_squares_overflows_is_nan(monkeypatch, targets):
-    """Finite values whose sum of squares overflows fp32 (an RMS above ~1e19) give a NaN row of
+    """Finite values whose sum of squares overflows fp32 (an RMS above ~8e17 at H = 512) give a NaN row of
     x and NaN FP8 data, not zeros, in whole-row and split-row programs alike, as the reference
     does; R' keeps its finite values and the other rows are untouched."""
     monkeypatch.setattr(mhc, "_target_programs", lambda device: targets)
