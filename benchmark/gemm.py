@@ -479,10 +479,11 @@ COLUMNS = ["shape", "m", "pair_us", "bf16_quant_us", "w8a16_us", "cublas_g128_us
 
 def roofline_us(m: int, n: int, k: int, group: int, copy_bw: float, fp8_rate: float | None) -> float:
     """The larger of the bytes a pair GEMM moves (e4m3 weights and their fp32 block scales, the
-    pair's data and fp32 scales, the bf16 output) over ``copy_bw`` and its ``2 M N K`` flops over
-    ``fp8_rate`` (None: bytes alone), in us."""
+    pair in the format the group's weights take, the bf16 output) over ``copy_bw`` and its
+    ``2 M N K`` flops over ``fp8_rate`` (None: bytes alone), in us."""
     blocks = -(-n // group) * -(-k // group)
-    nbytes = n * k + 4 * blocks + m * k + 4 * m * -(-k // group) + 2 * m * n
+    pair = harness.pair_bytes(m, k, gemm.input_format_for_block(group))
+    nbytes = n * k + 4 * blocks + pair + 2 * m * n
     seconds = nbytes / copy_bw
     if fp8_rate:
         seconds = max(seconds, 2 * m * n * k / fp8_rate)

@@ -82,10 +82,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time candidate program shapes of RMSNorm, q_norm and SiLU*mul instead of the four arms")
 
 
-def _pair_bytes(rows: int, cols: int, fmt: ActFormat) -> int:
-    return rows * cols + rows * fmt.scale_shape(rows, cols)[1] * 4
-
-
 def _peer_quantize(x: torch.Tensor, fmt: ActFormat):
     """``reference.quantize`` as a plain ``(data, scale)`` tuple, what the compiled peer returns."""
     return tuple(reference.quantize(x, fmt))
@@ -201,7 +197,7 @@ class Case:
         quant_out = empty_pair(t, cols, fmt, device)
         self.bf16_quant = harness.followed_by(self.bf16, lambda: quant.quantize(y, fmt, out=quant_out))
         bf16_out = t * cols * 2
-        fp8_out = _pair_bytes(t, cols, fmt)
+        fp8_out = harness.pair_bytes(t, cols, fmt)
         self.bytes_bf16 = self.in_bytes + bf16_out
         self.bytes_fp8 = self.in_bytes + fp8_out + (bf16_out if self.fp8_bf16 else 0)
         # the unchained pair re-reads the bf16 output to quantize it
@@ -254,7 +250,7 @@ def run_wo_a_sweep(args) -> tuple[dict, list[dict]]:
         o = torch.randn(rows, g, d, device=DEVICE).bfloat16()
         pair = empty_pair(rows, g * r, fmt, DEVICE)
 
-        floor_us = ((weight_bytes + rows * g * d * 2 + _pair_bytes(rows, g * r, fmt))
+        floor_us = ((weight_bytes + rows * g * d * 2 + harness.pair_bytes(rows, g * r, fmt))
                     / (meta["copy_bandwidth_TBps"] * 1e12) * 1e6)
         mine = []
         for config in [None] + wo_a_candidates(rows, d, args.splits):

@@ -40,8 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def quantize_bytes(rows: int, cols: int, fmt: ActFormat) -> int:
-    scale_cols = fmt.scale_shape(rows, cols)[1]
-    return rows * cols * 2 + rows * cols + rows * scale_cols * 4
+    return rows * cols * 2 + harness.pair_bytes(rows, cols, fmt)
 
 
 def run(args) -> tuple[dict, list[dict]]:

@@ -111,6 +111,13 @@ def graph_calls(fn: Callable[[], object], iters: int) -> int:
 L2_DEFEAT_BYTES = 160 << 20  # weight copies that a benchmark rotates through add up to this
 
 
+def pair_bytes(rows: int, cols: int, fmt) -> int:
+    """Bytes of the FP8 pair of ``rows x cols`` values in ``fmt`` (an ``ActFormat``): one byte a
+    value and its scales (``fmt.scale_shape``, 4-byte elements), what a producer writes and its
+    consumer reads."""
+    return rows * cols + rows * fmt.scale_shape(rows, cols)[1] * 4
+
+
 def copies_past_l2(nbytes: int, most: int = 64) -> int:
     """How many copies of an ``nbytes`` weight to rotate through so that every call streams its
     weights from HBM rather than L2 (the H200's 50 MB): ``L2_DEFEAT_BYTES`` of them in all, at
