@@ -421,6 +421,89 @@ def test_a_checkpoint_missing_a_shard_fails_before_a_live_model_is_touched(writt
     assert model.weights_error is None and torch.equal(engine.prefill([[1, 2, 3]]), before)
 
 
+def _rewrite_last_shard(src, dst, edit):
+    """A copy of checkpoint ``src`` at ``dst`` whose last shard's tensors went through ``edit``
+    (a dict -> dict in place), the index following the names."""
+    from safetensors.torch import load_file, save_file
+
+    path = _copy_checkpoint(src, dst)
+    index = json.loads((path / INDEX_FILE).read_text())
+    last = sorted(set(index["weight_map"].values()))[-1]
+    tensors = load_file(path / last)
+    edit(tensors)
+    save_file(tensors, path / last)
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if f != last}
+    index["weight_map"].update({n: last for n in tensors})
+    (path / INDEX_FILE).write_text(json.dumps(index))
+    return path
+
+
+def _misshape(name):
+    def edit(tensors):
+        tensors[name] = tensors[name][..., :-2].contiguous()
+    return edit
+
+
+def _to_float(name):
+    def edit(tensors):
+        tensors[name] = tensors[name].float()
+    return edit
+
+
+def _drop(name):
+    def edit(tensors):
+        del tensors[name]
+    return edit
+
+
+def _add_unknown(tensors):
+    tensors["layers.1.attn.indexer.wq_b.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+
+
+def _alias_twice(tensors):
+    scale = "layers.1.attn.wq_b.weight_scale_inv"
+    tensors["layers.1.attn.wq_b.scale"] = tensors[scale].clone()
+
+
+@pytest.mark.parametrize("edit,error,match", [
+    (_misshape("head.weight"), ValueError, "head.weight: checkpoint shape"),
+    (_to_float("layers.1.ffn.shared_experts.w2.weight"), TypeError, "shared_experts.w2.weight: fp8 tensors"),
+    (_drop("layers.1.ffn.experts.3.w1.scale"), ValueError, "lacks 1 tensors of its layout \\(first: layers.1.ffn.experts.3.w1.scale"),
+    (_add_unknown, KeyError, "unexpected checkpoint tensor 'layers.1.attn.indexer.wq_b.weight'"),
+    (_alias_twice, ValueError, "layers.1.attn.wq_b.weight_scale_inv' given twice"),
+], ids=["shape", "dtype", "missing", "unknown", "twice"])
+def test_reload_of_a_bad_checkpoint_fails_on_its_headers_before_a_write(written, tmp_path, edit, error, match):
+    """A tensor of the wrong shape or element type, missing, unknown or given twice in the last
+    shard: ``load_checkpoint`` refuses it from the headers, before the iterator yields the first
+    tensor, so a live model being reloaded keeps serving its weights (without the header check
+    the load fails at that tensor, after every earlier one was written)."""
+    from fp8chain.models.deepseek_v41 import DeepseekV41ForCausalLM
+    from fp8chain.runtime.engine import Engine
+
+    model = DeepseekV41ForCausalLM.from_pretrained(written)
+    engine = Engine(model, max_batch=1, max_len=8)
+    before = engine.prefill([[1, 2, 3]])
+    path = _rewrite_last_shard(written, tmp_path / "bad", edit)
+    for config in (None, model.config):
+        with pytest.raises(error, match=match):
+            model.load_weights(load_checkpoint(path, config=config)[1])
+    assert model.weights_error is None and torch.equal(engine.prefill([[1, 2, 3]]), before)
+
+
+def test_reload_refuses_a_checkpoint_of_another_model(written, tmp_path, tiny):
+    """Reloading a live model checks the checkpoint's ``config.json`` against the model's config
+    (given as ``config``) and its headers against the model's layout."""
+    path = _copy_checkpoint(written, tmp_path / "other")
+    config = json.loads((path / "config.json").read_text())
+    config["rope_theta"] = 5e5
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="describes another model \\(1 fields differ: rope_theta: 500000.0 "
+                                         "in the checkpoint, 10000.0 given"):
+        load_checkpoint(path, config=tiny)
+    assert load_checkpoint(path)[0].rope_theta == 5e5
+    assert load_checkpoint(written, config=tiny)[0] == tiny
+
+
 def test_loader_names_a_corrupt_index_or_shard(written, tmp_path):
     path = _copy_checkpoint(written, tmp_path / "corrupt")
     config = (path / "config.json").read_text()

@@ -29,12 +29,21 @@ from fp8chain_kernel.formats import FP8_DTYPE, FP8_MAX, is_int
 from fp8chain_kernel.reference import pow2_scale_multiplier, ue8m0_exponent
 
 from ..layers.moe import MXFP4_GROUP, quantize_mxfp4
-from .deepseek_v41 import DeepseekV41Config
+from .deepseek_v41 import DeepseekV41Config, admit_checkpoint_name, check_tensor_spec
 
 __all__ = ["TensorSpec", "checkpoint_layout", "random_checkpoint_tensors", "write_random_checkpoint",
            "load_checkpoint", "load_state_dict", "quantize_fp8_blockwise"]
 
 INDEX_FILE = "model.safetensors.index.json"
+
+#: safetensors header element types -> torch (``check_tensor_spec`` checks a type missing here by
+#: shape only; the tensor itself is checked again as it is loaded).
+SAFETENSORS_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "BOOL": torch.bool,
+}
 
 
 class TensorSpec(NamedTuple):
@@ -202,22 +211,31 @@ def write_random_checkpoint(path, config: DeepseekV41Config, seed: int = 0, *,
     return path
 
 
-def load_checkpoint(path) -> tuple[DeepseekV41Config, Iterator[tuple[str, torch.Tensor]]]:
+def load_checkpoint(path, *, config: DeepseekV41Config | None = None
+                    ) -> tuple[DeepseekV41Config, Iterator[tuple[str, torch.Tensor]]]:
     """``(config, iterator of (name, tensor))`` of a checkpoint directory, shard by shard.
 
     With an index, every tensor must sit in the shard the index names and appear once; without
     one, the ``*.safetensors`` files are read in name order and a name in two of them is an error.
-    Every shard's header is read and checked here, before the iterator yields a tensor: a missing,
-    corrupt or misplaced shard fails before any parameter is written (a live model being reloaded
-    keeps its weights). A corrupt index or shard raises ``ValueError`` naming the file, a shard
-    the index names but the directory lacks ``FileNotFoundError``."""
+    Every shard's header is read and checked here, before the iterator yields a tensor, against
+    ``checkpoint_layout`` of ``config`` (a live model's, when reloading it; by default the
+    checkpoint's own ``config.json``): a missing, corrupt or misplaced shard, a tensor missing,
+    unknown, given twice or of another shape or element type fails before any parameter is
+    written (a live model being reloaded keeps its weights). Given ``config``, the checkpoint's
+    ``config.json`` must describe the same model (``ValueError`` naming the fields that differ).
+    A corrupt index or shard raises ``ValueError`` naming the file, a shard the index names but
+    the directory lacks ``FileNotFoundError``; the layout's errors are ``load_weights``' own
+    (``KeyError`` for an unknown name, ``TypeError`` for an element type, else ``ValueError``)."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     if path.is_file():
         raise ValueError(f"{path}: a checkpoint is a directory (config.json and *.safetensors shards), "
                          f"not a file; pass {path.parent}")
-    config = DeepseekV41Config.from_json(path / "config.json")
+    own = DeepseekV41Config.from_json(path / "config.json")
+    if config is not None:
+        _check_same_model(path, own, config)
+    layout = checkpoint_layout(config or own)
     index_path = path / INDEX_FILE
     weight_map = None
     if index_path.exists():
@@ -244,6 +262,7 @@ def load_checkpoint(path) -> tuple[DeepseekV41Config, Iterator[tuple[str, torch.
             raise ValueError(f"{path / fname}: cannot read the shard ({exc})") from exc
 
     seen: dict[str, str] = {}
+    headers: dict[str, tuple[list[int], str]] = {}
     for fname in files:
         with shard(fname) as f:
             for name in f.keys():
@@ -252,10 +271,13 @@ def load_checkpoint(path) -> tuple[DeepseekV41Config, Iterator[tuple[str, torch.
                 if weight_map is not None and weight_map.get(name) != fname:
                     raise ValueError(f"{fname} holds {name}, which the index maps to {weight_map.get(name)!r}")
                 seen[name] = fname
+                header = f.get_slice(name)
+                headers[name] = header.get_shape(), header.get_dtype()
     absent = sorted(set(weight_map or ()) - set(seen))
     if absent:  # a truncated shard or a stale index: the loader would never see these
         raise ValueError(f"{len(absent)} tensors of the index are in no shard (first: {absent[0]}, "
                          f"mapped to {weight_map[absent[0]]})")
+    _check_headers(path, headers, layout)
 
     def tensors():
         for fname in files:
@@ -263,7 +285,28 @@ def load_checkpoint(path) -> tuple[DeepseekV41Config, Iterator[tuple[str, torch.
                 for name in f.keys():
                     yield name, f.get_tensor(name)
 
-    return config, tensors()
+    return own, tensors()
+
+
+def _check_same_model(path: Path, own: DeepseekV41Config, config: DeepseekV41Config) -> None:
+    """``ValueError`` naming the fields where the checkpoint's config and ``config`` differ."""
+    mine, theirs = own.to_dict(), config.to_dict()
+    differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    if differ:
+        shown = ", ".join(f"{k}: {mine.get(k)!r} in the checkpoint, {theirs.get(k)!r} given" for k in differ[:5])
+        raise ValueError(f"{path / 'config.json'} describes another model ({len(differ)} fields differ: {shown})")
+
+
+def _check_headers(path: Path, headers: dict[str, tuple[list[int], str]], layout) -> None:
+    """The shards' headers (name -> shape, safetensors element type) against ``layout``, each as
+    ``load_weights`` checks the tensor, and every layout tensor present."""
+    admitted: set[str] = set()
+    for name, (shape, dtype) in headers.items():
+        spec = layout[admit_checkpoint_name(name, layout, admitted)]
+        check_tensor_spec(name, tuple(shape), SAFETENSORS_DTYPES.get(dtype), spec)
+    missing = [name for name in layout if name not in admitted]
+    if missing:
+        raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensors of its layout (first: {missing[0]})")
 
 
 def load_state_dict(path) -> tuple[DeepseekV41Config, dict[str, torch.Tensor]]:

@@ -884,15 +884,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             name once both are in: every tensor parallel rank sees the same verdict and the error
             names the file's tensor and index, not a rank's shard of a fused parameter."""
             for name, tensor in weights:
-                if name not in expected:
-                    alias = _dense_scale_name(name)
-                    if alias == name or alias not in expected:
-                        raise KeyError(f"unexpected checkpoint tensor {name!r}")
-                    name = alias
-                if name in loaded:
-                    raise ValueError(f"checkpoint tensor {name!r} given twice (as .scale and .weight_scale_inv?)")
+                name = admit_checkpoint_name(name, layout, loaded)
                 _check_checkpoint_tensor(name, tensor, layout[name])
-                loaded.add(name)
                 if name in ("embed.weight", "head.weight", "norm.weight"):
                     copy_into(name, tensor)
                     continue
@@ -984,18 +977,39 @@ VALUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _check_checkpoint_tensor(name: str, tensor, spec) -> None:
-    """A checkpoint tensor against its ``checkpoint_layout`` entry: the shape, and an element type
-    that is read right: FP8 weights e4m3 and their block scales float32 (uint8 UE8M0 bytes would
-    be read as numbers), MXFP4 experts and their scales bytes, every other tensor a float of 16
-    bits or more (converted on copy)."""
+    """A checkpoint tensor against its ``checkpoint_layout`` entry (``check_tensor_spec``)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: expected a tensor, got {type(tensor).__name__}")
-    if tuple(tensor.shape) != tuple(spec.shape):
-        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(spec.shape)}")
+    check_tensor_spec(name, tuple(tensor.shape), tensor.dtype, spec)
+
+
+def check_tensor_spec(name: str, shape: tuple[int, ...], dtype: torch.dtype | None, spec) -> None:
+    """A checkpoint tensor's shape and element type against its ``checkpoint_layout`` entry: the
+    shape, and an element type that is read right: FP8 weights e4m3 and their block scales float32
+    (uint8 UE8M0 bytes would be read as numbers), MXFP4 experts and their scales bytes, every other
+    tensor a float of 16 bits or more (converted on copy). ``dtype=None`` (a file's element type
+    torch has no name for here) checks the shape only."""
+    if tuple(shape) != tuple(spec.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(shape)} != expected {tuple(spec.shape)}")
     allowed = {"fp8": (spec.dtype,), "fp8_scale": (spec.dtype,), "mxfp4": MXFP4_WEIGHT_DTYPES,
                "mxfp4_scale": MXFP4_SCALE_DTYPES}.get(spec.kind, VALUE_DTYPES)
-    if tensor.dtype not in allowed:
-        raise TypeError(f"{name}: {spec.kind} tensors must be one of {allowed}, got {tensor.dtype}")
+    if dtype is not None and dtype not in allowed:
+        raise TypeError(f"{name}: {spec.kind} tensors must be one of {allowed}, got {dtype}")
+
+
+def admit_checkpoint_name(name: str, layout, seen: set[str]) -> str:
+    """The ``layout`` name a checkpoint tensor fills (``<x>.scale`` -> ``<x>.weight_scale_inv``),
+    added to ``seen``: ``KeyError`` for a name outside the layout, ``ValueError`` for one already
+    seen (under either name)."""
+    if name not in layout:
+        alias = _dense_scale_name(name)
+        if alias == name or alias not in layout:
+            raise KeyError(f"unexpected checkpoint tensor {name!r}")
+        name = alias
+    if name in seen:
+        raise ValueError(f"checkpoint tensor {name!r} given twice (as .scale and .weight_scale_inv?)")
+    seen.add(name)
+    return name
 
 
 #: Checkpoint tensors whose values must be finite within a bound: (the bound, why).
