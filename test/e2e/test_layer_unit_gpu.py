@@ -16,7 +16,7 @@ def test_flash_unit_chain_on_equals_off_gpu(shapes):
     bench = _load_benchmark("layer")
     config = bench.layer_config(shapes)
     layer = bench.build_layer(config, "cuda")
-    for rows in (1, 3, 4, 5):
+    for rows in (1, 2, 3, 4, 5):  # 2: the GEMV's two-token table entries
         assert_unit_chain_on_equals_off(bench.LayerUnit([layer], config, rows, 256, "cuda"))
 
 
