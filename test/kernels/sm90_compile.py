@@ -153,10 +153,10 @@ SPILL_ALLOWED = {
 }
 
 
-def _spill_allowance(kernel, constexprs) -> int:
-    """Stack bytes ``SPILL_ALLOWED`` grants this launch (0: none)."""
-    return next((most for (name, values), most in SPILL_ALLOWED.items()
-                 if name == kernel.__name__ and all(constexprs.get(k) == v for k, v in values)), 0)
+def _allowance_key(kernel, constexprs):
+    """The ``SPILL_ALLOWED`` key matching this launch, or None."""
+    return next((key for key in SPILL_ALLOWED
+                 if key[0] == kernel.__name__ and all(constexprs.get(k) == v for k, v in key[1])), None)
 
 
 def main() -> int:
@@ -170,7 +170,10 @@ def main() -> int:
     jobs = list({repr(job): job for job in jobs}.values())  # launches alike compile once
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     target = GPUTarget("cuda", 90, 32)
+    unused = set(SPILL_ALLOWED)
     for kernel, signature, constexprs, options, attrs in jobs:
+        allowance = _allowance_key(kernel, constexprs)
+        unused.discard(allowance)
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                                   target=target, options=options)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -179,7 +182,9 @@ def main() -> int:
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True,
                                    text=True, check=True).stdout
         print(kernel.__name__, next(line.strip() for line in usage.splitlines() if "REG:" in line),
-              f"smem {compiled.metadata.shared} spill-allowed {_spill_allowance(kernel, constexprs)}")
+              f"smem {compiled.metadata.shared} spill-allowed {SPILL_ALLOWED.get(allowance, 0)}")
+    for name, values in sorted(unused):  # an allowance no launch uses any more must go
+        print(f"unused-allowance {name} {dict(values)}")
     return 0
 
 

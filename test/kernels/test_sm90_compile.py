@@ -27,7 +27,10 @@ def test_kernels_compile_for_sm90():
     script = Path(__file__).with_name("sm90_compile.py")
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    usage = [line.split(" ", 1) for line in result.stdout.strip().splitlines()]
+    lines = result.stdout.strip().splitlines()
+    unused = [line for line in lines if line.startswith("unused-allowance ")]
+    assert not unused, f"SPILL_ALLOWED names launches no kernel makes: {unused}"
+    usage = [line.split(" ", 1) for line in lines]
     assert {name for name, _ in usage} == EVERY_KERNEL, result.stdout
     for name, resources in usage:
         allowed = int(re.search(r"spill-allowed (\d+)", resources).group(1))
