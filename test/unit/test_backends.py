@@ -520,3 +520,46 @@ def test_torch_blockwise_prepares_arguments_like_torch_checks(monkeypatch, m):
         assert ((got.double() - want).norm() / want.norm()) < 5e-3
     with pytest.raises(ValueError, match="no working 128x128 scale layout"):
         backend.gemm(ref.quantize(_activation(m, 640), G128), *_weights(n, 640, 128), {})
+
+
+def test_operands_of_different_k_are_refused_by_name():
+    weight, scale = ref.random_fp8_weight(128, 256, 128)
+    pair = ref.quantize(torch.randn(4, 128).bfloat16(), G128)
+    with pytest.raises(ValueError, match="activation has K=128, weight has K=256"):
+        backends._check_operands(pair, weight, scale, 128, None)
+
+
+def test_probe_rejects_a_deep_gemm_that_writes_nan(monkeypatch):
+    """A DeepGEMM whose probe GEMM writes NaN is not used (NaN > tolerance is False: the check must
+    ask for finite output first)."""
+    def writes_nan(a, b, d, **kwargs):
+        d.fill_(float("nan"))
+
+    monkeypatch.setitem(sys.modules, "deep_gemm", types.SimpleNamespace(fp8_gemm_nt=writes_nan))
+    try:
+        assert not backends.probe(refresh=True, arch=(9, 0)).deep_gemm
+    finally:
+        monkeypatch.delitem(sys.modules, "deep_gemm")
+        backends.probe(refresh=True)
+
+
+def test_blockwise_rejects_the_k_classes_its_calibration_found_broken(monkeypatch):
+    """cuBLAS blockwise at K / 128 classes whose scale layout calibration found none for: refused at
+    load (not at the first GEMM, possibly inside graph capture)."""
+    import dataclasses
+
+    working = dataclasses.replace(backends.probe(), scaled_mm_blockwise=True, scaled_mm_reason="")
+    monkeypatch.setattr(backends, "probe", lambda *a, **k: working)
+    blockwise = backends.get_backend("torch_blockwise")
+    monkeypatch.setattr(type(blockwise), "_scale_b_view", {True: "contig", False: None})
+    assert blockwise.rejection(G128, 128, 256, 512) is None
+    assert "K/128 = 5" in blockwise.rejection(G128, 128, 256, 640)
+
+
+@pytest.mark.parametrize("arch,serves", [((8, 9), True), ((9, 0), True), ((8, 6), False)])
+def test_triton_serves_from_ada_on(monkeypatch, arch, serves):
+    import dataclasses
+
+    caps = dataclasses.replace(backends.probe(), cuda=True, arch=arch)
+    monkeypatch.setattr(backends, "probe", lambda *a, **k: caps)
+    assert (backends.get_backend("triton").rejection(G32, 32, 1792, 5120) is None) is serves

@@ -450,6 +450,12 @@ def _to_float(name):
     return edit
 
 
+def _as_bytes(name):
+    def edit(tensors):
+        tensors[name] = tensors[name].view(torch.uint8)
+    return edit
+
+
 def _drop(name):
     def edit(tensors):
         del tensors[name]
@@ -468,10 +474,11 @@ def _alias_twice(tensors):
 @pytest.mark.parametrize("edit,error,match", [
     (_misshape("head.weight"), ValueError, "head.weight: checkpoint shape"),
     (_to_float("layers.1.ffn.shared_experts.w2.weight"), TypeError, "shared_experts.w2.weight: fp8 tensors"),
+    (_as_bytes("layers.1.attn.wq_b.weight"), TypeError, "wq_b.weight: fp8 tensors"),
     (_drop("layers.1.ffn.experts.3.w1.scale"), ValueError, "lacks 1 tensors of its layout \\(first: layers.1.ffn.experts.3.w1.scale"),
     (_add_unknown, KeyError, "unexpected checkpoint tensor 'layers.1.attn.indexer.wq_b.weight'"),
     (_alias_twice, ValueError, "layers.1.attn.wq_b.weight_scale_inv' given twice"),
-], ids=["shape", "dtype", "missing", "unknown", "twice"])
+], ids=["shape", "dtype", "bytes", "missing", "unknown", "twice"])
 def test_reload_of_a_bad_checkpoint_fails_on_its_headers_before_a_write(written, tmp_path, edit, error, match):
     """A tensor of the wrong shape or element type, missing, unknown or given twice in the last
     shard: ``load_checkpoint`` refuses it from the headers, before the iterator yields the first
@@ -583,3 +590,29 @@ def test_dense_scale_alias_reads_as_weight_scale_inv(tiny):
     twice = dict(canonical, **{"layers.0.attn.wq_b.scale": canonical["layers.0.attn.wq_b.weight_scale_inv"]})
     with pytest.raises(ValueError, match="given twice"):
         DeepseekV41Reference(tiny, twice)
+
+
+def test_quantize_fp8_blockwise_defaults_to_dsv41_blocks_and_scales_a_zero_block():
+    """32 x 32 blocks by default (DSv4.1), and an all-zero block gets a positive finite scale (its
+    amax floor), not one the loader refuses."""
+    assert quantize_fp8_blockwise(torch.randn(64, 64))[1].shape == (2, 2)
+    w = torch.randn(64, 64)
+    w[:32, 32:] = 0
+    data, scale = quantize_fp8_blockwise(w)
+    assert (scale > 0).all() and torch.isfinite(scale).all()
+    assert not data[:32, 32:].float().any() and data[32:].float().any()
+
+
+def test_loader_without_an_index_refuses_a_name_in_two_shards(written, tmp_path):
+    """Without an index the shards are read in name order: a tensor in two of them is refused from
+    the headers (``load_state_dict`` would keep the last copy, a reload write both)."""
+    from safetensors.torch import load_file, save_file
+
+    path = _copy_checkpoint(written, tmp_path / "noindex")
+    (path / INDEX_FILE).unlink()
+    first, second = sorted(path.glob("*.safetensors"))[:2]
+    tensors = load_file(second)
+    tensors["embed.weight"] = load_file(first)["embed.weight"]
+    save_file(tensors, second)
+    with pytest.raises(ValueError, match="embed.weight is in both"):
+        load_checkpoint(path)

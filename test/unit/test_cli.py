@@ -337,3 +337,48 @@ def test_device_script_takes_options_without_a_mode(tmp_path):
     done = subprocess.run(["bash", str(script), str(tmp_path / "out"), "--quick", "--jobs", "x"],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "--jobs takes a positive integer, got 'x'" in done.stderr  # parsed as options
+
+
+def test_documented_maximums_are_accepted():
+    from fp8chain import argtypes
+
+    assert cli.build_parser(benchmarks=False).parse_args(["demo", "--layers", "64"]).layers == 64
+    assert argtypes.seed_int(str(2**63 - 1)) == 2**63 - 1
+
+
+def test_an_unwritable_output_parent_is_named(tmp_path, monkeypatch):
+    from fp8chain import argtypes
+
+    monkeypatch.setattr(argtypes.os, "access", lambda path, mode: False)
+    assert "is not writable" in argtypes.output_dir_problem(tmp_path / "x")
+
+
+@pytest.mark.parametrize("failing", [None, "gemm"])
+def test_bench_all_forwards_its_options_and_reports_a_failure(monkeypatch, tmp_path, failing):
+    import argparse
+    import types
+
+    ran = []
+
+    def run(command):
+        ran.append(command)
+        return types.SimpleNamespace(returncode=1 if command[4] == failing else 0)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli.subprocess, "run", run)
+    status = cli._cmd_bench(argparse.Namespace(benchmark="all", quick=True, results_dir=str(tmp_path)))
+    assert len(ran) > 1 and all("--quick" in c and c[-2:] == ["--results-dir", str(tmp_path)] for c in ran)
+    assert status == (1 if failing else 0)
+
+
+def test_an_explicit_results_dir_is_not_refused_for_the_default_one(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    from fp8chain.bench import harness
+
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    monkeypatch.setattr(harness, "RESULTS_DIR", blocker / "results")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli._cmd_bench(argparse.Namespace(benchmark="quant", quick=False, results_dir=str(tmp_path / "ok"))) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -226,3 +226,32 @@ def test_a_layer_no_backend_serves_keeps_upstreams_bf16_path(monkeypatch, caplog
     upstream_apply.calls = 0
     plugin.around_apply(upstream_apply, upstream_method(), layer, torch.randn(2, 128).bfloat16())
     assert upstream_apply.calls == 1
+
+
+@pytest.mark.parametrize("capability,upstream", [((9, 0), False), ((10, 0), True), ((12, 0), True)])
+def test_upstream_serves_the_request_from_blackwell_on(monkeypatch, capability, upstream):
+    """sm_100 and later: SGLang's own producers and DeepGEMM take the request (the plugin must not
+    refuse it there); Hopper: fp8chain's."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert plugin._upstream_serves_request(torch.device("cuda", 0)) is upstream
+
+
+def test_a_non_square_weight_block_is_refused_with_a_warning(caplog):
+    """A [32, 128] weight block is no format fp8chain reads: the request is refused (bf16 input, a
+    WARNING naming the block), not taken as 32-blocks that fail the weight check at load."""
+    weight, scale = ref.random_fp8_weight(64, 128, 32)
+    layer = UpstreamLinear(weight, scale)
+    method = upstream_method()
+    method.quant_config.weight_block_size = [32, 128]
+    with caplog.at_level(logging.WARNING, logger="fp8chain.integrations.sglang"):
+        plugin.around_process_weights(upstream_process, method, layer)
+    assert layer.deepgemm_mxfp8_input is False and layer.input_format is None
+    assert "for weight block [32, 128]" in caplog.text
+
+
+def test_a_positional_prefix_names_the_layer():
+    """``get_quant_method(layer, prefix)`` called positionally still names the layer in logs."""
+    layer = torch.nn.Linear(2, 2)
+    plugin.after_get_quant_method(None, object(), layer, "model.layers.0.mlp.down_proj")
+    assert layer.fp8chain_prefix == "model.layers.0.mlp.down_proj"
