@@ -123,7 +123,7 @@ def run(args) -> tuple[dict, list[dict]]:
         rope_us = harness.graph_time_us(rope, iters=args.iters)
         attention_us = harness.graph_time_us(attend(), iters=args.iters)
         nbytes, flops = roofline(phase, tokens, heads, HEAD_DIM, context)
-        floor_us = max(nbytes / bandwidth, flops / matmul_rate) * 1e6
+        floor_us = harness.roofline_us(nbytes, bandwidth, flops, matmul_rate)
         record = {
             "phase": phase, "heads": heads, "M": tokens, "context": context,
             "rope_us": rope_us, "attention_us": attention_us,

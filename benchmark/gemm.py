@@ -483,11 +483,7 @@ def roofline_us(m: int, n: int, k: int, group: int, copy_bw: float, fp8_rate: fl
     ``2 M N K`` flops over ``fp8_rate`` (None: bytes alone), in us."""
     blocks = -(-n // group) * -(-k // group)
     pair = harness.pair_bytes(m, k, gemm.input_format_for_block(group))
-    nbytes = n * k + 4 * blocks + pair + 2 * m * n
-    seconds = nbytes / copy_bw
-    if fp8_rate:
-        seconds = max(seconds, 2 * m * n * k / fp8_rate)
-    return seconds * 1e6
+    return harness.roofline_us(n * k + 4 * blocks + pair + 2 * m * n, copy_bw, 2 * m * n * k, fp8_rate)
 
 
 def report(meta, records, results_dir=None) -> str:

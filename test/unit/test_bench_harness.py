@@ -2,8 +2,11 @@
 
 import argparse
 import contextlib
+import json
+import types
 
 import pytest
+import torch
 
 from fp8chain.bench import harness
 
@@ -118,3 +121,82 @@ def test_quick_fills_only_the_options_not_given(capsys):
     assert "the reduced sweep: --rows 1, --prefill 0 (an option given explicitly wins)" in text
     with pytest.raises(ValueError, match="cols"):
         harness.add_quick(argparse.ArgumentParser(), cols=([1], [2]))
+
+
+def _fake_cuda_events(monkeypatch, elapsed_ms):
+    """torch.cuda as replay_times_us sees it: each Event pair reports the next of ``elapsed_ms``."""
+    times = iter(elapsed_ms)
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return next(times)
+
+    monkeypatch.setattr(harness.torch, "cuda", types.SimpleNamespace(Event=Event))
+
+
+def test_replay_times_are_the_median_per_call_of_alternated_rounds(monkeypatch):
+    """Per call (a replay's ms / iters, in us), the median over rounds (one slow outlier round does
+    not move it), the arms' replays alternated round by round."""
+    replays = []
+    graphs = {arm: types.SimpleNamespace(replay=lambda arm=arm: replays.append(arm)) for arm in ("a", "b")}
+    # rounds of (a, b): a takes 1 ms, b 2 ms per replay of 10 calls, except one 50 ms outlier each
+    _fake_cuda_events(monkeypatch, [1.0, 2.0] * 4 + [50.0, 50.0] + [1.0, 2.0] * 2)
+    times = harness.replay_times_us(graphs, iters=10, rounds=7)
+    assert times == {"a": pytest.approx(100.0), "b": pytest.approx(200.0)}
+    assert replays == ["a", "b"] * 7
+
+
+def test_copy_bandwidth_counts_bytes_read_and_written(monkeypatch):
+    """A copy of ``2 * nbytes`` moved (nbytes read + nbytes written) taking 1 us: 2 * nbytes / 1 us."""
+    asked = []
+    monkeypatch.setattr(harness, "copy_time_us", lambda moved, device=None, iters=100: asked.append(moved) or 1.0)
+    assert harness.copy_bandwidth("cpu", nbytes=1 << 20) == pytest.approx(2 * (1 << 20) / 1e-6)
+    assert asked == [2 << 20]
+
+
+def test_copy_time_moves_the_bytes_it_is_asked_for(monkeypatch):
+    """``copy_time_us(n)`` times a kernel that reads n / 2 bytes of bf16 and writes as many."""
+    monkeypatch.setattr(harness, "graph_time_us", lambda fn, iters=100, repeats=7: fn())
+    dst = harness.copy_time_us(1 << 16, device="cpu")
+    assert dst.dtype == torch.bfloat16 and dst.numel() * dst.element_size() == (1 << 16) // 2
+
+
+def test_quantize_launches_counts_only_the_standalone_quantize():
+    """The standalone ``_quantize_kernel``, not every kernel whose name mentions quantizing."""
+    assert harness.quantize_launches({"_quantize_kernel": 3, "_gemm_kernel": 7, "fused_norm_quantize": 4}) == 3
+
+
+def test_save_results_keeps_the_meta(tmp_path):
+    meta = {"device": "H200", "commit": "abc1234", "copy_bandwidth_TBps": 4.1}
+    path = harness.save_results("x", meta, [{"M": 1}], tmp_path)
+    assert path == tmp_path / "x.json"
+    assert json.loads(path.read_text()) == {"meta": meta, "records": [{"M": 1}]}
+
+
+def test_graph_calls_at_least_one_call():
+    assert harness.graph_calls(lambda: None, 0) == 1
+
+
+def test_quant_floor_reads_bf16_and_writes_the_pair():
+    from fp8chain.cli import _load_benchmark
+    from fp8chain_kernel.formats import ActFormat
+
+    bench = _load_benchmark("quant")
+    fmt = ActFormat.SM90_G32_FP32_MN
+    assert bench.quantize_bytes(4, 512, fmt) == 4 * 512 * 2 + 4 * 512 + 4 * 16 * 4
+
+
+def test_roofline_is_the_larger_of_the_byte_and_flop_times_in_us():
+    assert harness.roofline_us(4e6, 2e12) == pytest.approx(2.0)  # 4 MB at 2 TB/s
+    assert harness.roofline_us(4e6, 2e12, 1e9, 1e15) == pytest.approx(2.0)  # 1 us of flops: bytes bound
+    assert harness.roofline_us(4e6, 2e12, 5e9, 1e15) == pytest.approx(5.0)  # 5 us of flops bound
+    assert harness.roofline_us(4e6, 2e12, 5e9, None) == pytest.approx(2.0)  # no rate: bytes alone

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from fp8chain.bench import harness
 from fp8chain.cli import _load_benchmark
 from fp8chain_kernel import act, norm
 from fp8chain_kernel import reference as ref
@@ -132,3 +133,27 @@ def test_every_launch_candidate_keeps_the_contract(name, cols, rows, device):
         else:
             assert_close_bf16(y, want)
         assert_pairs_equal(pair, ref.quantize(y, fmt))
+
+
+def test_producers_bf16_quant_arm_rereads_the_bf16_output():
+    """The unchained arm writes bf16, reads it back to quantize and writes the pair."""
+    from fp8chain.cli import _load_benchmark
+    from fp8chain_kernel.formats import ActFormat
+
+    bench = _load_benchmark("producers")
+    fmt = ActFormat.SM90_G32_FP32_MN
+    case = bench.Case("silu_mul", 3, fmt, "cpu")
+    bf16_out = 3 * case.cols * 2
+    assert case.bytes_bf16 == case.in_bytes + bf16_out
+    assert case.bytes_bf16_quant == case.bytes_bf16 + bf16_out + harness.pair_bytes(3, case.cols, fmt)
+
+
+def test_wo_a_sweep_report_keeps_the_fastest_config(tmp_path):
+    from fp8chain.cli import _load_benchmark
+
+    bench = _load_benchmark("producers")
+    records = [dict(producer="wo_a_g8", T=1, fp8_us=3.0, floor_us=1.0, config="table"),
+               dict(producer="wo_a_g8", T=1, fp8_us=2.0, floor_us=1.0, config={"BLOCK_M": 16}),
+               dict(producer="wo_a_g8", T=1, fp8_us=2.5, floor_us=1.0, config={"BLOCK_M": 64})]
+    rows = bench.report({"sweep": "wo_a"}, records, tmp_path).splitlines()[3:]
+    assert rows == ["| wo_a_g8 | 1 | 2 | 1 | {'BLOCK_M': 16} |"]

@@ -1,9 +1,13 @@
 """The `fp8chain` command: help texts, verify on the CPU, clear refusals without a GPU."""
 
+import argparse
+import json
+
 import pytest
 import torch
 
 from fp8chain import cli, verify
+from fp8chain_kernel import reference as ref
 
 pytestmark = pytest.mark.cpu
 
@@ -382,3 +386,110 @@ def test_an_explicit_results_dir_is_not_refused_for_the_default_one(tmp_path, mo
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli._cmd_bench(argparse.Namespace(benchmark="quant", quick=False, results_dir=str(tmp_path / "ok"))) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def _norm_truncating(real, x, weight, eps, *, out_format=None, **kwargs):
+    """RMSNorm whose bf16 output is the fp32 value truncated (rounded toward zero), not rounded to
+    nearest: up to 1 bf16 ulp off; its pair is the quantization of that (wrong) output."""
+    from fp8chain_kernel.reference.norm import rms_norm_fp32
+
+    want = rms_norm_fp32(x, weight, eps)
+    y = (want.view(torch.int32) & -65536).view(torch.float32).bfloat16()
+    return (y, ref.quantize(y, out_format)) if out_format is not None else y
+
+
+def test_verify_fails_a_producer_that_truncates_instead_of_rounding(monkeypatch):
+    """Correct rounding is the contract (half an ulp and a little): a truncating producer, within
+    one ulp everywhere, must fail the rounded check, not pass on a loose ulp bound or unit."""
+    from fp8chain_kernel import norm
+
+    _break(monkeypatch, norm, "rms_norm", _norm_truncating)
+    with pytest.raises(AssertionError, match="rms_norm .* bf16 ulps from the fp32 reference"):
+        verify.CHECKS["producers"](torch.device("cpu"), True)
+
+
+def test_verify_compares_the_pairs_scales(monkeypatch):
+    """A quantize whose FP8 data is right but whose scales are off by a factor of two fails."""
+    from fp8chain_kernel import quant
+
+    def wrong_scale(real, x, fmt, *args, **kwargs):
+        pair = real(x, fmt, *args, **kwargs)
+        pair.scale.view(torch.int32).bitwise_xor_(1 << 23)  # fp32: the exponent off by one
+        return pair
+
+    _break(monkeypatch, quant, "quantize", wrong_scale)
+    with pytest.raises(AssertionError):
+        verify.CHECKS["quantize"](torch.device("cpu"), True)
+
+
+def test_verify_fails_a_quantize_that_hides_nan(monkeypatch):
+    from fp8chain_kernel import quant
+
+    _break(monkeypatch, quant, "quantize", lambda real, x, *a, **k: real(x.nan_to_num(0.0), *a, **k))
+    with pytest.raises(AssertionError, match="NaN / inf rows"):
+        verify.CHECKS["quantize"](torch.device("cpu"), True)
+
+
+def test_verify_fails_a_norm_that_zeroes_infinities(monkeypatch):
+    """A normalised row holding an infinity is NaN throughout: a norm that drops the infinity
+    (its row then finite) fails, even where the NaN row stays NaN."""
+    from fp8chain_kernel import norm
+
+    _break(monkeypatch, norm, "rms_norm", lambda real, x, *a, **k: real(x.masked_fill(x.isinf(), 0), *a, **k))
+    with pytest.raises(AssertionError, match="NaN / inf row came out finite"):
+        verify.CHECKS["producers"](torch.device("cpu"), True)
+
+
+def test_verify_fails_a_gemm_one_percent_off(monkeypatch):
+    from fp8chain_kernel import gemm
+
+    _break(monkeypatch, gemm, "fp8_gemm", lambda real, *a, weight_block, **k: real(
+        *a, weight_block=weight_block, **k) * (1.02 if weight_block == 128 else 1.0))
+    with pytest.raises(AssertionError, match="relative error"):
+        verify.CHECKS["gemm"](torch.device("cpu"), True)
+
+
+def test_verify_fails_a_router_choosing_other_experts(monkeypatch):
+    """Other experts with the reference's weights: the choice itself is checked."""
+    from fp8chain_kernel import router
+
+    def shifted(real, x, weight, *args, **kwargs):
+        idx, weights = real(x, weight, *args, **kwargs)
+        return (idx + 1) % weight.shape[0], weights
+
+    _break(monkeypatch, router, "router_topk", shifted)
+    with pytest.raises(AssertionError, match="another expert choice"):
+        verify.CHECKS["router"](torch.device("cpu"), True)
+
+
+def test_verify_fails_attention_five_percent_off(monkeypatch):
+    from fp8chain_kernel import attention
+
+    _break(monkeypatch, attention, "mqa_attention", lambda real, *a, **k: real(*a, **k) * 1.05)
+    with pytest.raises(AssertionError, match="attention T=1: relative error"):
+        verify.CHECKS["attention"](torch.device("cpu"), True)
+
+
+def test_demo_counts_per_step_and_reports_tokens_that_differ(tmp_path, monkeypatch, capsys):
+    """Two new tokens (prefill + one decode step): launches saved are per forward, not the run's
+    total; tokens that differ between the arms make it say NO, exit 1 and record it."""
+    from fp8chain.runtime import demo
+    from fp8chain.runtime.engine import Engine
+
+    real = Engine.generate
+
+    def generate(self, prompts, n, **kwargs):
+        result = real(self, prompts, n, **kwargs)
+        if not self.model.chain:
+            result.tokens[0][-1] += 1
+        return result
+
+    monkeypatch.setattr(Engine, "generate", generate)
+    args = argparse.Namespace(device="cpu", prompts=1, tokens=2, seed=3, layers=1, out=str(tmp_path), eager=False)
+    assert demo.run_demo(args) == 1
+    assert "tokens identical with the chain on and off: NO" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "demo.json").read_text())
+    assert summary["identical"] is False
+    assert summary["quantize_saved_per_step"] == 5
+    assert summary["chain_off"]["quantize_per_step"] == 5 and summary["chain_on"]["quantize_per_step"] == 0
+    assert summary["chain_on"]["decode_steps"] == 1

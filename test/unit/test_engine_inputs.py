@@ -3,6 +3,8 @@ the vocabulary (a negative one would wrap around the embedding), negative token 
 sizes that are not positive, graph buckets it would otherwise drop. And what it generates for a
 batch is what the model gives each whole sequence alone."""
 
+import types
+
 import pytest
 import torch
 
@@ -324,3 +326,33 @@ def test_decode_refuses_to_replay_what_a_replay_would_get_wrong(monkeypatch):
         switch_off()
     engine.decode(one, one)
     assert len(replays) == 4
+
+
+def _runner(monkeypatch, buckets, slots=5):
+    from fp8chain.runtime.cuda_graph import DecodeGraphRunner
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = types.SimpleNamespace(embed=types.SimpleNamespace(weight=torch.zeros(1)), chain=True)
+    runner = DecodeGraphRunner(model, [torch.zeros(slots, 1)], buckets, scratch_slot=slots - 1)
+    return runner
+
+
+def test_graph_runner_bucket_is_the_smallest_that_holds_the_batch(monkeypatch):
+    runner = _runner(monkeypatch, [4, 1, 2])
+    assert [runner.bucket(rows) for rows in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    with pytest.raises(ValueError, match="5 rows exceed the largest captured bucket 4"):
+        runner.bucket(5)
+
+
+def test_graph_runner_padding_rows_write_the_scratch_slot(monkeypatch):
+    """Rows past the live batch get token 0 at position 0 in the scratch slot, whatever a larger
+    batch left in the static buffers: their KV writes never land in a live sequence's slot."""
+    runner = _runner(monkeypatch, [4])
+    runner.graphs = {4: types.SimpleNamespace(replay=lambda: None)}
+    runner.outputs = {4: torch.zeros(4, 8)}
+    runner.run(torch.tensor([7, 8, 9, 10]), torch.tensor([3, 4, 5, 6]), torch.tensor([0, 1, 2, 3]))
+    out = runner.run(torch.tensor([11]), torch.tensor([2]), torch.tensor([1]))
+    assert out.shape == (1, 8)
+    assert runner.input_ids.tolist() == [11, 0, 0, 0]
+    assert runner.positions.tolist() == [2, 0, 0, 0]
+    assert runner.slots.tolist() == [1, 4, 4, 4]

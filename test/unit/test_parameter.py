@@ -84,3 +84,27 @@ def test_non_parameter_attribute_is_an_error():
         copy_or_rebind_param(m, "buf", torch.ones(2))
     with pytest.raises(TypeError):
         copy_or_rebind_param(m, "x", [1, 2])
+
+
+def test_match_strides_rebinds_a_parameter_whose_layout_differs(caplog):
+    """A derived tensor whose padded strides are part of its contract: a parameter left dense (by
+    ``copy.deepcopy`` / ``.to()``) is rebound to the padded tensor, with the stale-graph warning,
+    not copied into with the wrong strides; without ``match_strides`` the copy stays in place."""
+    import logging
+
+    from torch import nn
+
+    from fp8chain.layers.parameter import copy_or_rebind_param
+
+    padded = torch.randint(-9, 9, (2, 12), dtype=torch.int32).t()[:10]  # [10, 2], strides (1, 12)
+    for match, rebound in ((True, True), (False, False)):
+        m = nn.Module()
+        p = nn.Parameter(torch.zeros(10, 2, dtype=torch.int32), requires_grad=False)
+        m.register_parameter("s", p)
+        ptr = p.data_ptr()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fp8chain.layers.parameter"):
+            got = copy_or_rebind_param(m, "s", padded, match_strides=match)
+        assert torch.equal(got, padded)
+        assert (got.stride() == (1, 12)) is rebound and (got.data_ptr() != ptr) is rebound
+        assert bool(caplog.records) is rebound

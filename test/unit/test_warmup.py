@@ -101,3 +101,16 @@ def test_bad_arguments():
             warmup(model, sizes)
     with pytest.raises(ValueError, match="unknown warmup fill"):
         warmup(model, [1], fills=["ones"])
+
+
+def test_warmup_refuses_a_single_non_finite_value():
+    from torch import nn
+
+    from fp8chain.layers.warmup import register_warmup, warmup
+
+    module = nn.Linear(2, 2)
+    out = torch.zeros(3, 4)
+    out[1, 2] = float("inf")
+    register_warmup(module, lambda m, rows, fill, cap: [("one inf", out)])
+    with pytest.raises(RuntimeError, match=r"\[one inf\] produced non-finite values"):
+        warmup(module, [3])

@@ -118,6 +118,15 @@ def pair_bytes(rows: int, cols: int, fmt) -> int:
     return rows * cols + rows * fmt.scale_shape(rows, cols)[1] * 4
 
 
+def roofline_us(nbytes: float, bandwidth: float, flops: float = 0.0, rate: float | None = None) -> float:
+    """The roofline of a launch in us: the larger of ``nbytes`` over ``bandwidth`` (bytes / s) and
+    ``flops`` over ``rate`` (flop / s; None: the bytes alone)."""
+    seconds = nbytes / bandwidth
+    if rate:
+        seconds = max(seconds, flops / rate)
+    return seconds * 1e6
+
+
 def copies_past_l2(nbytes: int, most: int = 64) -> int:
     """How many copies of an ``nbytes`` weight to rotate through so that every call streams its
     weights from HBM rather than L2 (the H200's 50 MB): ``L2_DEFEAT_BYTES`` of them in all, at
