@@ -503,12 +503,16 @@ def test_reload_refuses_a_checkpoint_of_another_model(written, tmp_path, tiny):
     path = _copy_checkpoint(written, tmp_path / "other")
     config = json.loads((path / "config.json").read_text())
     config["rope_theta"] = 5e5
+    config["transformers_version"] = "4.57.0"  # a key the model does not read may differ
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="describes another model \\(1 fields differ: rope_theta: 500000.0 "
                                          "in the checkpoint, 10000.0 given"):
         load_checkpoint(path, config=tiny)
     assert load_checkpoint(path)[0].rope_theta == 5e5
     assert load_checkpoint(written, config=tiny)[0] == tiny
+    config["rope_theta"] = tiny.rope_theta
+    (path / "config.json").write_text(json.dumps(config))
+    assert load_checkpoint(path, config=tiny)[0].extra == {"transformers_version": "4.57.0"}
 
 
 def test_loader_names_a_corrupt_index_or_shard(written, tmp_path):

@@ -222,7 +222,7 @@ def load_checkpoint(path, *, config: DeepseekV41Config | None = None
     checkpoint's own ``config.json``): a missing, corrupt or misplaced shard, a tensor missing,
     unknown, given twice or of another shape or element type fails before any parameter is
     written (a live model being reloaded keeps its weights). Given ``config``, the checkpoint's
-    ``config.json`` must describe the same model (``ValueError`` naming the fields that differ).
+    ``config.json`` must describe the same model (``ValueError`` naming the fields it reads that differ).
     A corrupt index or shard raises ``ValueError`` naming the file, a shard the index names but
     the directory lacks ``FileNotFoundError``; the layout's errors are ``load_weights``' own
     (``KeyError`` for an unknown name, ``TypeError`` for an element type, else ``ValueError``)."""
@@ -289,9 +289,11 @@ def load_checkpoint(path, *, config: DeepseekV41Config | None = None
 
 
 def _check_same_model(path: Path, own: DeepseekV41Config, config: DeepseekV41Config) -> None:
-    """``ValueError`` naming the fields where the checkpoint's config and ``config`` differ."""
+    """``ValueError`` naming the fields the model reads where the checkpoint's config and ``config``
+    differ (keys it does not read, ``extra``, may: a ``transformers_version``, say)."""
     mine, theirs = own.to_dict(), config.to_dict()
-    differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    differ = sorted(k for k in mine.keys() | theirs.keys() if k not in own.extra and k not in config.extra
+                    and mine.get(k) != theirs.get(k))
     if differ:
         shown = ", ".join(f"{k}: {mine.get(k)!r} in the checkpoint, {theirs.get(k)!r} given" for k in differ[:5])
         raise ValueError(f"{path / 'config.json'} describes another model ({len(differ)} fields differ: {shown})")
