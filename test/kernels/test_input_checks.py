@@ -384,3 +384,9 @@ def test_interpreter_detection_follows_triton(monkeypatch):
     for value, on in (("1", True), ("true", True), ("on", True), ("0", False), ("false", False)):
         monkeypatch.setenv("TRITON_INTERPRET", value)
         assert interpreting() is on, value
+
+
+def test_distinct_elements_ignores_the_stride_of_size_one_dims():
+    """A one-row view whose row stride is 0 still has one location per element."""
+    check_distinct_elements(torch.zeros(8).expand(1, 8), "t")
+    check_distinct_elements(torch.zeros(8).as_strided((1, 8), (0, 1)), "t")

@@ -169,3 +169,25 @@ def test_programmatic_launches_change_no_byte(rows):
         if a.dtype == torch.float8_e4m3fn:
             a, b = a.view(torch.uint8), b.view(torch.uint8)
         assert torch.equal(a, b)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("major,want", [(8, False), (9, True), (10, True)])
+def test_pdl_supported_from_compute_capability_9(monkeypatch, major, want):
+    """Compiled kernels on a GPU of compute capability 9.0 (H100 / H200) or later support PDL."""
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_capability_major", lambda index: major)
+    assert launch.supported() is want
+
+
+@pytest.mark.cpu
+def test_split_workspace_runs_unsplit_past_the_arrival_counters(monkeypatch):
+    """More tiles than ARRIVAL_SLOTS counters run unsplit; up to it, split with split x tiles partials."""
+    monkeypatch.setattr(launch, "_workspaces", {})
+    cpu = torch.device("cpu")
+    assert launch.split_workspace("test-split", 4, launch.ARRIVAL_SLOTS + 1, 16, cpu) == (1, None, None)
+    split, part, counters = launch.split_workspace("test-split", 4, launch.ARRIVAL_SLOTS, 2, cpu)
+    assert split == 4 and part.numel() == 4 * launch.ARRIVAL_SLOTS * 2
+    assert counters.numel() >= launch.ARRIVAL_SLOTS and not counters.any()

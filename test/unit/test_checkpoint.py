@@ -620,3 +620,14 @@ def test_loader_without_an_index_refuses_a_name_in_two_shards(written, tmp_path)
     save_file(tensors, second)
     with pytest.raises(ValueError, match="embed.weight is in both"):
         load_checkpoint(path)
+
+
+def test_mxfp4_encoding_rounds_ties_to_the_smaller_magnitude():
+    """Values halfway between two e2m1 codes take the smaller magnitude (the documented rounding)."""
+    mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    row = torch.tensor([6.0] + mids + [-m for m in mids] + [0.0] * 17)
+    packed, scale = quantize_mxfp4(row[None])
+    assert int(scale[0, 0]) == 127
+    want = [6.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0]
+    want = torch.tensor(want + [-w for w in want[1:]] + [0.0] * 17)
+    assert torch.equal(dequantize_mxfp4(packed, scale)[0].abs(), want.abs())

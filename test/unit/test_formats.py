@@ -7,7 +7,8 @@ import torch
 
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import (
-    FP8_DTYPE, ActFormat, QuantizedActivation, align4, check_pair, empty_pair, is_int, powers_of_two,
+    FP8_DTYPE, ActFormat, QuantizedActivation, align4, check_no_overlap, check_pair, empty_pair, is_int, overlaps,
+    powers_of_two,
 )
 
 pytestmark = pytest.mark.cpu
@@ -246,3 +247,66 @@ def test_pack_weight_scale_for_deepgemm():
     assert torch.equal(rows, exps.repeat_interleave(32, 0)[:n])
     with pytest.raises(ValueError, match="power-of-two"):
         ref.pack_weight_scale_for_deepgemm(scale * 1.5, n, k)
+
+
+def test_check_pair_refuses_data_rows_that_share_memory():
+    """Data whose row stride is below cols (expanded or overlapping rows) is not a row-major pair."""
+    good = empty_pair(5, 256, ActFormat.SM90_G32_FP32_MN, "cpu")
+    shared = torch.zeros(1, 256, dtype=FP8_DTYPE).expand(5, 256)
+    with pytest.raises(ValueError, match="row-major"):
+        check_pair(good._replace(data=shared))
+    overlapping = torch.zeros(5 * 128 + 128, dtype=FP8_DTYPE).as_strided((5, 256), (128, 1))
+    with pytest.raises(ValueError, match="row-major"):
+        check_pair(good._replace(data=overlapping))
+
+
+def test_check_pair_refuses_data_and_scales_on_different_devices():
+    """Data on one device and scales on another is refused, naming both devices."""
+    good = empty_pair(5, 256, ActFormat.SM90_G32_FP32_MN, "cpu")
+    meta_scale = empty_pair(5, 256, ActFormat.SM90_G32_FP32_MN, "meta").scale
+    with pytest.raises(ValueError, match="pair data on cpu but scales on meta"):
+        check_pair(good._replace(scale=meta_scale))
+
+
+@pytest.mark.parametrize("fmt", list(ActFormat))
+def test_check_pair_wants_mn_major_scales_for_a_single_row(fmt):
+    """A decode step's one-row pair still needs scales of column stride S >= 4 (consumers read j * S)."""
+    pair = empty_pair(1, 1024, fmt, "cpu")
+    assert pair.scale.stride() == (1, 4)
+    check_pair(pair, fmt)
+    k_major = torch.zeros(pair.scale.shape, dtype=pair.scale.dtype)  # strides (G, 1)
+    with pytest.raises(ValueError, match="MN-major"):
+        check_pair(pair._replace(scale=k_major), fmt)
+
+
+def test_overlaps_does_not_count_adjacent_ranges():
+    """Two halves of one buffer touch but do not share a byte: not an overlap."""
+    buf = torch.zeros(8)
+    assert not overlaps(buf[:4], buf[4:]) and not overlaps(buf[4:], buf[:4])
+    check_no_overlap([("out", buf[:4])], [("x", buf[4:])])
+
+
+def test_overlaps_counts_a_single_shared_element():
+    """Ranges sharing only their last / first element overlap; so do two one-element views of it."""
+    buf = torch.zeros(8)
+    assert overlaps(buf[:4], buf[3:]) and overlaps(buf[2:3], buf[2:3])
+    with pytest.raises(ValueError, match="out overlaps x"):
+        check_no_overlap([("out", buf[2:3])], [("x", buf[2:3])])
+
+
+@pytest.mark.parametrize("fmt", list(ActFormat))
+def test_reference_quantize_zeroes_the_scale_padding_rows(fmt, monkeypatch):
+    """ref.quantize's scale storage reads zero in the align4 padding rows, whatever torch.empty held."""
+    real_empty = torch.empty
+
+    def garbage_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        t.view(torch.uint8).fill_(0xFF) if t.is_contiguous() and t.numel() else None
+        return t
+
+    monkeypatch.setattr(torch, "empty", garbage_empty)
+    rows, cols = 5, 1024
+    pair = ref.quantize(torch.randn(rows, cols), fmt)
+    scols = pair.scale.shape[1]
+    backing = pair.scale.as_strided((scols, align4(rows)), (align4(rows), 1))
+    assert (backing[:, rows:].view(torch.int32) == 0).all()

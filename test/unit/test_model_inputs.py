@@ -8,10 +8,15 @@ import re
 import pytest
 import torch
 
-from fp8chain.layers.moe import SharedExpert, TopKRouter, dequantize_mxfp4
+from fp8chain.layers.moe import (
+    RoutedExpertsReference, SharedExpert, TopKRouter, check_mxfp4, dequantize_mxfp4, quantize_mxfp4,
+    swiglu_reference,
+)
 from fp8chain.models import deepseek_v41
 from fp8chain.models.checkpoint import random_checkpoint_tensors
 from fp8chain.models.deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
+from fp8chain_kernel import reference as ref
+from fp8chain_kernel.reference.act import silu_mul_fp32
 
 pytestmark = pytest.mark.cpu
 
@@ -359,3 +364,78 @@ def test_load_names_the_expert_tensor_whose_values_overflow(config):
     model = DeepseekV41ForCausalLM(config)
     with pytest.raises(ValueError, match=re.escape(matrix) + r": MXFP4 data .* overflow fp32 .*first at \[2, 0\]"):
         model.load_weights(tensors.items())
+
+
+def test_check_mxfp4_names_the_tensor_for_a_scale_byte_253_overflow():
+    """Byte 253 with code 6 (4 x 2^126 = 2^128) overflows fp32: refused at load, under the tensor's name."""
+    packed = torch.full((2, 16), 0x22, dtype=torch.uint8)
+    packed[1, 0] = 0x06
+    scale = torch.tensor([[127], [253]], dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"^layers\.0\.ffn\.experts\.1\.w1: MXFP4 data .*overflow fp32"):
+        check_mxfp4(packed, scale, "layers.0.ffn.experts.1.w1")
+
+
+def test_mxfp4_decoding_refuses_scales_of_other_rows():
+    """Scales with fewer rows than the data would broadcast row 0's scales over all: refused."""
+    packed = torch.full((4, 16), 0x22, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="needs scales"):
+        dequantize_mxfp4(packed, torch.full((1, 1), 127, dtype=torch.uint8))
+
+
+def test_swiglu_reference_matches_the_act_spec():
+    """swiglu_reference clamps gate from above and up on both sides, as the act kernel's reference."""
+    gate_up = torch.randn(7, 64) * 20
+    for limit in (None, 7.0):
+        assert torch.equal(swiglu_reference(gate_up, limit), silu_mul_fp32(gate_up, limit))
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_router_passes_scaling_and_renormalize_to_the_kernel(renormalize):
+    """TopKRouter's weights are the reference's for its own routed_scaling_factor and renormalize."""
+    router = TopKRouter(64, 16, 4, 2.5, renormalize=renormalize)
+    router.weight.copy_((torch.randn(16, 64) / 8).bfloat16())
+    router.bias.copy_(torch.linspace(-1, 1, 16))  # distinct keys for zero rows
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    idx, weights = router(x)
+    want_idx, want_weights = ref.router_topk(x, router.weight, router.bias, 4, 2.5, renormalize)
+    assert torch.equal(idx, want_idx)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+
+
+def _experts_with_weights(e=2, h=64, i=32):
+    experts = RoutedExpertsReference(num_experts=e, hidden_size=h, intermediate_size=i, swiglu_limit=7.0)
+    w13, s13 = quantize_mxfp4(torch.randn(e, 2 * i, h) * 0.2)
+    w2, s2 = quantize_mxfp4(torch.randn(e, h, i) * 0.2)
+    for name, t in (("w13_weight", w13), ("w13_scale", s13), ("w2_weight", w2), ("w2_scale", s2)):
+        getattr(experts, name).data.copy_(t)
+    return experts
+
+
+def test_routed_experts_round_the_activation_to_bf16():
+    """Each token's result is sum_k w_k * (bf16(swiglu(x @ w13.T)) @ w2.T), fp32 elsewhere."""
+    experts = _experts_with_weights()
+    experts.process_weights_after_loading()
+    x = torch.randn(5, 64).bfloat16()
+    idx = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1]])
+    w = torch.rand(5, 2)
+    want = torch.zeros(5, 64)
+    for t in range(5):
+        for k in range(2):
+            e = int(idx[t, k])
+            gate_up = x[t:t + 1].float() @ experts.w13_dequant[e].float().t()
+            h = swiglu_reference(gate_up, 7.0).bfloat16().float()
+            want[t] += w[t, k] * (h @ experts.w2_dequant[e].float().t())[0]
+    torch.testing.assert_close(experts(x, idx, w), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(experts(x, idx, w), experts(x, idx, w))
+
+
+def test_routed_experts_ignore_experts_no_token_is_routed_to():
+    """An expert whose output overflows to inf leaves the tokens not routed to it finite (no 0 * inf)."""
+    experts = _experts_with_weights()
+    experts.w2_weight.data[1] = 0x77  # code 7 = 6.0 everywhere
+    experts.w2_scale.data[1] = 252  # 6 x 2^125 per element: any nonzero h overflows
+    experts.process_weights_after_loading()
+    x = torch.randn(3, 64).bfloat16()
+    out = experts(x, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
+    assert torch.isfinite(out).all()
+    assert not torch.isfinite(experts(x, torch.ones(3, 1, dtype=torch.long), torch.ones(3, 1))).all()

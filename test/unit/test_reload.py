@@ -5,9 +5,10 @@ import logging
 
 import pytest
 import torch
+from torch import nn
 
 from fp8chain.layers.linear import ColumnParallelLinear, ReplicatedLinear
-from fp8chain.layers.loading import load_weights
+from fp8chain.layers.loading import load_weights, process_weights_after_loading
 from fp8chain.layers.quantization.fp8 import Fp8Config
 from fp8chain_kernel import backends
 from fp8chain_kernel import reference as ref
@@ -344,3 +345,59 @@ def test_routed_experts_left_unprocessed_by_a_failed_load_refuse_to_run():
     fresh = make()
     load_weights(fresh, good.items())
     assert torch.equal(experts(x, idx, weights), fresh(x, idx, weights))
+
+
+def test_load_weights_refuses_a_name_given_twice():
+    """A checkpoint naming one tensor twice is refused (the second copy would silently win)."""
+    a, b = checkpoint(), checkpoint()
+    with pytest.raises(ValueError, match="'weight' is given twice"):
+        load_weights(ReplicatedLinear(K, N, quant_config=CFG32, prefix="wo_b", bias=False), [("weight", a["weight"]), ("weight_scale_inv", a["weight_scale_inv"]),
+                                ("weight", b["weight"])])
+
+
+def test_an_interrupted_load_leaves_the_layer_refusing_to_run():
+    """A KeyboardInterrupt after some tensors were written leaves the layer refusing to run."""
+    a, b = checkpoint(), checkpoint()
+    layer = ReplicatedLinear(K, N, quant_config=CFG32, prefix="wo_b", bias=False)
+    load_weights(layer, a.items())
+
+    def stream():
+        yield "weight_scale_inv", b["weight_scale_inv"]
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        load_weights(layer, stream())
+    with pytest.raises(RuntimeError, match="weights not processed"):
+        layer(torch.randn(3, K).bfloat16())
+
+
+def test_a_load_refused_at_its_first_tensor_leaves_the_layer_running():
+    """Nothing written (the first tensor refused): the layer keeps serving its old weights."""
+    a = checkpoint()
+    layer, fresh = ReplicatedLinear(K, N, quant_config=CFG32, prefix="wo_b", bias=False), ReplicatedLinear(K, N, quant_config=CFG32, prefix="wo_b", bias=False)
+    load_weights(layer, a.items())
+    load_weights(fresh, a.items())
+    with pytest.raises(ValueError, match="checkpoint shape"):
+        load_weights(layer, [("weight", checkpoint(n=N + 32)["weight"])])
+    x = torch.randn(3, K).bfloat16()
+    assert torch.equal(layer(x), fresh(x))
+
+
+def test_processing_raises_the_first_error_after_processing_every_module():
+    """Every module is processed even past failures; the first failure is the one raised."""
+    done = []
+
+    class Step(nn.Module):
+        def __init__(self, name, fails):
+            super().__init__()
+            self.name, self.fails = name, fails
+
+        def process_weights_after_loading(self):
+            done.append(self.name)
+            if self.fails:
+                raise ValueError(f"{self.name} failed")
+
+    model = nn.Sequential(Step("a", True), Step("b", False), Step("c", True))
+    with pytest.raises(ValueError, match="^a failed$"):
+        process_weights_after_loading(model)
+    assert done == ["a", "b", "c"]
