@@ -59,20 +59,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=positive_int, default=None, help="calls per captured graph")
     parser.add_argument("--sweep", action="store_true", help="time candidate configs, print the best")
     parser.add_argument("--groups", default="32,128", help="weight block sizes the sweep covers")
-    parser.add_argument("--stages", default="4", help="comma-separated pipeline depths of the M <= 64 candidates")
-    parser.add_argument("--block-k", default="128,256", help="comma-separated BLOCK_K of the M <= 64 candidates")
-    parser.add_argument("--block-n", default="64,128", help="comma-separated BLOCK_N of the M <= 64 candidates")
-    parser.add_argument("--warps", default="4", help="comma-separated warp counts of the M <= 64 candidates")
+    parser.add_argument("--stages", default="4",
+                        help="comma-separated pipeline depths of the generated candidates (M <= 256)")
+    parser.add_argument("--block-k", default="128,256",
+                        help="comma-separated BLOCK_K of the generated candidates (M <= 256)")
+    parser.add_argument("--block-n", default="64,128",
+                        help="comma-separated BLOCK_N of the generated candidates (M <= 256)")
+    parser.add_argument("--warps", default="4",
+                        help="comma-separated warp counts of the generated candidates (M <= 256)")
     parser.add_argument("--token-tiles", default="",
                         help="comma-separated token tiles of the block-diagonal candidates (default: one tile "
                              "of 4, 8 or 16 tokens, never narrower than M, at M <= 16; 16 and 32 above)")
     parser.add_argument("--splits", default="",
-                        help="comma-separated K splits of the M <= 64 candidates (default: the four largest "
+                        help="comma-separated K splits of the generated candidates (default: the four largest "
                              "that leave each slice two or more K iterations)")
     parser.add_argument("--scale-ahead", default="default",
-                        help="comma-separated scale prefetch depths (0-4, or 'default') of the M <= 64 candidates")
+                        help="comma-separated scale prefetch depths (0-4, or 'default') of the generated "
+                             "candidates (M <= 256)")
     parser.add_argument("--modes", default=",".join([*OPERAND_MODES, GEMV_MODE]),
-                        help=f"comma-separated operand modes of the M <= 64 candidates ({', '.join(OPERAND_MODES)}; "
+                        help=f"comma-separated operand modes of the candidates ({', '.join(OPERAND_MODES)}; "
                              f"{GEMV_MODE}: the CUDA-core kernel, at M <= {MAX_GEMV_TOKENS})")
     parser.add_argument("--sweep-budget-s", type=float, default=150.0, help="stop the sweep's timing after this")
     parser.add_argument("--precompile", type=int, default=0,
@@ -133,16 +138,18 @@ def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...]
     default), ``block_ns`` (below 64 the dots are mma.sync, not wgmma), ``warps``, ``splits`` (K
     splits; default: ``_splits``) and ``token_tiles`` (the block-diagonal token tiles; default:
     ``_block_diag_token_tiles``, several tiles cover M where one is narrower) narrow or widen the
-    decode (M <= 64) candidates."""
+    generated candidates of M <= 256. Above M = 64 their FP8 and dequantized tiles are 64 or 128
+    tokens wide and a fixed list of tiles (some of 8 warps and 3 stages) joins them; above M = 256
+    only such a list is timed."""
     cands = []
     # (dequant, block_diag) operand modes; both alternatives to the per-group FP8 dot need 32-groups
     modes = tuple(OPERAND_MODES[name] for name in modes if group == 32 or name == "fp8")
-    if m <= 64:
-        bm = max(16, 1 << (m - 1).bit_length())
+    if m <= 256:
+        m_tiles = (max(16, 1 << (m - 1).bit_length()),) if m <= 64 else (64, 128)
         for dequant, block_diag in modes:
             # the block-diagonal token operand is SUB x wider: keep its accumulator <= 128 columns;
             # at M <= 8 it may also be 4 or 8 tokens wide (its dot stays >= 16 columns)
-            for block_m in (token_tiles or _block_diag_token_tiles(m)) if block_diag else (bm,):
+            for block_m in (token_tiles or _block_diag_token_tiles(m)) if block_diag else m_tiles:
                 for bn in block_ns:
                     for bk in block_ks:
                         token_cols = (bk // group) * block_m if block_diag else block_m
@@ -155,6 +162,7 @@ def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...]
                                 for ahead in scale_ahead if dequant or block_diag else (None,):
                                     cands += [gemm.GemmConfig(bn, block_m, bk, split, depth, w, 8, dequant, block_diag,
                                                               ahead) for w in warps]
+    if m <= 64:
         return cands
     if m <= 256:
         fp8 = [(128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4), (128, 128, 128, 1, 3, 8),
@@ -165,14 +173,14 @@ def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...]
                (256, 128, 128, 1, 3, 8), (128, 256, 128, 1, 3, 8)]
         deq = [(128, 128, 128, 1, 3, 8), (128, 128, 64, 1, 4, 8), (128, 256, 64, 1, 3, 8),
                (256, 128, 64, 1, 3, 8), (128, 64, 128, 1, 4, 4)]
-    for cfg in fp8:
+    for cfg in fp8 if (False, False) in modes else ():
         if k % cfg[2] == 0 and (k // cfg[2]) % cfg[3] == 0:
             cands.append(gemm.GemmConfig(*cfg, 8, False))
-    if group == 32:
+    if (True, False) in modes:
         for cfg in deq:
             if k % cfg[2] == 0:
                 cands.append(gemm.GemmConfig(*cfg, 8, True))
-    return cands
+    return list(dict.fromkeys(cands))  # the generated and listed tiles may coincide
 
 
 def _items(text: str, parse=str) -> tuple:

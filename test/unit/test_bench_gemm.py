@@ -114,3 +114,25 @@ def test_roofline_counts_every_byte_and_the_flops():
     assert bench.roofline_us(4, 256, 512, 32, 1e12, None) == pytest.approx(nbytes / 1e12 * 1e6)
     flops = 2 * 2048 * 256 * 512
     assert bench.roofline_us(2048, 256, 512, 32, 1e12, 1e14) == pytest.approx(flops / 1e14 * 1e6)
+
+
+def test_candidates_up_to_256_tokens_add_generated_tiles_to_the_list():
+    """At 64 < M <= 256 the generated FP8 and dequantized tiles are 64 or 128 tokens wide (K
+    splits included), block-diagonal ones 16 or 32, beside the fixed list; each launch once."""
+    bench, args = _sweep_args()
+    cands = bench._candidates(args, 256, 1792, 5120, 32)
+    assert len(cands) == len(set(cands))
+    by_mode = {mode: [c for c in cands if (c.dequant, c.block_diag) == flags]
+               for mode, flags in bench.OPERAND_MODES.items()}
+    assert {c.block_m for c in by_mode["fp8"]} == {c.block_m for c in by_mode["dequant"]} == {64, 128}
+    assert {c.block_m for c in by_mode["block_diag"]} == {16, 32}
+    assert {c.split for c in by_mode["dequant"]} >= {1, 2, 4}
+    assert bench.gemm.GemmConfig(128, 128, 128, 1, 3, 8) in cands  # from the fixed list
+    assert bench.gemm.GemmConfig(128, 64, 128, 2, 4, 4) in cands  # the table's entry for this bucket
+    # above 256 tokens the fixed list alone, filtered by --modes like the generated ones
+    wide = bench._candidates(args, 2048, 1792, 5120, 32)
+    assert {c.block_m for c in wide} <= {64, 128, 256} and all(not c.block_diag for c in wide)
+    bench, args = _sweep_args("--modes", "dequant")
+    assert all(c.dequant for m in (256, 2048) for c in bench._candidates(args, m, 1792, 5120, 32))
+    bench, args = _sweep_args("--modes", "block_diag")
+    assert bench._candidates(args, 2048, 1792, 5120, 32) == []
