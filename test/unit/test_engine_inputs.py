@@ -356,3 +356,84 @@ def test_graph_runner_padding_rows_write_the_scratch_slot(monkeypatch):
     assert runner.input_ids.tolist() == [11, 0, 0, 0]
     assert runner.positions.tolist() == [2, 0, 0, 0]
     assert runner.slots.tolist() == [1, 4, 4, 4]
+
+
+def test_graph_runner_per_chain_state_pads_into_a_slot_no_sequence_owns(model, monkeypatch):
+    """One decode graph runner per chain state, captured once and reused; its padding rows write a
+    KV-cache slot past every live sequence's (CPU stand-in: capture is a stub)."""
+    from fp8chain.runtime.cuda_graph import DecodeGraphRunner
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    captured = []
+    monkeypatch.setattr(DecodeGraphRunner, "capture", lambda self: captured.append(self))
+    engine = Engine(model, max_batch=2, max_len=8, graph_batch_sizes=[1, 2])
+    engine.cuda_graphs = True
+    try:
+        on = engine.graph_runner()
+        assert engine.graph_runner() is on and on.chain is True
+        model.set_chain(False)
+        off = engine.graph_runner()
+        assert off is not on and off.chain is False and engine.graph_runner() is off
+        model.set_chain(True)
+        assert engine.graph_runner() is on and captured == [on, off]
+    finally:
+        model.set_chain(True)
+    assert on.scratch_slot not in range(engine.max_batch)
+    assert all(cache.shape[0] > on.scratch_slot for cache in engine.kv_caches)
+
+
+
+def test_engine_refuses_a_zero_graph_bucket(model):
+    """A bucket of 0 sequences cannot be captured: refused at construction, not at capture."""
+    with pytest.raises(ValueError, match="graph_batch_sizes must be ints in 1..max_batch=4"):
+        Engine(model, max_batch=4, graph_batch_sizes=[0, 2])
+
+
+def test_a_batch_filling_the_largest_bucket_replays(model):
+    """With graphs on, every batch up to and including the largest bucket replays; one more runs eagerly."""
+    engine = Engine(model, max_batch=4, max_len=8, graph_batch_sizes=[1, 2])
+    assert not engine.replays_graphs(1)  # graphs off
+    engine.cuda_graphs = True
+    assert [engine.replays_graphs(b) for b in (1, 2, 3, 4)] == [True, True, False, False]
+
+
+def test_generate_reports_one_decode_step_per_token_after_the_first(loaded):
+    """``decode_steps`` counts the decode steps run: every new token but the first (the prefill's)."""
+    engine = Engine(loaded, max_batch=1, max_len=8)
+    for new in (0, 1, 3):
+        result = engine.generate([[1, 2]], new, return_logits=True)
+        assert result.decode_steps == max(new - 1, 0) and len(result.logits) == new, new
+
+
+def test_generate_keeps_each_steps_logits_when_decode_reuses_its_buffer(loaded, monkeypatch):
+    """``return_logits`` keeps a copy of every step's logits, also where ``decode`` returns a view of one
+    reused buffer (a replayed graph's output; CPU stand-in)."""
+    engine = Engine(loaded, max_batch=1, max_len=8)
+    want = engine.generate([[1, 2]], 3, return_logits=True).logits
+    real, buffer = engine.decode, torch.empty(1, 512)
+    monkeypatch.setattr(engine, "decode", lambda tokens, positions, **kw: buffer.copy_(real(tokens, positions, **kw)))
+    got = engine.generate([[1, 2]], 3, return_logits=True).logits
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(want[1], want[2])
+
+
+def test_decode_refuses_tensors_on_another_device(loaded):
+    """Tokens or positions on another device than the engine's are refused naming both devices."""
+    engine = Engine(loaded, max_batch=1, max_len=8)
+    one = torch.tensor([1])
+    for tokens, positions, name in ((one.to("meta"), one, "tokens"), (one, one.to("meta"), "positions")):
+        with pytest.raises(ValueError, match=f"{name} is on meta, the engine on cpu"):
+            engine.decode(tokens, positions)
+
+
+def test_cuda_graphs_on_a_cpu_model_are_refused_at_construction(model):
+    """``cuda_graphs=True`` for a model not on a CUDA device fails when the engine is built, not at a step."""
+    with pytest.raises(ValueError, match="CUDA graphs need the model on a CUDA device"):
+        Engine(model, max_batch=1, max_len=8, cuda_graphs=True)
+
+
+def test_default_graph_buckets_are_powers_of_two_and_max_batch(model):
+    """Without ``graph_batch_sizes`` the buckets are the powers of two below ``max_batch`` and
+    ``max_batch`` itself, so every batch the engine takes has a bucket."""
+    assert Engine(model, max_batch=6, max_len=8).graph_batch_sizes == [1, 2, 4, 6]
+    assert Engine(model, max_batch=8, max_len=8).graph_batch_sizes == [1, 2, 4, 8]

@@ -366,3 +366,20 @@ def test_shared_expert_tokens_on_the_gemv_keep_chain_on_equal_off(tokens, monkey
     assert calls == ["gemv", "gemv"]
     expert.chain = False
     assert torch.equal(bits(expert(x, None)), bits(chained))
+
+
+def test_column_strided_bf16_input_equals_its_contiguous_copy():
+    """A bf16 input with non-unit column stride (a transposed view) is served, bit-equal to its copy."""
+    layer, _ = make_layer(128, 256)
+    x = torch.randn(256, 5).to(torch.bfloat16).t()  # [5, 256], strides (1, 5)
+    assert x.stride(1) != 1
+    assert torch.equal(bits(layer(x)), bits(layer(x.contiguous())))
+
+
+def test_pair_with_wrong_column_count_is_refused_naming_k():
+    """A pair in the right format but not K columns wide is a ValueError naming the weight's K."""
+    layer, _ = make_layer(128, 256, request=True)
+    for cols in (128, 288):
+        pair = quantize(torch.randn(2, cols).to(torch.bfloat16), layer.input_format)
+        with pytest.raises(ValueError, match=f"input has {cols} columns, weight expects K=256"):
+            layer(pair)

@@ -301,3 +301,14 @@ def test_ignored_layers_stay_unquantized():
     quant = ReplicatedLinear(64, 64, quant_config=cfg, prefix="model.layers.1.attn.wq_b")
     assert kept.weight.dtype == torch.bfloat16 and not hasattr(kept, "weight_scale_inv")
     assert quant.weight.dtype == FP8_DTYPE and quant.weight_scale_inv.shape == (2, 2)
+
+
+def test_ignored_layers_match_whole_name_components_at_either_end():
+    """An ignored entry keeps a layer unquantized when it is the layer's leading or trailing dotted
+    components (``lm_head`` for ``model.lm_head``, ``model.layers.0`` for its linears), not a substring."""
+    cfg = Fp8Config(weight_block_size=(32, 32), ignored_layers=("lm_head", "model.layers.0"))
+    for prefix, kept in (("lm_head", True), ("model.lm_head", True), ("model.layers.0.attn.wq_b", True),
+                         ("model.layers.0", True), ("model.xlm_head", False), ("model.layers.01.attn.wq_b", False),
+                         ("model.layers.1.attn.wq_b", False)):
+        layer = ReplicatedLinear(64, 64, quant_config=cfg, prefix=prefix)
+        assert (layer.weight.dtype == torch.bfloat16) is kept, prefix
