@@ -10,7 +10,7 @@ from fp8chain.models.checkpoint import (
     INDEX_FILE, checkpoint_layout, load_checkpoint, load_state_dict, quantize_fp8_blockwise,
     random_checkpoint_tensors, write_random_checkpoint,
 )
-from fp8chain.models.deepseek_v41 import DeepseekV41Config
+from fp8chain.models.deepseek_v41 import DeepseekV41Config, check_tensor_spec
 from fp8chain_kernel.formats import FP8_DTYPE
 from fp8chain_kernel.reference import dequantize_weight
 
@@ -631,3 +631,13 @@ def test_mxfp4_encoding_rounds_ties_to_the_smaller_magnitude():
     want = [6.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0]
     want = torch.tensor(want + [-w for w in want[1:]] + [0.0] * 17)
     assert torch.equal(dequantize_mxfp4(packed, scale)[0].abs(), want.abs())
+
+
+def test_tensor_spec_of_an_element_type_torch_cannot_name_checks_the_shape_only():
+    """dtype=None (a safetensors type without a torch name) passes the type check; shape still checked."""
+    layout = checkpoint_layout(DeepseekV41Config.tiny(num_hidden_layers=1))
+    name = "layers.0.attn.wq_b.weight"
+    spec = layout[name]
+    check_tensor_spec(name, spec.shape, None, spec)
+    with pytest.raises(ValueError, match="checkpoint shape"):
+        check_tensor_spec(name, (spec.shape[0], spec.shape[1] - 32), None, spec)

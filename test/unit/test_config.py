@@ -1,6 +1,7 @@
 """DeepseekV41Config: from a HF config.json dict, presets, validation (CPU, no kernels run)."""
 
 import json
+import logging
 
 import pytest
 
@@ -148,3 +149,30 @@ def test_validation_takes_k_in_weight_blocks_not_128():
     c = DeepseekV41Config.flash(moe_intermediate_size=576)
     assert c.fp8_linear_shapes()["ffn.shared_experts.w2"] == (5120, 576)
     assert DeepseekV41Config.tiny(q_lora_rank=96).fp8_linear_shapes()["attn.wq_b"][1] == 96
+
+
+def test_to_dict_writes_the_read_fields_over_extra():
+    """A read field's value wins over a same-named key in extra, so from_dict(to_dict()) round-trips."""
+    c = DeepseekV41Config.tiny(extra={"hidden_size": 1024, "index_topk": 512})
+    d = c.to_dict()
+    assert d["hidden_size"] == 256 and d["index_topk"] == 512
+    assert DeepseekV41Config.from_dict(d).hidden_size == 256
+
+
+def test_from_dict_keeps_a_given_extra():
+    """The keys of a config.json's own "extra" dict are kept in extra and written back by to_dict."""
+    d = {**DeepseekV41Config.tiny().to_dict(), "extra": {"index_topk": 512}, "compress_ratios": [0, 4]}
+    c = DeepseekV41Config.from_dict(d)
+    assert c.extra == {"index_topk": 512, "compress_ratios": [0, 4]}
+    assert c.to_dict()["index_topk"] == 512
+
+
+def test_group_routing_warns_only_when_groups_limit_the_choice(caplog):
+    """n_group with topk_group == n_group routes over all experts: no group-limited warning."""
+    tiny = DeepseekV41Config.tiny().to_dict()
+    with caplog.at_level(logging.WARNING):
+        DeepseekV41Config.from_dict({**tiny, "n_group": 4, "topk_group": 4})
+    assert "group-limited routing" not in caplog.text
+    with caplog.at_level(logging.WARNING):
+        DeepseekV41Config.from_dict({**tiny, "n_group": 4, "topk_group": 3})
+    assert "group-limited routing" in caplog.text

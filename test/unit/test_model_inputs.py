@@ -439,3 +439,66 @@ def test_routed_experts_ignore_experts_no_token_is_routed_to():
     out = experts(x, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
     assert torch.isfinite(out).all()
     assert not torch.isfinite(experts(x, torch.ones(3, 1, dtype=torch.long), torch.ones(3, 1))).all()
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_moe_routes_scales_and_clamps_with_the_configs_settings(norm_topk_prob):
+    """The MoE sublayer uses its config's norm_topk_prob, routed_scaling_factor and swiglu_limit."""
+    config = DeepseekV41Config.tiny(num_hidden_layers=1, norm_topk_prob=norm_topk_prob,
+                                    routed_scaling_factor=2.5, swiglu_limit=0.5)
+    model = DeepseekV41ForCausalLM(config)
+    model.load_weights(random_checkpoint_tensors(config))
+    ffn = model.layers[0].ffn
+    x = torch.randn(4, config.hidden_size).bfloat16()
+    idx, weights = ffn.gate(x)
+    want_idx, want_weights = ref.router_topk(x, ffn.gate.weight, ffn.gate.bias, config.num_experts_per_tok,
+                                             2.5, norm_topk_prob)
+    assert torch.equal(idx, want_idx)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+
+    def routed(limit):
+        out = torch.zeros(x.shape[0], config.hidden_size)
+        for t in range(x.shape[0]):
+            for k in range(config.num_experts_per_tok):
+                e = int(idx[t, k])
+                gate_up = x[t:t + 1].float() @ ffn.experts.w13_dequant[e].float().t()
+                h = swiglu_reference(gate_up, limit).bfloat16().float()
+                out[t] += weights[t, k] * (h @ ffn.experts.w2_dequant[e].float().t())[0]
+        return out
+
+    want = routed(0.5)
+    assert (want - routed(None)).abs().max() > 1e-2  # the clamp is active at these weights
+    torch.testing.assert_close(ffn.experts(x, idx, weights), want, rtol=1e-5, atol=1e-5)
+    shared = ffn.shared_experts(x).float()
+    torch.testing.assert_close(ffn(x).float(), (want + shared).bfloat16().float(), rtol=1e-2, atol=1e-3)
+
+
+def test_forward_refuses_layer_caches_of_different_shapes():
+    """Every layer's cache must have one [S, L, head_dim] shape (the index check reads the first)."""
+    config = DeepseekV41Config.tiny(num_hidden_layers=2)
+    model = DeepseekV41ForCausalLM(config)
+    model.load_weights(random_checkpoint_tensors(config))
+    ids, positions, slots, caches = _inputs(model)
+    shorter = torch.zeros(SLOTS, LENGTH - 1, config.kv_dim, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"kv_caches must be \[S, L, head_dim\] tensors of one shape"):
+        model(ids, positions, slots, [caches[0], shorter])
+
+
+def test_model_refuses_o_groups_that_do_not_split_over_the_ranks():
+    """o_groups not divisible by tp_size is refused (else a rank holds zero wo_a groups)."""
+    config = DeepseekV41Config.tiny(num_hidden_layers=1, num_attention_heads=4, o_groups=2)
+    with pytest.raises(ValueError, match="o_groups=2 is not divisible by tp_size 4"):
+        DeepseekV41ForCausalLM(config, tp_rank=0, tp_size=4)
+
+
+@pytest.mark.parametrize("value", [torch.finfo(torch.bfloat16).max, -torch.finfo(torch.bfloat16).max])
+def test_load_accepts_mhc_fn_values_at_the_bf16_limit(value):
+    """An hc fn value of exactly +-bf16 max is finite within the bound: loaded, not refused."""
+    config = DeepseekV41Config.tiny(num_hidden_layers=1)
+    tensors = dict(random_checkpoint_tensors(config))
+    fn = tensors["layers.0.hc_ffn_fn"].clone()
+    fn[2, 7] = value
+    tensors["layers.0.hc_ffn_fn"] = fn
+    model = DeepseekV41ForCausalLM(config)
+    model.load_weights(tensors.items())
+    assert model.layers[0].hc_ffn.fn[2, 7].item() == value
