@@ -229,3 +229,12 @@ def test_silu_mul_bad_inputs(device):
         act.silu_mul(gu, out_bf16=torch.empty(3, 256, dtype=torch.float16, device=device))
     with pytest.raises(ValueError):
         act.silu_mul(gu, return_bf16=False)
+
+
+@pytest.mark.cpu
+def test_silu_mul_refuses_nan_limit():
+    """A NaN swiglu limit is not a positive number: refused (it would pass the fp32-range test)."""
+    with pytest.raises(ValueError, match="positive number"):
+        act.check_limit(float("nan"))
+    with pytest.raises(ValueError, match="positive number"):
+        act.silu_mul(torch.randn(2, 256).bfloat16(), limit=float("nan"))

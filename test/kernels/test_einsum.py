@@ -417,3 +417,74 @@ def test_wo_a_fp8_weight_bad_inputs(device):
     with pytest.raises(ValueError, match="BLOCK_K"):
         einsum.wo_a_einsum(o, w8, weight_scale=s,
                            config=dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", [ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN])
+def test_wo_a_split_k_last_slice_past_d(fmt, device):
+    """D a multiple of BLOCK_K but not of BLOCK_K * SPLIT (96 = 3 tiles of 32 in 2 slices): the
+    last slice's second tile lies past D and must be masked (EVEN_K is per slice span)."""
+    rows, groups, r, d = 5, 2, 96, 96
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2, SPLIT=2)
+    o, w = _inputs(rows, groups, r, d, device)
+    cols = groups * r
+    y, pair = einsum.wo_a_einsum(o, w, out_format=fmt, out=poisoned_pair(rows, cols, fmt, device),
+                                 out_bf16=torch.full((rows, cols), float("nan"), dtype=torch.bfloat16,
+                                                     device=device), config=config)
+    assert rel_error(y, wo_a_einsum_fp(o, w, torch.float64)) < REL_BOUND
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+
+
+@pytest.mark.cpu
+def test_wo_a_fp8_weight_scale_columns_past_d_never_read(device):
+    """weight_scale as a view of a wider buffer (its strides are honoured): the scale column past
+    ceil(D/b), inf here, is masked off for the K step past D (D = 80, a 128-wide K step)."""
+    rows, groups, r, d = 3, 2, 64, 80
+    o, _ = _inputs(rows, groups, r, d, device)
+    w8, s = ref.random_fp8_wo_a(groups, r, d, 32, device, log2_scale=-8)
+    wide = torch.full((groups, s.shape[1], s.shape[2] + 1), float("inf"), device=device)
+    wide[:, :, :s.shape[2]] = s
+    s_view = wide[:, :, :s.shape[2]]
+    y = einsum.wo_a_einsum(o, w8, weight_scale=s_view)
+    assert torch.equal(y.view(torch.int16), einsum.wo_a_einsum(o, w8, weight_scale=s).view(torch.int16))
+    assert rel_error(y, ref.wo_a_einsum(o, w8, weight_scale=s)) < REL_BOUND
+
+
+@pytest.mark.cpu
+def test_wo_a_refuses_empty_d(device):
+    """D = 0 with rows and columns to write is refused (nothing would be written into y)."""
+    o = torch.empty(3, 2, 0, dtype=torch.bfloat16, device=device)
+    w = torch.empty(2, 128, 0, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="D = 0"):
+        einsum.wo_a_einsum(o, w)
+
+
+@pytest.mark.cpu
+def test_wo_a_config_block_n_16_without_a_format(device):
+    """Without out_format or tile_group the tiles hold no scale group: BLOCK_N = 16 is taken."""
+    o, w = _inputs(3, 2, 48, 64, device)
+    config = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2)
+    y = einsum.wo_a_einsum(o, w, config=config)
+    assert rel_error(y, wo_a_einsum_fp(o, w, torch.float64)) < REL_BOUND
+
+
+@pytest.mark.cpu
+def test_wo_a_refuses_output_over_weight_scale():
+    """An output sharing memory with an FP8 wo_a's block scales (which the launch reads) is refused."""
+    o, _ = _inputs(3, 2, 64, 64, "cpu")
+    w8, s = ref.random_fp8_wo_a(2, 64, 64, 32, "cpu", log2_scale=-8)
+    buf = torch.empty(200)
+    s_in = buf[:s.numel()].view(s.shape)
+    s_in.copy_(s)
+    out_y = buf.view(torch.bfloat16)[:3 * 128].view(3, 128)
+    with pytest.raises(ValueError, match="out_bf16 overlaps weight_scale"):
+        einsum.wo_a_einsum(o, w8, weight_scale=s_in, out_bf16=out_y)
+
+
+@pytest.mark.cpu
+def test_wo_a_refuses_weight_scale_on_another_device():
+    """FP8 block scales on another device than wo_a are refused on the host (meta: no memory)."""
+    o, _ = _inputs(3, 2, 64, 64, "cpu")
+    w8, s = ref.random_fp8_wo_a(2, 64, 64, 32, "cpu", log2_scale=-8)
+    with pytest.raises(ValueError, match="weight_scale is on meta"):
+        einsum.wo_a_einsum(o, w8, weight_scale=s.to("meta"))

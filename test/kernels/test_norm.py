@@ -303,3 +303,37 @@ def test_rms_norm_bad_inputs(device):
         norm.rms_norm(x, w, EPS, out_format="sm90_g64_nonsense")
     with pytest.raises(ValueError):
         norm.rms_norm(x, w, -1.0)
+
+
+@pytest.mark.cpu
+def test_rms_norm_refuses_strided_weight(device):
+    """The kernel reads the weight at unit stride: a strided weight view is refused."""
+    x = torch.randn(3, 256, device=device).bfloat16()
+    w = torch.randn(512, device=device).bfloat16()[::2]
+    with pytest.raises(ValueError, match="weight must be contiguous"):
+        norm.rms_norm(x, w, EPS)
+
+
+@pytest.mark.cpu
+def test_rms_norm_takes_rows_of_exactly_one_tile():
+    """H = 2^20 (MAX_TILE_ELEMS) still fits one program: accepted (zero rows: nothing runs)."""
+    cols = norm.MAX_TILE_ELEMS
+    y = norm.rms_norm(torch.empty(0, cols, dtype=torch.bfloat16), torch.ones(cols, dtype=torch.bfloat16), EPS)
+    assert y.shape == (0, cols)
+
+
+@pytest.mark.cpu
+def test_rms_norm_refuses_weight_on_another_device():
+    """A weight on another device than x is refused on the host (meta: no memory)."""
+    x = torch.randn(3, 256).bfloat16()
+    with pytest.raises(ValueError, match="weight is on meta"):
+        norm.rms_norm(x, torch.empty(256, dtype=torch.bfloat16, device="meta"), EPS)
+
+
+@pytest.mark.cpu
+def test_rms_norm_refuses_residual_over_weight():
+    """residual is written in place: it may not share memory with the weight the launch reads."""
+    storage = torch.randn(4 * 256).bfloat16()
+    x = torch.randn(3, 256).bfloat16()
+    with pytest.raises(ValueError, match="residual overlaps weight"):
+        norm.rms_norm(x, storage[3 * 256 - 128:][:256], EPS, residual=storage[:3 * 256].view(3, 256))
