@@ -173,9 +173,10 @@ def sweep_candidates(m: int, n: int, k: int, group: int, stages: tuple[int, ...]
                (256, 128, 128, 1, 3, 8), (128, 256, 128, 1, 3, 8)]
         deq = [(128, 128, 128, 1, 3, 8), (128, 128, 64, 1, 4, 8), (128, 256, 64, 1, 3, 8),
                (256, 128, 64, 1, 3, 8), (128, 64, 128, 1, 4, 4)]
-    for cfg in fp8 if (False, False) in modes else ():
-        if k % cfg[2] == 0 and (k // cfg[2]) % cfg[3] == 0:
-            cands.append(gemm.GemmConfig(*cfg, 8, False))
+    if (False, False) in modes:
+        for cfg in fp8:
+            if k % cfg[2] == 0 and (k // cfg[2]) % cfg[3] == 0:
+                cands.append(gemm.GemmConfig(*cfg, 8, False))
     if (True, False) in modes:
         for cfg in deq:
             if k % cfg[2] == 0:

@@ -2,7 +2,6 @@
 same bits with the chain on and off, and the chained unit writes the next layer's pair."""
 
 import importlib.util
-import types
 from pathlib import Path
 
 import pytest
@@ -283,58 +282,6 @@ def test_stats_in_line_arm_restores_the_side_stream_on_error():
             assert not layer.overlap_stats
             raise KeyError("a failing arm")
     assert layer.overlap_stats
-
-
-def test_run_sublayer_requires_exactly_one_stats_fork():
-    from fp8chain.layers.mhc import HyperConnection, run_sublayer
-    from fp8chain.layers.norm import RMSNorm
-
-    hc, norm = HyperConnection(64, hc_mult=4, sinkhorn_iters=3), RMSNorm(64)
-    residual, y = torch.randn(2, 4, 64).bfloat16(), torch.randn(2, 64).bfloat16()
-    with pytest.raises(RuntimeError, match="never forked"):
-        run_sublayer(hc, lambda fork: y, residual, norm)
-    with pytest.raises(RuntimeError, match="twice"):
-        run_sublayer(hc, lambda fork: (fork(), fork(), y)[-1], residual, norm)
-    new_residual, x, pair = run_sublayer(hc, lambda fork: (fork(), y)[-1], residual, norm)
-    assert new_residual.shape == residual.shape and x.shape == y.shape and pair is None
-
-
-def test_run_sublayer_joins_the_stats_stream_when_the_sublayer_raises(monkeypatch):
-    """A sublayer that fails after forking its stats, or stats that fail once forked, still leave
-    the current stream waiting on the side stream (no unjoined stream in a capture, no race with
-    later work); a sublayer that fails before forking has nothing to join."""
-    from fp8chain.layers import mhc
-    from fp8chain.layers.norm import RMSNorm
-
-    side, joined = object(), []
-    monkeypatch.setattr(mhc, "stats_stream", lambda device: side)
-    monkeypatch.setattr(torch.cuda, "current_stream",
-                        lambda device=None: types.SimpleNamespace(wait_stream=joined.append))
-    hc, norm = mhc.HyperConnection(64, hc_mult=4, sinkhorn_iters=3), RMSNorm(64)
-    monkeypatch.setattr(hc, "stats", lambda residual, side_stream: mhc.MHCStats(None, None, None))
-    residual = torch.randn(2, 4, 64).bfloat16()
-
-    def failing_sublayer(fork_first: bool):
-        def run(fork):
-            if fork_first:
-                fork()
-            raise ValueError("sublayer failed")
-        return run
-
-    with pytest.raises(ValueError, match="sublayer failed"):
-        mhc.run_sublayer(hc, failing_sublayer(fork_first=True), residual, norm)
-    assert joined == [side]
-    with pytest.raises(ValueError, match="sublayer failed"):
-        mhc.run_sublayer(hc, failing_sublayer(fork_first=False), residual, norm)
-    assert joined == [side]
-
-    def stats_failing_on_the_side_stream(residual, side_stream):  # e.g. out of memory for its partials
-        raise RuntimeError("stats launch failed")
-
-    monkeypatch.setattr(hc, "stats", stats_failing_on_the_side_stream)
-    with pytest.raises(RuntimeError, match="stats launch failed"):
-        mhc.run_sublayer(hc, lambda fork: (fork(), None)[-1], residual, norm)
-    assert joined == [side, side]  # the side stream may have waited on this one: joined all the same
 
 
 @pytest.mark.parametrize("module_name,kernels_attr,kernel,switch", [

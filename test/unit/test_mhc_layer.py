@@ -106,3 +106,49 @@ def test_expand_streams_copies_the_embedding_into_independent_streams():
     assert all(torch.equal(residual[:, s], hidden) for s in range(4))
     residual[:, 0] += 1
     assert torch.equal(residual[:, 1], hidden) and not torch.equal(residual[:, 0], hidden)
+
+
+def test_run_sublayer_requires_exactly_one_stats_fork():
+    hc, norm = HyperConnection(64, hc_mult=4, sinkhorn_iters=3), RMSNorm(64)
+    residual, y = torch.randn(2, 4, 64).bfloat16(), torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="never forked"):
+        mhc.run_sublayer(hc, lambda fork: y, residual, norm)
+    with pytest.raises(RuntimeError, match="twice"):
+        mhc.run_sublayer(hc, lambda fork: (fork(), fork(), y)[-1], residual, norm)
+    new_residual, x, pair = mhc.run_sublayer(hc, lambda fork: (fork(), y)[-1], residual, norm)
+    assert new_residual.shape == residual.shape and x.shape == y.shape and pair is None
+
+
+def test_run_sublayer_joins_the_stats_stream_when_the_sublayer_raises(monkeypatch):
+    """A sublayer that fails after forking its stats, or stats that fail once forked, still leave
+    the current stream waiting on the side stream (no unjoined stream in a capture, no race with
+    later work); a sublayer that fails before forking has nothing to join."""
+    side, joined = object(), []
+    monkeypatch.setattr(mhc, "stats_stream", lambda device: side)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: types.SimpleNamespace(wait_stream=joined.append))
+    hc, norm = HyperConnection(64, hc_mult=4, sinkhorn_iters=3), RMSNorm(64)
+    monkeypatch.setattr(hc, "stats", lambda residual, side_stream: mhc.MHCStats(None, None, None))
+    residual = torch.randn(2, 4, 64).bfloat16()
+
+    def failing_sublayer(fork_first: bool):
+        def run(fork):
+            if fork_first:
+                fork()
+            raise ValueError("sublayer failed")
+        return run
+
+    with pytest.raises(ValueError, match="sublayer failed"):
+        mhc.run_sublayer(hc, failing_sublayer(fork_first=True), residual, norm)
+    assert joined == [side]
+    with pytest.raises(ValueError, match="sublayer failed"):
+        mhc.run_sublayer(hc, failing_sublayer(fork_first=False), residual, norm)
+    assert joined == [side]
+
+    def stats_failing_on_the_side_stream(residual, side_stream):  # e.g. out of memory for its partials
+        raise RuntimeError("stats launch failed")
+
+    monkeypatch.setattr(hc, "stats", stats_failing_on_the_side_stream)
+    with pytest.raises(RuntimeError, match="stats launch failed"):
+        mhc.run_sublayer(hc, lambda fork: (fork(), None)[-1], residual, norm)
+    assert joined == [side, side]  # the side stream may have waited on this one: joined all the same
