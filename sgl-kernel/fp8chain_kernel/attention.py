@@ -25,7 +25,8 @@ RoPE acts on interleaved pairs ``(x[2i], x[2i+1])``; ``cos_table``/``sin_table``
 ``[L, rd/2]`` rows per position (``reference.rope_tables``). Both functions equal their
 ``fp8chain_kernel.reference`` namesakes up to that rounding (``rope_qkv`` within one bf16 ulp).
 Decode and prefill alike: each token reads only its own slot's keys up to its own position,
-straight from the cache. The tables need a row per cache position (``L`` rows at least).
+straight from the cache. The tables need a row per cache position (``L`` rows at least), and
+the cache at least one position (``L >= 1``, else ``ValueError``).
 What a launch writes (``out``, the cache in ``rope_qkv``) shares no memory with what it reads.
 
 Index contract: ``0 <= slots[t] < S`` and ``0 <= positions[t] < L``, and no two tokens of one
@@ -381,6 +382,8 @@ def _check_cache(kv_cache: torch.Tensor, dim: int) -> None:
         raise TypeError(f"kv_cache must be bfloat16 [S, L, {dim}], got {kv_cache.dtype} {tuple(kv_cache.shape)}")
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous")
+    if kv_cache.shape[1] == 0:  # an out-of-range token still reads table row 0
+        raise ValueError("kv_cache has no positions (L = 0): no token can be written or attend")
 
 
 def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,

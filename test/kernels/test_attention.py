@@ -134,11 +134,64 @@ def test_split_kernel_pipeline_depth_fits_shared_memory(tile, stages):
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("tile", [(8, 64), (64, 8), (16, 24)])
+def test_split_tiles_below_16_or_not_powers_of_two_are_refused(tile):
+    """``tile=``: each side a power of two >= 16 (tl.dot's smallest operand), refused otherwise by
+    ``key_splits`` and ``mqa_attention`` alike, before any launch."""
+    with pytest.raises(ValueError, match="tile"):
+        key_splits(1, 16, 64, tile)
+    problem = _problem(1, 16, 64, 64, 1, "cpu")
+    with pytest.raises(ValueError, match="tile"):
+        mqa_attention(*problem, tile=tile)
+
+
+class _Launches:
+    """Stands in for a Triton kernel: records each launch's grid and constexprs, runs nothing."""
+
+    def __init__(self):
+        self.grids, self.consts = [], []
+
+    def __getitem__(self, grid):
+        def launch(*args, **consts):
+            self.grids.append(tuple(grid))
+            self.consts.append(consts)
+        return launch
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("tokens,heads,length", [(16, 64, 4096), (1, 16, 1024), (300, 64, 1024), (48, 64, 256)])
+def test_default_launch_is_the_tile_and_splits_key_splits_reports(tokens, heads, length, monkeypatch):
+    """By default ``mqa_attention`` launches ``_split_tile``'s tile (chosen by the cache length L)
+    and ``key_splits``' count for that tile; the merge (only where keys split) covers every
+    16-head block and every column."""
+    from fp8chain_kernel import attention
+
+    split, merge = _Launches(), _Launches()
+    monkeypatch.setattr(attention, "_mqa_split_kernel", split)
+    monkeypatch.setattr(attention, "_mqa_merge_kernel", merge)
+    dim = 64
+    mqa_attention(*_problem(tokens, heads, dim, length, 1, "cpu"))
+    block_h, block_l = _split_tile(None, tokens, heads, length)
+    splits = key_splits(tokens, heads, length)
+    assert split.grids == [(tokens, -(-heads // block_h), splits)]
+    assert (split.consts[0]["BLOCK_H"], split.consts[0]["BLOCK_L"], split.consts[0]["SPLITS"]) == \
+        (block_h, block_l, splits)
+    assert split.consts[0]["STEPS"] * splits * block_l >= length  # every key in some split
+    if splits == 1:
+        assert merge.grids == []
+    else:
+        (t, head_blocks, chunks), = merge.grids
+        assert (t, head_blocks, merge.consts[0]["SPLITS"]) == (tokens, -(-heads // 16), splits)
+        assert chunks * merge.consts[0]["BLOCK_C"] >= dim
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize("heads,tokens,length,splits", [
     (64, 1, 1024, 16), (16, 1, 1024, 16), (16, 4, 1024, 16), (64, 4, 1024, 8), (64, 16, 1024, 4),
     (64, 32, 1024, 2), (64, 64, 1024, 2), (64, 256, 1024, 2),
     (64, 1, 4096, 16), (64, 4, 4096, 8), (64, 16, 4096, 8), (16, 64, 1024, 2), (16, 16, 4096, 8),
     (64, 2048, 2048, 1), (16, 300, 1024, 1),
+    (16, 264, 1024, 2), (16, 265, 1024, 1),  # 264 programs = two waves: still 2 splits; one more: 1
 ])
 def test_key_splits_by_batch(heads, tokens, length, splits):
     """The split counts the H200 sweep found fastest (docs/benchmarks.md): one wave of split
@@ -349,6 +402,24 @@ def test_rope_qkv_normalizes_the_raw_latent(tokens, dim):
     assert torch.equal(fused, split)
     with pytest.raises(TypeError, match="kv_weight"):
         rope_qkv(q, kv, cos, sin, fused, slots, positions, 1e-6, kv_weight=weight.float())
+
+
+@pytest.mark.cpu
+def test_rope_over_the_whole_head():
+    """Tables of D / 2 columns (every pair of the head RoPE'd, no unrotated columns) are accepted
+    and give the references' results."""
+    assert 2 * _problem(1, 1, ROPE_DIM, 16, 1, "cpu")[6].shape[1] == ROPE_DIM
+    _check_attention(_problem(2, 4, ROPE_DIM, 80, 2, "cpu", positions=torch.tensor([79, 5])))
+    _check_rope(2, 4, ROPE_DIM, 16, "cpu")
+
+
+@pytest.mark.cpu
+def test_zero_heads_launch_nothing():
+    """No query head: an empty ``[T, 0, D]`` output (also into ``out=``), no launch."""
+    q, kv_cache, slots, positions, sink, scale, cos, sin = _problem(3, 0, 128, 16, 2, "cpu")
+    assert mqa_attention(q, kv_cache, slots, positions, sink, scale, cos, sin).shape == (3, 0, 128)
+    out = torch.empty(3, 0, 128, dtype=torch.bfloat16)
+    assert mqa_attention(q, kv_cache, slots, positions, sink, scale, cos, sin, out=out) is out
 
 
 @pytest.mark.cpu

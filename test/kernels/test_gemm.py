@@ -201,6 +201,37 @@ def test_bad_weights_and_out_are_rejected(device):
 
 
 @pytest.mark.cpu
+def test_configs_the_kernel_cannot_run_are_refused(device):
+    """block_m and block_k powers of two, block_k a multiple of the group that divides K, and
+    scale_ahead in 0..4: refused before a launch otherwise (fp8_gemm, w8a16 and the SiLU*mul entry)."""
+    w, s = ref.random_fp8_weight(128, 384, 32, device)
+    x = make_activation(2, 384, device)
+    pair = ref.quantize(x, G32)
+    plain = gemm.GemmConfig(64, 16, 128, 1, 2, 4, 8)
+    for bad, match in ((plain._replace(block_m=24), "GemmConfig"), (plain._replace(block_k=96), "GemmConfig"),
+                       (plain._replace(block_k=16), "multiple of 32"), (plain._replace(block_k=256), "divide K=384"),
+                       (plain._replace(dequant=True, scale_ahead=-1), "scale_ahead")):
+        for call in (lambda: gemm.fp8_gemm(pair, w, s, weight_block=32, config=bad),
+                     lambda: gemm.w8a16_gemm(x, w, s, weight_block=32, config=bad),
+                     lambda: gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, config=bad)):
+            with pytest.raises(ValueError, match=match):
+                call()
+
+
+@pytest.mark.cpu
+def test_split_k_slices_are_equal(device):
+    """A config's split that does not divide the K iterations runs the largest one that does (3 of
+    4 iterations: 2 slices of 2), every K column summed once."""
+    m, n, k = 3, 128, 512
+    w, scale = ref.random_fp8_weight(n, k, 32, device)
+    pair = ref.quantize(make_activation(m, k, device), G32)
+    cfg = SPLIT_CFG._replace(split=3)
+    assert gemm._split_plan(2, k, cfg, torch.device(device))[:2] == (2, 2)
+    out = gemm.fp8_gemm(pair, w, scale, weight_block=32, out=poisoned_out(m, n, device), config=cfg)
+    check_against_reference(out, pair, w, scale, 32)
+
+
+@pytest.mark.cpu
 def test_zero_rows_and_caller_buffers(device):
     n, k = 128, 256
     w, s = ref.random_fp8_weight(n, k, 32, device)
@@ -317,6 +348,17 @@ def test_silu_mul_epilogue_only_where_it_pays(device):
     assert get_backend("triton").gemm_silu_mul(pair, w, s, {}, 10.0, G32) is None
     one = ref.quantize(make_activation(1, k, device), G32)  # one token: fp8_gemm runs the GEMV
     assert get_backend("triton").gemm_silu_mul(one, w, s, {}, 10.0, G32) is None
+
+
+@pytest.mark.cpu
+def test_silu_mul_epilogue_pays_below_the_wide_tile_only():
+    """A tile of exactly ``SILU_MUL_WIDE_TILE`` accumulator elements (128 x 64: the 128-group
+    gate_up's prefill entry) runs 8 warps and does not pay; one element column narrower does."""
+    assert gemm.SILU_MUL_WIDE_TILE == 128 * 64
+    pays = gemm.silu_mul_epilogue_pays
+    assert not pays(gemm.GemmConfig(128, 64, 128)) and not pays(gemm.GemmConfig(64, 128, 128))
+    assert pays(gemm.GemmConfig(128, 32, 128)) and pays(gemm.GemmConfig(64, 64, 128))
+    assert not pays(gemm.CONFIG_TABLE[(1 << 30, 4608, 5120, 128)])
 
 
 @pytest.mark.cpu
@@ -514,3 +556,43 @@ def test_config_choice_by_group_and_m(device):
             gemm.CONFIG_TABLE[(16, 5120, 8192, 128)]  # 128-groups: bucket 16's FP8-dot entry
         assert gemm._heuristic_config(m, 3072, 4096, 32, sms=132).block_m == tile
     assert not gemm.select_config(5, 5120, 8192, 32, torch.device(device), a_fp8=False).block_diag  # W8A16
+
+
+@pytest.mark.cpu
+def test_buckets_without_entries_borrow_the_larger_buckets(device, monkeypatch):
+    """M = 17..32 (bucket 32) runs bucket 64's entry on a 32-token tile, M = 65..128 bucket 256's
+    (its tile is no wider than 128); a table entry whose block_k does not divide K is skipped."""
+    dev = torch.device(device)
+    entry64 = gemm.CONFIG_TABLE[(64, 5120, 8192, 32)]
+    for m in (17, 32):
+        assert gemm.select_config(m, 5120, 8192, 32, dev) == entry64._replace(block_m=32), m
+    assert gemm.select_config(33, 5120, 8192, 32, dev) == entry64
+    for m in (65, 128):
+        assert gemm.select_config(m, 5120, 8192, 32, dev) == gemm.CONFIG_TABLE[(256, 5120, 8192, 32)], m
+    bad = gemm.GemmConfig(64, 16, 256, 1, 2, 4, 8)
+    monkeypatch.setitem(gemm.CONFIG_TABLE, (16, 192, 384, 32), bad)
+    picked = gemm.select_config(16, 192, 384, 32, dev)
+    assert picked != bad and 384 % picked.block_k == 0
+
+
+@pytest.mark.cpu
+def test_heuristic_k_step_token_tile_and_split():
+    """Outside the table: 128-column K steps wherever 128 divides K (block-diagonal at M <= 16 for
+    32-groups), else one group's (then dequantized, 16-token tiles); 64 x 64 tiles up to M = 256;
+    K split in powers of two while there are fewer than two programs per SM, slices of >= 4 K
+    steps, at most 8 slices."""
+    for k in (384, 1280):
+        picked = gemm._heuristic_config(4, 3072, k, 32, sms=132)
+        assert picked.block_k == 128 and picked.block_diag, k
+    picked = gemm._heuristic_config(1, 3072, 160, 32, sms=132)
+    assert (picked.block_k, picked.block_m, picked.block_diag, picked.dequant) == (32, 16, False, True)
+    for group, wide in ((32, (128, 128)), (128, (128, 64))):
+        assert gemm._heuristic_config(256, 3072, 4096, group, sms=132)[:2] == (64, 64)
+        assert gemm._heuristic_config(257, 3072, 4096, group, sms=132)[:2] == wide
+    split = lambda m, n, k, sms=132: gemm._heuristic_config(m, n, k, 32, sms=sms).split  # noqa: E731
+    assert split(1, 64, 512) == 1  # 4 K steps: no two slices of 4
+    assert split(1, 64, 1024) == 2 and split(1, 64, 2048) == 4
+    assert split(1, 64, 16384) == 8  # at most 8 slices
+    assert split(1, 6400, 4096) == 4  # 100 tiles: 4 slices make 400 programs >= 2 x 132
+    assert split(64, 512, 4096, sms=4) == 1  # 8 tiles: already two programs per SM
+    assert split(64, 512, 4096, sms=5) == 2

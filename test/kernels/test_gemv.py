@@ -187,6 +187,18 @@ def test_gemv_config_errors(device):
 
 
 @pytest.mark.cpu
+def test_gemv_config_checks_refuse_short_k_steps_and_other_types():
+    """block_k a multiple of the group (16 columns < a 32-group: no whole group per step, though a
+    power of two); a config that is no ``GemvConfig`` is a TypeError."""
+    for group in (32, 128):
+        with pytest.raises(ValueError, match="GemvConfig"):
+            gemv.check_gemv_config(gemv.GemvConfig(4, group // 2), group)
+        gemv.check_gemv_config(gemv.GemvConfig(4, group), group)
+    with pytest.raises(TypeError, match="config must be a GemvConfig, got tuple"):
+        gemv.check_gemv_config((4, 256, 2, 3), 32)
+
+
+@pytest.mark.cpu
 def test_load_table_fills_both_tables(tmp_path, monkeypatch):
     monkeypatch.setattr(gemm, "CONFIG_TABLE", dict(gemm.CONFIG_TABLE))
     monkeypatch.setattr(gemv, "GEMV_TABLE", dict(gemv.GEMV_TABLE))

@@ -307,6 +307,91 @@ def test_attention_refuses_outputs_over_its_inputs():
         attention.rope_qkv(q_in_cache, bf16(2, 128), cos, sin, cache, slots, positions, 1e-6)
 
 
+def test_attention_refuses_malformed_rope_tables():
+    """Both functions: the tables fp32, 2-D, contiguous (read at row * rd/2 + i), of one shape, at
+    most D / 2 columns, on q's device."""
+    cos, sin, cache, slots, positions = attention_inputs()
+    calls = (lambda c, s: attention.rope_qkv(bf16(2, 2 * 128), bf16(2, 128), c, s, cache, slots, positions, 1e-6),
+             lambda c, s: attention.mqa_attention(bf16(2, 2, 128), cache, slots, positions, torch.zeros(2), 0.1, c, s))
+    wide_cos, wide_sin = ref.rope_tables(32, 2 * 128 + 4, 10000.0, "cpu")
+    for call in calls:
+        with pytest.raises(ValueError, match="cos_table is on meta"):
+            call(cos.to("meta"), sin)
+        with pytest.raises(ValueError, match="sin_table is on meta"):
+            call(cos, sin.to("meta"))
+        with pytest.raises(ValueError, match="do not fit head dim"):
+            call(cos, sin[:, :-2].contiguous())
+        with pytest.raises(ValueError, match="do not fit head dim"):
+            call(wide_cos, wide_sin)
+        with pytest.raises(TypeError, match="sin_table must be a contiguous float32"):
+            call(cos, sin.t().contiguous().t())
+        with pytest.raises(TypeError, match="cos_table must be a contiguous float32"):
+            call(cos.unsqueeze(0), sin)
+
+
+def test_attention_refuses_malformed_cache_indices_and_sink():
+    """The cache bf16 ``[S, L, D]`` of q's D and contiguous; slots / positions one per token; a
+    sink view with a stride refused from two heads on (it is read at sink_ptr + head)."""
+    cos, sin, cache, slots, positions = attention_inputs()
+    q, sink = bf16(2, 2, 128), torch.zeros(2)
+    mqa = lambda **kw: attention.mqa_attention(**{**dict(  # noqa: E731
+        q=q, kv_cache=cache, slots=slots, positions=positions, sink=sink, scale=0.1, cos_table=cos, sin_table=sin),
+        **kw})
+    rope = lambda **kw: attention.rope_qkv(**{**dict(  # noqa: E731
+        q=bf16(2, 2 * 128), kv=bf16(2, 128), cos_table=cos, sin_table=sin, kv_cache=cache, slots=slots,
+        positions=positions, eps=1e-6), **kw})
+    for call in (mqa, rope):
+        with pytest.raises(TypeError, match=r"kv_cache must be bfloat16 \[S, L, 128\]"):
+            call(kv_cache=bf16(2, 32, 64))
+        with pytest.raises(ValueError, match="kv_cache must be contiguous"):
+            call(kv_cache=cache.transpose(0, 1).contiguous().transpose(0, 1))
+        for bad in (torch.arange(3), torch.arange(2).view(2, 1)):
+            with pytest.raises(TypeError, match=r"slots must be an int32/int64 \[2\] tensor"):
+                call(slots=bad)
+            with pytest.raises(TypeError, match=r"positions must be an int32/int64 \[2\] tensor"):
+                call(positions=bad)
+    with pytest.raises(ValueError, match="sink must be contiguous"):
+        mqa(sink=torch.zeros(2, 2)[:, 0])
+    with pytest.raises(TypeError, match="sink must be float32"):
+        mqa(sink=torch.zeros(2, dtype=torch.bfloat16))
+
+
+def test_attention_refuses_a_cache_without_positions():
+    """L = 0: no token is in range, and an out-of-range token still reads table row 0 (which
+    0-row tables lack), so both functions refuse the cache before a launch."""
+    cos, sin, _, slots, _ = attention_inputs()
+    empty, cos0, sin0, positions = bf16(2, 0, 128), cos[:0], sin[:0], torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="no positions"):
+        attention.rope_qkv(bf16(2, 2 * 128), bf16(2, 128), cos0, sin0, empty, slots, positions, 1e-6)
+    with pytest.raises(ValueError, match="no positions"):
+        attention.mqa_attention(bf16(2, 2, 128), empty, slots, positions, torch.zeros(2), 0.1, cos0, sin0)
+
+
+def test_rope_qkv_refuses_malformed_q_kv_and_kv_weight():
+    """q ``[T, heads * D]`` (whole heads, one row per kv row) and kv ``[T, D]``, unit column strides;
+    kv_weight ``[D]``."""
+    cos, sin, cache, slots, positions = attention_inputs()
+    rope = lambda q, kv, **kw: attention.rope_qkv(q, kv, cos, sin, cache, slots, positions, 1e-6, **kw)  # noqa: E731
+    for q in (bf16(2, 2 * 128 + 64), bf16(3, 2 * 128), bf16(2, 4 * 128)[:, ::2]):
+        with pytest.raises(TypeError, match=r"q must be bfloat16 \[2, heads\*128\]"):
+            rope(q, bf16(2, 128))
+    with pytest.raises(TypeError, match="kv must be bfloat16"):
+        rope(bf16(2, 2 * 128), bf16(2, 256)[:, ::2])
+    for weight in (bf16(64), bf16(1, 128), bf16(256)[::2]):
+        with pytest.raises(TypeError, match="kv_weight must be a contiguous bfloat16"):
+            rope(bf16(2, 2 * 128), bf16(2, 128), kv_weight=weight)
+
+
+def test_attention_refuses_a_malformed_out():
+    """``out=``: q's shape, bf16, unit last stride (each head's columns read and written at +1)."""
+    cos, sin, cache, slots, positions = attention_inputs()
+    for out, error, match in ((torch.empty(2, 2, 64, dtype=torch.bfloat16), TypeError, "out must be bfloat16"),
+                              (torch.empty(2, 128, 2, dtype=torch.bfloat16), TypeError, "out must be bfloat16"),
+                              (torch.empty(2, 2, 256, dtype=torch.bfloat16)[..., ::2], ValueError, "unit last stride")):
+        with pytest.raises(error, match=match):
+            attention.mqa_attention(bf16(2, 2, 128), cache, slots, positions, torch.zeros(2), 0.1, cos, sin, out=out)
+
+
 def test_key_splits_refuses_empty_problems():
     for args in ((0, 4, 64), (4, 0, 64), (4, 4, 0)):
         with pytest.raises(ValueError, match="positive ints"):
@@ -320,6 +405,27 @@ def test_gemm_refuses_a_float_weight_block():
     w, s = ref.random_fp8_weight(64, 128, 32, "cpu")
     with pytest.raises(ValueError, match="weight_block must be the int 32 or 128"):
         gemm.fp8_gemm(quant.quantize(bf16(2, 128), G32), w, s, weight_block=32.0)
+
+
+def test_gemm_refuses_malformed_weights_and_mismatched_operands():
+    """A weight with unit column stride and K a multiple of its block, on the pair's device; x's K
+    the weight's (W8A16); ``fmt=`` beside a pair only if it names the pair's own format."""
+    w, s = ref.random_fp8_weight(64, 128, 32, "cpu")
+    pair = quant.quantize(bf16(2, 128), G32)
+    with pytest.raises(ValueError, match="unit column stride"):
+        gemm.fp8_gemm(pair, w.t().contiguous().t(), s, weight_block=32)
+    w160, s160 = ref.random_fp8_weight(64, 160, 128, "cpu")
+    with pytest.raises(ValueError, match="K=160 must be a multiple of the 128-column group"):
+        gemm.w8a16_gemm(bf16(2, 160), w160, s160, weight_block=128)
+    with pytest.raises(ValueError, match="x has K=256, weight has K=128"):
+        gemm.w8a16_gemm(bf16(2, 256), w, s, weight_block=32)
+    on_meta = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")  # noqa: E731
+    elsewhere = QuantizedActivation(on_meta(pair.data), on_meta(pair.scale), G32)  # the same layout
+    with pytest.raises(ValueError, match="activation on meta, weight on cpu"):
+        gemm.fp8_gemm(elsewhere, w, s, weight_block=32)
+    with pytest.raises(TypeError, match="fmt=sm90_g128_fp32_mn given with a pair in sm90_g32_fp32_mn"):
+        gemm.fp8_gemm(pair, w, s, weight_block=32, fmt=ActFormat.SM90_G128_FP32_MN)
+    assert gemm.fp8_gemm(pair, w, s, weight_block=32, fmt=G32).shape == (2, 64)
 
 
 def test_gemm_refuses_a_config_of_another_type():
