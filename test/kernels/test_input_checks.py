@@ -223,6 +223,84 @@ def test_mhc_refuses_tensors_too_spread_for_32_bit_offsets():
         mhc.mhc_stats(residual, fn, torch.empty(3, **meta), torch.empty(24, **meta))
 
 
+def test_mhc_refuses_inputs_not_unit_stride_along_h():
+    """residual, y, out_residual and norm_weight are addressed as unit-stride rows: a view that
+    skips columns would be read (or written) as if it did not."""
+    residual, fn, scale, base, pre, post, comb = mhc_inputs()
+    w, y = bf16(64), bf16(3, 64)
+    skipping = bf16(3, 4, 128)[:, :, ::2]
+    with pytest.raises(ValueError, match="residual must have unit stride along H"):
+        mhc.mhc_post(y, skipping, post, comb)
+    with pytest.raises(ValueError, match="residual must have unit stride along H"):
+        mhc.mhc_stats(skipping, fn, scale, base)
+    with pytest.raises(ValueError, match="y must have unit stride along H"):
+        mhc.mhc_mega_boundary(bf16(3, 128)[:, ::2], residual, pre, post, comb, w, 1e-6)
+    with pytest.raises(ValueError, match="out_residual must have unit stride along H"):
+        mhc.mhc_mega_boundary(y, residual, pre, post, comb, w, 1e-6, out_residual=bf16(3, 4, 128)[:, :, ::2])
+    with pytest.raises(ValueError, match="norm_weight must be contiguous"):
+        mhc.mhc_combine_norm(residual, pre, bf16(128)[::2], 1e-6)
+    with pytest.raises(ValueError, match="fn must have unit stride along 4H"):
+        mhc.mhc_stats(residual, torch.randn(4 * 64, 24).t(), scale, base)
+
+
+def test_mhc_int32_offsets_bound_is_exact():
+    """A row's streams may span 2**31 - 1 elements (the largest int32 offset), not 2**31; the rows
+    themselves may lie further apart (the kernels step to a row in int64), so a long prefill whose
+    residual holds more than 2**31 elements is fine (meta tensors: no memory)."""
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    y, post, comb = torch.empty(1, 129, **meta), torch.empty(1, 4, device="meta"), torch.empty(1, 4, 4, device="meta")
+    at_limit = torch.empty_strided((1, 4, 129), (1, (2**31 - 128) // 3, 1), **meta)  # 3 s + 128 = 2**31
+    with pytest.raises(ValueError, match=r"residual's elements lie too far apart"):
+        mhc.mhc_post(y, at_limit, post, comb)
+    mhc._check_int32_offsets(torch.empty_strided((1, 4, 128), (1, (2**31 - 128) // 3, 1), **meta), "residual")
+    mhc._check_int32_offsets(torch.empty((110_000, 4, 5120), **meta), "residual")  # 2.25e9 elements
+
+
+def test_mhc_outputs_must_not_overlap_any_input():
+    """Each output is checked against every input the launch reads: y, residual, the mixes and the
+    norm weight (a program writes its slice while others still read)."""
+    residual, fn, scale, base, pre, post, comb = mhc_inputs()
+    y, w = bf16(3, 64), bf16(64)
+    storage = torch.zeros(3, 64, dtype=torch.bfloat16)
+    pre_in_out = storage.view(torch.float32).view(-1)[:12].view(3, 4)
+    pre_in_out.copy_(pre)
+    with pytest.raises(ValueError, match="out_bf16 overlaps pre"):
+        mhc.mhc_mega_boundary(y, residual, pre_in_out, post, comb, w, 1e-6, out_bf16=storage)
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out_bf16 overlaps norm_weight"):
+        mhc.mhc_mega_boundary(y, residual, pre, post, comb, x[1], 1e-6, out_bf16=x)
+    with pytest.raises(ValueError, match="out_bf16 overlaps residual"):
+        mhc.mhc_combine_norm(residual, pre, w, 1e-6, out_bf16=residual[:, 2])
+    out = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out overlaps y"):
+        mhc.mhc_post(out[:, 1], residual, post, comb, out=out)
+    big = bf16(3, 4, 128)
+    with pytest.raises(ValueError, match="out overlaps residual"):  # the residual's storage, other strides
+        mhc.mhc_post(y, big[:, :, :64], post, comb, out=big.view(3, 8, 64)[:, :4])
+    stats_out = (torch.empty(3, 4), torch.empty(3, 4), torch.empty(3, 4, 4))
+    flat = residual.view(-1).view(torch.float32)
+    with pytest.raises(ValueError, match="out pre overlaps residual"):
+        mhc.mhc_stats(residual, fn, scale, base, out=(flat[:12].view(3, 4), *stats_out[1:]))
+
+
+def test_mhc_stats_refuses_a_non_contiguous_output_and_no_columns():
+    residual, fn, scale, base, pre, post, comb = mhc_inputs()
+    with pytest.raises(ValueError, match="contiguous"):
+        mhc.mhc_stats(residual, fn, scale, base, out=(torch.empty(3, 4), torch.empty(3, 4),
+                                                      torch.empty(3, 4, 4).transpose(1, 2)))
+    with pytest.raises(ValueError, match="H = 0"):
+        mhc.mhc_stats(bf16(3, 4, 0), torch.empty(24, 0), scale, base)
+
+
+def test_mhc_boundary_refuses_an_out_that_is_not_a_pair():
+    residual, _, _, _, pre, post, comb = mhc_inputs()
+    for out in (bf16(3, 64), (bf16(3, 64), torch.ones(3, 2))):
+        with pytest.raises(TypeError, match="out must be a QuantizedActivation"):
+            mhc.mhc_mega_boundary(bf16(3, 64), residual, pre, post, comb, bf16(64), 1e-6, out=out)
+        with pytest.raises(TypeError, match="out must be a QuantizedActivation"):
+            mhc.mhc_combine_norm(residual, pre, bf16(64), 1e-6, out=out)
+
+
 # ------------------------------------------------------------------------------------ attention
 
 

@@ -191,3 +191,48 @@ def test_split_workspace_runs_unsplit_past_the_arrival_counters(monkeypatch):
     split, part, counters = launch.split_workspace("test-split", 4, launch.ARRIVAL_SLOTS, 2, cpu)
     assert split == 4 and part.numel() == 4 * launch.ARRIVAL_SLOTS * 2
     assert counters.numel() >= launch.ARRIVAL_SLOTS and not counters.any()
+
+
+@pytest.mark.cpu
+def test_a_block_that_raises_restores_the_setting(monkeypatch):
+    """``programmatic_launches`` pops its override even when its block raises."""
+    monkeypatch.setattr(launch, "supported", lambda: True)
+    monkeypatch.delenv("FP8CHAIN_PDL", raising=False)
+    with pytest.raises(RuntimeError, match="inside"):
+        with launch.programmatic_launches(False):
+            raise RuntimeError("inside")
+    assert launch.enabled()
+
+
+@pytest.mark.cpu
+def test_sm_count_asks_the_tensors_device(monkeypatch):
+    """Launch shapes are sized against the SMs of the tensors' GPU (the current one for a device
+    without an index), and never against a GPU for CPU tensors."""
+    monkeypatch.setattr(launch, "_multiprocessors", {0: 132, 1: 78}.__getitem__)
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert launch.sm_count(torch.device("cuda", 1), interpreter=7) == 78
+    assert launch.sm_count(torch.device("cuda", 0), interpreter=7) == 132
+    assert launch.sm_count(torch.device("cuda"), interpreter=7) == 132
+    assert not launch.compiled_for_gpu(torch.device("cpu"))
+    assert launch.sm_count(torch.device("cpu"), interpreter=7) == 7
+
+
+@pytest.mark.cpu
+def test_on_device_switches_to_a_cuda_device_only():
+    """``on_device`` makes a CUDA device current (a ``torch.cuda.device`` block), nothing for another
+    device type (the block is only entered on a GPU)."""
+    block = launch.on_device(torch.device("cuda", 1))
+    assert isinstance(block, torch.cuda.device) and block.idx == 1
+    assert not isinstance(launch.on_device(torch.device("cpu")), torch.cuda.device)
+
+
+@pytest.mark.cpu
+def test_interpreting_follows_triton_interpret(monkeypatch):
+    """``interpreting`` reads Triton's own TRITON_INTERPRET setting (compiled kernels where it is off)."""
+    from fp8chain_kernel.fp8_tile import interpreting
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not interpreting()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert interpreting()

@@ -697,6 +697,111 @@ def test_row_whose_sum_of_squares_overflows_is_nan(monkeypatch, targets):
     assert torch.isnan(mhc.mhc_combine_norm(new_r, pre, weight, EPS)[bad]).all()
 
 
+@cpu
+def test_stats_strided_scale_and_base():
+    """``scale`` and ``base`` given as strided views give the bits of contiguous ones (the kernel
+    reads them densely)."""
+    residual = torch.randn(3, 4, CPU_H).bfloat16()
+    fn, scale, base = make_stats_params(CPU_H, "cpu")
+    strided_scale = torch.zeros(3, 2)[:, 1].copy_(scale)
+    strided_base = torch.zeros(24, 3)[:, 0].copy_(base)
+    want = mhc.mhc_stats(residual, fn, scale, base)
+    for s, b in ((strided_scale, base), (scale, strided_base)):
+        for a, g in zip(want, mhc.mhc_stats(residual, fn, s, b)):
+            assert torch.equal(a.view(torch.int32), g.view(torch.int32))
+
+
+@cpu
+def test_boundary_writes_out_bf16_without_returning_it():
+    """``return_bf16=False`` with ``out_bf16`` given: x is not returned but still written there."""
+    t, h = 3, CPU_H
+    residual, y, weight, pre, post, comb = make_inputs(t, h, "cpu")
+    fmt = FORMATS[0]
+    new_r, x, pair = mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, EPS, out_format=fmt)
+    out_x = nan_poison((t, h), "cpu")
+    got_r, none_x, got_pair = mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, EPS, out_format=fmt,
+                                                    out_bf16=out_x, return_bf16=False)
+    assert none_x is None
+    assert_bitwise(out_x, x)
+    assert_pairs_equal(got_pair, pair)
+    x2 = mhc.mhc_combine_norm(new_r, pre, weight, EPS)
+    out_x = nan_poison((t, h), "cpu")
+    only = mhc.mhc_combine_norm(new_r, pre, weight, EPS, out_format=fmt, out_bf16=out_x, return_bf16=False)
+    assert isinstance(only, QuantizedActivation)
+    assert_bitwise(out_x, x2)
+
+
+@cpu
+def test_boundary_with_no_columns():
+    """H = 0: the boundary entry points return empty outputs without a launch."""
+    t = 3
+    residual, y, weight, pre, post, comb = make_inputs(t, 0, "cpu")
+    assert mhc.mhc_post(y, residual, post, comb).shape == (t, 4, 0)
+    assert mhc.mhc_combine_norm(residual, pre, weight, EPS).shape == (t, 0)
+    new_r, x, _ = mhc.mhc_mega_boundary(y, residual, pre, post, comb, weight, EPS)
+    assert new_r.shape == (t, 4, 0) and x.shape == (t, 0)
+
+
+@cpu
+def test_stats_config_tiles_and_splits(monkeypatch):
+    """Decode batches up to 64 rows take 16-token tiles, larger ones 64; for every cap the split
+    count is what the chunks per split give: every split sums at least one chunk, none is empty."""
+    monkeypatch.setattr(mhc, "_target_programs", lambda device: 264)
+    cpu_dev = torch.device("cpu")
+    assert mhc._stats_config(64, 4 * GPU_H, cpu_dev)[0] == 16
+    assert mhc._stats_config(65, 4 * GPU_H, cpu_dev)[0] == 64
+    chunks = 4 * GPU_H // 128
+    for rows in (1, 2, 64, 65, 2048):
+        for cap in (None, *range(1, chunks + 2)):
+            _, _, per_split, splits = mhc._stats_config(rows, 4 * GPU_H, cpu_dev, cap)
+            assert (splits - 1) * per_split < chunks <= splits * per_split, (rows, cap, per_split, splits)
+            assert per_split <= mhc._MAX_CHUNKS_PER_SPLIT
+
+
+@cpu
+def test_boundary_config_limits_of_split_rows(monkeypatch):
+    """A normalized row is split over programs only while its whole-row tile fits (BM x row width
+    <= 16384: 64 rows of 256 columns on the interpreter, not of 512) and its row block has an
+    arrival counter (at most mhc.ARRIVAL_SLOTS row blocks)."""
+    cpu_dev = torch.device("cpu")
+    assert mhc._boundary_config(64, 256, cpu_dev)["SPLIT_ROW"]
+    assert not mhc._boundary_config(64, 512, cpu_dev)["SPLIT_ROW"]
+    monkeypatch.setattr(mhc, "_target_programs", lambda device: 1 << 20)
+    monkeypatch.setattr(mhc, "_max_rows_per_program", lambda device: 1)
+    assert mhc._boundary_config(mhc.ARRIVAL_SLOTS, 256, cpu_dev)["SPLIT_ROW"]
+    assert not mhc._boundary_config(mhc.ARRIVAL_SLOTS + 1, 256, cpu_dev)["SPLIT_ROW"]
+    assert mhc._boundary_config(mhc.ARRIVAL_SLOTS + 1, 256, cpu_dev, norm=False)["grid"] == (mhc.ARRIVAL_SLOTS + 1, 2)
+
+
+@cpu
+def test_boundary_config_every_program_has_columns(monkeypatch):
+    """The slice count follows the slice width: no program of the grid starts past H."""
+    cpu_dev = torch.device("cpu")
+    for targets in range(1, 41):
+        monkeypatch.setattr(mhc, "_target_programs", lambda device: targets)
+        for cols in (256, 320, 1280, GPU_H):
+            cfg = mhc._boundary_config(1, cols, cpu_dev)
+            assert (cfg["grid"][1] - 1) * cfg["SLICE"] < cols <= cfg["grid"][1] * cfg["SLICE"], (targets, cols, cfg)
+
+
+@cpu
+def test_row_barrier_up_to_one_program_per_sm(monkeypatch):
+    """The row barrier takes a grid of exactly one program per SM (T = 66 at H = 5120: 66 x 2 on
+    the H200's 132 SMs), not one more (T = 67), and fewer than _BARRIER_SPLITS slices a row (one
+    row of 8192 columns: 32 slices of 256, not 64 of 128)."""
+    monkeypatch.setattr(mhc, "_max_rows_per_program", lambda device: 1)
+    monkeypatch.setattr(mhc, "_target_programs", lambda device: 264)
+    monkeypatch.setattr(mhc, "compiled_for_gpu", lambda device: True)
+    monkeypatch.delenv("FP8CHAIN_ROW_BARRIER", raising=False)
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+    cpu_dev = torch.device("cpu")
+    cfg = mhc._boundary_config(66, GPU_H, cpu_dev)
+    assert cfg["ROW_BARRIER"] and cfg["grid"] == (66, 2)
+    assert not mhc._boundary_config(67, GPU_H, cpu_dev)["ROW_BARRIER"]
+    cfg = mhc._boundary_config(1, 8192, cpu_dev)
+    assert cfg["ROW_BARRIER"] and cfg["grid"] == (1, 32) and cfg["SLICE"] == 256
+
+
 # --------------------------------------------------------------------------- validation
 
 

@@ -641,3 +641,17 @@ def test_tensor_spec_of_an_element_type_torch_cannot_name_checks_the_shape_only(
     check_tensor_spec(name, spec.shape, None, spec)
     with pytest.raises(ValueError, match="checkpoint shape"):
         check_tensor_spec(name, (spec.shape[0], spec.shape[1] - 32), None, spec)
+
+
+def test_mxfp4_encoding_of_zero_groups_and_k_not_a_multiple_of_32():
+    """An all-zero group gets a valid (non-NaN) scale byte and decodes to zeros; K not a multiple
+    of the 32-element group is a ValueError."""
+    w = torch.randn(3, 64)
+    w[1] = 0.0
+    w[2, 32:] = 0.0
+    packed, scale = quantize_mxfp4(w)
+    assert (scale != 255).all()
+    got = dequantize_mxfp4(packed, scale)
+    assert not got[1].any() and not got[2, 32:].any()
+    with pytest.raises(ValueError, match="K % 32 == 0"):
+        quantize_mxfp4(torch.randn(2, 48))

@@ -48,3 +48,20 @@ def test_weight_is_bf16_and_takes_no_dtype():
     assert RMSNorm(HIDDEN).weight.dtype == torch.bfloat16
     with pytest.raises(TypeError, match="dtype"):
         RMSNorm(HIDDEN, 1e-6, dtype=torch.float32)
+
+
+def test_module_eps_reaches_the_kernel():
+    """The module's own eps is used: rows whose mean square is of eps's order tell 1e-2 from 1e-6."""
+    module = RMSNorm(HIDDEN, eps=1e-2)
+    x = (0.05 * torch.randn(ROWS, HIDDEN)).bfloat16()
+    y, _ = module(x)
+    assert_close_bf16(y, rms_norm_fp32(x, module.weight, 1e-2))
+
+
+def test_fresh_module_weight_is_one():
+    """Before a load the weight is the identity gain: y is the plain RMS normalization of x."""
+    module = RMSNorm(HIDDEN)
+    x = torch.randn(ROWS, HIDDEN).bfloat16()
+    y, _ = module(x)
+    assert torch.equal(module.weight, torch.ones(HIDDEN, dtype=torch.bfloat16))
+    assert_close_bf16(y, rms_norm_fp32(x, torch.ones(HIDDEN), module.eps))

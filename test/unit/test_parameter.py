@@ -108,3 +108,24 @@ def test_match_strides_rebinds_a_parameter_whose_layout_differs(caplog):
         assert torch.equal(got, padded)
         assert (got.stride() == (1, 12)) is rebound and (got.data_ptr() != ptr) is rebound
         assert bool(caplog.records) is rebound
+
+
+def test_attribute_or_submodule_of_that_name_is_an_error():
+    """A plain attribute or a submodule named like the parameter is refused with the same
+    TypeError as a buffer (not left to ``register_parameter``'s KeyError)."""
+    m = nn.Module()
+    m.plain = 3
+    m.sub = nn.Linear(2, 2)
+    for name in ("plain", "sub"):
+        with pytest.raises(TypeError, match=f"Module.{name} exists and is not a Parameter"):
+            copy_or_rebind_param(m, name, torch.ones(2))
+
+
+def test_rebinding_to_a_view_of_its_own_storage_is_allowed():
+    """The parameter's own (old) storage is not "another parameter": rebinding ``w`` to a reshaped
+    view of itself is fine."""
+    m, p = _module_with("w", torch.randn(4, 6))
+    ptr, values = p.data_ptr(), p.detach().clone()
+    got = copy_or_rebind_param(m, "w", p.detach().view(6, 4))
+    assert got is p and p.shape == (6, 4) and p.data_ptr() == ptr
+    assert torch.equal(p.view(-1), values.view(-1))

@@ -401,3 +401,53 @@ def test_processing_raises_the_first_error_after_processing_every_module():
     with pytest.raises(ValueError, match="^a failed$"):
         process_weights_after_loading(model)
     assert done == ["a", "b", "c"]
+
+
+def test_an_integer_tensor_loads_into_any_integer_parameter():
+    """Integer tensors go into integer parameters of another width (by value): only 8-bit floats
+    are held to their own dtype."""
+    from fp8chain.layers.loading import default_weight_loader
+
+    for param_dtype, loaded_dtype in ((torch.int32, torch.int8), (torch.int8, torch.int32), (torch.int64, torch.uint8)):
+        param = torch.nn.Parameter(torch.zeros(4, 8, dtype=param_dtype), requires_grad=False)
+        loaded = torch.randint(0, 100, (4, 8), dtype=loaded_dtype)
+        default_weight_loader(param, loaded)
+        assert torch.equal(param.long(), loaded.long())
+
+
+def test_processing_counts_every_processed_layer_and_runs_after_an_empty_load():
+    """``process_weights_after_loading`` returns how many modules it processed (quantized layers
+    and modules that derive tensors themselves); ``load_weights`` processes even when no tensor was
+    given (a model invalidated by a failed load runs again after it)."""
+    done = []
+
+    class Deriving(nn.Module):
+        def process_weights_after_loading(self):
+            done.append(self)
+
+    model = nn.Sequential(make_layer(), Deriving(), nn.ReLU())
+    model[0].quant_method.process_weights_after_loading = lambda layer: done.append(layer)
+    assert process_weights_after_loading(model) == 2 and done == [model[0], model[1]]
+    done.clear()
+    assert load_weights(model, []) == set() and done == [model[0], model[1]]
+
+
+def test_an_unknown_name_is_refused_unless_not_strict(caplog):
+    layer = make_layer()
+    with pytest.raises(KeyError, match="'nonsense' has no parameter"):
+        load_weights(layer, [("nonsense", torch.zeros(1))])
+    with caplog.at_level(logging.WARNING, logger="fp8chain.layers.loading"):
+        assert load_weights(layer, [*checkpoint().items(), ("nonsense", torch.zeros(1))], strict=False) == {
+            "weight", "weight_scale_inv"}
+    assert any("skipped 1 tensors" in r.getMessage() for r in caplog.records)
+
+
+def test_routed_experts_name_the_expert_holding_a_nan_scale():
+    """The scales are checked whole before any expert is decoded, so the error's index names the
+    expert (``[expert, row, group]``)."""
+    from fp8chain.layers.moe import RoutedExpertsReference
+
+    experts = RoutedExpertsReference(num_experts=2, hidden_size=64, intermediate_size=32, swiglu_limit=None)
+    experts.w2_scale[1, 3, 0] = 255
+    with pytest.raises(ValueError, match=r"\(2, 64, 1\): 1 hold the byte 255 .*first at \[1, 3, 0\]"):
+        experts.process_weights_after_loading()

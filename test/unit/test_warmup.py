@@ -114,3 +114,33 @@ def test_warmup_refuses_a_single_non_finite_value():
     register_warmup(module, lambda m, rows, fill, cap: [("one inf", out)])
     with pytest.raises(RuntimeError, match=r"\[one inf\] produced non-finite values"):
         warmup(module, [3])
+
+
+def test_make_input_dtype_and_values():
+    """Warmup inputs come in the asked dtype for both fills; "random" is standard normal (signed)."""
+    from fp8chain.layers.warmup import make_input
+
+    for fill in ("zeros", "random"):
+        assert make_input(4, 8, fill).dtype == torch.bfloat16
+        assert make_input(4, 8, fill, dtype=torch.float32).dtype == torch.float32
+    assert not make_input(4, 8, "zeros").any()
+    x = make_input(64, 64, "random", dtype=torch.float32)
+    assert (x < 0).float().mean() > 0.4 and 0.9 < x.std() < 1.1
+
+
+def test_each_batch_size_runs_once_in_increasing_order():
+    model = loaded_model()
+    runs = warmup(model.plain, [8, 1, 8, 3], fills=())
+    assert [r.rows for r in runs] == [1, 3, 8]
+
+
+def test_every_tensor_of_a_tuple_output_is_checked_and_every_key_runs():
+    """A provider may return several tensors for one path: each must be finite. Providers under
+    different keys of one module all run."""
+    module = nn.Linear(2, 2)
+    good, bad = torch.zeros(2), torch.tensor([0.0, float("nan")])
+    register_warmup(module, lambda m, rows, fill, cap: [("first", good)], key="first")
+    register_warmup(module, lambda m, rows, fill, cap: [("pair", (good, bad))], key="second")
+    assert [key for _, key, _ in warmup_providers(module)] == ["first", "second"]
+    with pytest.raises(RuntimeError, match=r"\[pair\] produced non-finite values"):
+        warmup(module, [1])
