@@ -77,6 +77,29 @@ def test_arrival_counters_one_zeroed_buffer_per_user():
     assert launch.arrival_counters("test-boundary", cpu, 8) is not gemm_counters
 
 
+@pytest.mark.gpu
+def test_a_workspace_first_made_inside_capture_is_not_cached():
+    """A first use inside CUDA-graph capture gets a buffer of the graph's own, zeroed by it at every
+    replay; the cache stays empty, so the next eager use makes (and keeps) a buffer outside the pool."""
+    dev = torch.empty(0, device="cuda").device
+    user = "test-first-use-in-capture"
+    launch._workspaces.pop((user, dev), None)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = launch.zeroed_workspace(user, dev, 8, torch.int32)
+        captured.add_(1)
+    assert (user, dev) not in launch._workspaces
+    eager = launch.zeroed_workspace(user, dev, 8, torch.int32)
+    assert eager.data_ptr() != captured.data_ptr() and not eager.any()
+    assert launch.zeroed_workspace(user, dev, 8, torch.int32) is eager
+    for _ in range(2):  # zeroed, then bumped once, at each replay
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, torch.ones_like(captured))
+    assert not eager.any()
+    launch._workspaces.pop((user, dev), None)
+
+
 @triton.jit
 def _split_sum_kernel(vals_ptr, out_ptr, part_ptr, count_ptr, REVERSED: tl.constexpr, SPLIT: tl.constexpr,
                       ROWS: tl.constexpr, COLS: tl.constexpr):
