@@ -1,13 +1,14 @@
 """The layer benchmark's timed unit (attention + shared expert + mHC boundaries) computes the
 same bits with the chain on and off, and the chained unit writes the next layer's pair."""
 
+import argparse
 import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import assert_unit_chain_on_equals_off
+from helpers import TorchWithGpu, assert_unit_chain_on_equals_off
 
 pytestmark = pytest.mark.cpu
 
@@ -326,3 +327,239 @@ def test_mhc_stats_copy_and_pickle():
     for twin in (copy.copy(stats), copy.deepcopy(stats), pickle.loads(pickle.dumps(stats))):
         assert type(twin) is mhc.MHCStats
         assert all(torch.equal(a, b) for a, b in zip((twin.pre, twin.post, twin.comb), stats))
+
+
+def test_weight_bytes_count_the_units_fp8_weights_scales_wo_a_and_mhc():
+    """The floor's bytes: the five FP8 linears' e4m3 weights and fp32 block scales, the bf16 wo_a
+    and both sublayers' fp32 mHC ``fn`` (a TP4 rank's shards, counted on modules without storage)."""
+    from fp8chain.layers.quantization.fp8 import Fp8Config
+    from fp8chain.models.deepseek_v41 import DeepseekV41DecoderLayer
+
+    bench = _layer_benchmark()
+    config = bench.layer_config("tp4")
+    with torch.device("meta"):
+        layer = DeepseekV41DecoderLayer(config, 0, Fp8Config.from_config(config.quantization_config))
+    shapes, (bn, bk) = config.fp8_linear_shapes(), config.weight_block_size
+    linears = [(shapes["attn.wq_a"][0] + shapes["attn.wkv"][0], config.hidden_size), shapes["attn.wq_b"],
+               shapes["attn.wo_b"], (2 * shapes["ffn.shared_experts.w1"][0], config.hidden_size),
+               shapes["ffn.shared_experts.w2"]]
+    want = sum(n * k + -(-n // bn) * -(-k // bk) * 4 for n, k in linears)
+    want += config.o_groups * config.o_lora_rank * config.o_group_dim * 2
+    hc = config.hc_mult
+    want += 2 * (2 + hc) * hc * hc * config.hidden_size * 4
+    assert bench.weight_bytes(layer) == want
+
+
+class _Snapshot(dict):
+    """What a fake graph captured: the unit's configuration at capture (``_fake_gpu_run``)."""
+
+
+def _fake_gpu_run(monkeypatch, tmp_path, argv):
+    """``benchmark/layer.py``'s ``run`` on the CPU at the tiny config, two weight copies: every
+    ``capture_graph`` records the configuration the step is captured in (chain, stale quantize
+    pairs, SiLU*mul fusion, mHC stats caps / placement / frozen mixes, PDL) instead of running it,
+    ``replay_times_us`` gives each graph a distinct time (the best-stats arms fastest at one known
+    pair of caps each), ``kernel_profile`` fake launch counts. Returns ``(bench, records,
+    snapshots by time, replay calls)``: which arm a record's figure comes from is then checkable."""
+    import types
+
+    bench = _layer_benchmark()
+    harness, real_quantize = bench.harness, bench.fp8_method.quantize
+    units, snapshots, replays, profiled = [], {}, [], []
+    tiny = bench.layer_config
+
+    class CpuUnit(bench.LayerUnit):
+        def __init__(self, layers, config, rows, context, device, prefill=False):
+            super().__init__(layers, config, rows, context, "cpu", prefill=prefill)
+            units.append(self)
+
+    def state():
+        unit = units[-1]
+        layer = unit.layers[0]
+        assert all(lay.hc_attn.max_stats_splits == layer.hc_attn.max_stats_splits for lay in unit.layers)
+        return _Snapshot(chain=unit.chain, stale=bench.fp8_method.quantize is not real_quantize,
+                         fused=layer.ffn.shared_experts.fuse_silu_mul,
+                         caps=(layer.hc_attn.max_stats_splits, layer.hc_ffn.max_stats_splits),
+                         overlap=layer.overlap_stats, at_start=layer.attn.stats_beside_core_tokens == 0,
+                         frozen="stats" in vars(layer.hc_attn), pdl=list(bench.launch._override),
+                         M=len(unit.positions))
+
+    def capture_graph(fn, iters):
+        assert iters % fn.period == 0 and not profiled
+        return state()
+
+    def cost(snap):  # the best-stats arms: chained fastest at (32, None), unchained at (None, 32)
+        best = (32, None) if snap["chain"] else (None, 32)
+        return 100.0 + (0 if snap["chain"] else 10) - (5 if snap["caps"] == best else 0)
+
+    def replay_times_us(graphs, iters, rounds=7):
+        assert not profiled  # time first, profile last
+        replays.append(list(graphs))
+        times = {}
+        for key, snap in graphs.items():
+            times[key] = cost(snap) + 0.001 * (len(snapshots) + 1)
+            snapshots[times[key]] = snap
+        return times
+
+    def kernel_profile(fn):
+        profiled.append(True)
+        snap = state()
+        quantizes = 0 if (snap["chain"] or snap["stale"]) else 5
+        return {"gemm": {"launches": 7 if snap["chain"] else 9, "us": 3.0},
+                "_quantize_kernel": {"launches": quantizes, "us": 1.0}}
+
+    copies = {}
+
+    def build_layers(config, device):
+        if "layers" not in copies:
+            torch.manual_seed(0)
+            copies["layers"] = [bench.build_layer(config, "cpu") for _ in range(2)]
+        return copies["layers"]
+
+    monkeypatch.setattr(bench, "torch", TorchWithGpu("torch"))
+    monkeypatch.setattr(bench, "launch", types.SimpleNamespace(
+        enabled=lambda: True, programmatic_launches=bench.launch.programmatic_launches,
+        _override=bench.launch._override))
+    monkeypatch.setattr(bench, "layer_config", lambda shapes, routed=False: tiny(shapes, tiny=True, routed=routed))
+    monkeypatch.setattr(bench, "build_layers", build_layers)
+    monkeypatch.setattr(bench, "LayerUnit", CpuUnit)
+    monkeypatch.setattr(bench, "CompiledPeer", lambda layer, config, device: types.SimpleNamespace(
+        step=lambda *inputs: None))
+    monkeypatch.setattr(harness, "bench_meta", lambda: {"device": "fake"})
+    monkeypatch.setattr(harness, "copy_bandwidth", lambda: 2e12)
+    monkeypatch.setattr(harness, "capture_graph", capture_graph)
+    monkeypatch.setattr(harness, "replay_times_us", replay_times_us)
+    monkeypatch.setattr(harness, "graph_time_us", lambda fn, iters=100, repeats=7: 400.0)
+    monkeypatch.setattr(harness, "kernel_profile", kernel_profile)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = harness.apply_quick(parser.parse_args(argv))
+    args.results_dir = tmp_path
+    meta, records = bench.run(args)
+    assert bench.fp8_method.quantize is real_quantize and not bench.launch._override
+    for layer in copies["layers"]:  # every arm's switch is back where the model keeps it
+        assert layer.overlap_stats and layer.ffn.shared_experts.fuse_silu_mul
+        assert layer.hc_attn.max_stats_splits is None and layer.hc_ffn.max_stats_splits is None
+        assert "stats" not in vars(layer.hc_attn) and layer.attn.stats_beside_core_tokens > 0
+    return bench, meta, records, snapshots, replays, copies["layers"]
+
+
+def test_every_arm_times_the_step_it_names_and_the_ratios_divide_those_times(monkeypatch, tmp_path):
+    """Without a GPU: ``run`` with graphs that record the configuration they were captured in.
+    Each ``*_us`` of a record comes from a graph of the arm it names (chained / unchained, stale
+    pairs, SiLU*mul launch, stats caps / placement / mixes, PDL off), each of those graphs at the
+    record's M; the best-stats arms are each arm's fastest caps with the pair (attention, FFN) and
+    every pair's time; the arms of a comparison replay in turn; the ratios, the floor and the
+    launch counts are the ones the columns name."""
+    bench, meta, records, snap, replays, layers = _fake_gpu_run(
+        monkeypatch, tmp_path, ["--rows", "2", "--prefill", "3", "--shapes", "tp4", "--context", "16",
+                                "--captures", "2", "--no-routed", "--iters", "3"])
+    assert [(r["shapes"], r["M"], r["phase"]) for r in records] == [("tp4", 2, "decode"), ("tp4", 3, "prefill")]
+    default = dict(stale=False, fused=True, caps=(None, None), overlap=True, at_start=False, frozen=False, pdl=[])
+    arms = {"": {}, "_silu_launch": dict(fused=False), "_no_quantize": dict(stale=True),
+            "_stats_at_start": dict(at_start=True), "_serial_stats": dict(overlap=False),
+            "_no_stats": dict(frozen=True), "_no_pdl": dict(pdl=[False])}
+    for r in records:
+        for variant, changes in arms.items():
+            for arm, chain in (("chained", True), ("unchained", False)):
+                key = f"{arm}{variant}_us"
+                if variant in ("_silu_launch", "_no_quantize") and (arm == "chained") != (variant == "_silu_launch"):
+                    assert key not in r
+                    continue
+                assert snap[r[key]] == dict(default, chain=chain, M=r["M"], **changes), key
+        for arm, chain, best in (("chained", True, [32, None]), ("unchained", False, [None, 32])):
+            assert r[f"{arm}_best_stats_splits"] == best
+            assert snap[r[f"{arm}_best_stats_us"]] == dict(default, chain=chain, M=r["M"], caps=tuple(best))
+            tried = r[f"{arm}_stats_caps_us"]
+            assert sorted(tried) == ["32,32", "32,None", "None,32", "None,None"]
+            for pair, us in tried.items():
+                attention, ffn = (None if c == "None" else int(c) for c in pair.split(","))
+                assert snap[us] == dict(default, chain=chain, M=r["M"], caps=(attention, ffn)), pair
+            captured = r[f"{arm}_captures_us"]
+            assert len(captured) == 2 and captured[0] == r[f"{arm}_us"] and captured[0] < captured[1]
+            assert snap[captured[1]] == snap[captured[0]]
+        for variant, ratio in (("", "chained_over_unchained"), ("_best_stats", "best_stats_chained_over_unchained"),
+                               ("_stats_at_start", "stats_at_start_chained_over_unchained"),
+                               ("_serial_stats", "serial_chained_over_unchained"),
+                               ("_no_stats", "no_stats_chained_over_unchained")):
+            assert r[ratio] == pytest.approx(r[f"chained{variant}_us"] / r[f"unchained{variant}_us"]), ratio
+        assert r["no_quantize_over_unchained"] == pytest.approx(r["unchained_no_quantize_us"] / r["unchained_us"])
+        assert r["compiled_peer_us"] == 400.0 and r["chained_over_peer"] == pytest.approx(r["chained_us"] / 400.0)
+        # the floor: one copy's weight bytes (each step reads one) at the measured bandwidth
+        assert r["weight_copies"] == 2
+        assert r["floor_us"] == pytest.approx(bench.weight_bytes(layers[0]) / 2e12 * 1e6)
+        assert r["chained_over_floor"] == pytest.approx(r["chained_us"] / r["floor_us"])
+        assert (r["chained_launches"], r["chained_quantize_launches"]) == (7, 0)
+        assert (r["unchained_launches"], r["unchained_quantize_launches"]) == (14, 5)
+        assert (r["unchained_no_quantize_launches"], r["unchained_no_quantize_quantize_launches"]) == (9, 0)
+    # the arms of each comparison alternate: one replay_times_us per pass, every arm of it in one
+    first = replays[0]
+    assert {("chained", 0), ("chained", 1), ("unchained", 0), ("unchained", 1), ("chained_silu_launch", 0),
+            ("unchained_no_quantize", 0)} == set(first)
+    assert len(replays[1]) == 2 * len(bench.STATS_SPLIT_CAPS) ** 2
+    assert all(len(keys) >= 2 for keys in replays) and len(replays) == 2 * 6
+
+
+def test_report_puts_every_arms_time_in_the_table(monkeypatch, tmp_path):
+    """The markdown table has a column for each arm's time, the captures' lists beside
+    ``chained_us`` / ``unchained_us``, and the row's figures are the record's."""
+    bench, meta, records, *_ = _fake_gpu_run(
+        monkeypatch, tmp_path, ["--rows", "2", "--prefill", "0", "--shapes", "tp1", "--context", "16",
+                                "--captures", "2", "--no-routed", "--no-peer", "--iters", "3"])
+    meta["context"] = 16
+    header, _, row = bench.report(meta, records, tmp_path).splitlines()[1:4]
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    cells = dict(zip(columns, (c.strip() for c in row.strip("|").split("|"))))
+    assert columns[3:7] == ["chained_us", "unchained_us", "chained_captures_us", "unchained_captures_us"]
+    timed = {key for key in records[0]  # every pair's time (a dict) is in the JSON alone
+             if key.endswith("_us") and not key.endswith("_stats_caps_us") and not key.startswith("compiled_peer")}
+    assert timed <= set(columns)
+    for key in timed | {"chained_over_unchained", "no_quantize_over_unchained", "chained_over_floor"}:
+        value = records[0][key]
+        assert cells[key] == (" / ".join(f"{v:.4g}" for v in value) if isinstance(value, list) else f"{value:.4g}"), key
+    assert (tmp_path / "layer.json").exists()
+
+
+def test_layer_arguments_refuse_what_no_run_can_use():
+    bench = _layer_benchmark()
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    for argv in (["--captures", "0"], ["--context", "0"], ["--iters", "0"], ["--rows", "0"], ["--prefill", "-1"],
+                 ["--shapes", "tp2"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+    args = harness_apply_quick(bench, parser, ["--quick"])
+    assert (args.rows, args.prefill, args.shapes, args.captures, args.context) == ([1, 16, 64], 0, ["tp1"], 1, 1024)
+    args = harness_apply_quick(bench, parser, [])
+    assert (args.rows, args.prefill, args.shapes) == (bench.ROWS, bench.PREFILL, ["tp1", "tp4"])
+
+
+def harness_apply_quick(bench, parser, argv):
+    return bench.harness.apply_quick(parser.parse_args(argv))
+
+
+def test_only_the_unchained_step_quantizes_and_only_the_chained_boundaries_write_pairs(monkeypatch):
+    """What the two arms' launches differ by: the chained step quantizes nothing (each producer
+    writes its consumer's pair, both mHC boundaries included), the unchained one quantizes the
+    input of each of its five FP8 linears and its boundaries write bf16 alone."""
+    bench = _layer_benchmark()
+    config = bench.layer_config("tp1", tiny=True)
+    layer = bench.build_layer(config, "cpu")
+    unit = bench.LayerUnit([layer], config, 2, 16, "cpu")
+    quantized, formats = [], []
+    real_quantize, real_sublayer = bench.fp8_method.quantize, bench.run_sublayer
+    monkeypatch.setattr(bench.fp8_method, "quantize",
+                        lambda x, fmt, out=None: quantized.append(tuple(x.shape)) or real_quantize(x, fmt, out))
+    monkeypatch.setattr(bench, "run_sublayer",
+                        lambda hc, sublayer, residual, norm, fmt, overlap: formats.append(fmt) or real_sublayer(
+                            hc, sublayer, residual, norm, fmt, overlap))
+    counts = {}
+    with torch.no_grad():
+        for on in (True, False):
+            quantized.clear(), formats.clear()
+            unit.set_chain(on)
+            unit.step()
+            counts[on] = (len(quantized), list(formats))
+    pairs = [layer.ffn.shared_experts.gate_up.input_format, layer.attn.wqkv_a.input_format]
+    assert all(fmt is not None for fmt in pairs)
+    assert counts == {True: (0, pairs), False: (5, [None, None])}

@@ -98,3 +98,56 @@ def test_splits_option_and_report(tmp_path):
     header, _, row = bench.report({"date": "today"}, [record], tmp_path).splitlines()[1:4]
     assert header.endswith("| attention_us[splits=2] | attention_us[splits=8] |")
     assert row.endswith("| 40 | 37 |")
+
+
+def test_records_hold_the_roofline_against_the_attention_time(monkeypatch):
+    """Without a GPU: ``run`` with the rope timed 3 us and the attention 20 us. The floor is the
+    larger of the case's bytes at the copy bandwidth and its flops at the matmul rate (here the
+    flops), ``floor_fraction`` that floor over the attention's time."""
+    import types
+
+    import torch
+
+    bench = _load_benchmark("attention")
+    real_calls = bench._calls
+
+    def calls(phase, heads, tokens, context, device="cuda"):
+        rope, attend, cache = real_calls(phase, heads, tokens, context, device="cpu")
+        rope.kind = "rope"
+        return rope, lambda tile=None, splits=None: types.SimpleNamespace(kind="attention", tile=tile), cache
+
+    class GpuTorch(types.ModuleType):  # torch, with a GPU to pass run's check
+        cuda = types.SimpleNamespace(is_available=lambda: True)
+
+        def __getattr__(self, attr):
+            return getattr(torch, attr)
+
+    monkeypatch.setattr(bench, "torch", GpuTorch("torch"))
+    monkeypatch.setattr(bench, "_calls", calls)
+    monkeypatch.setattr(harness, "copies_past_l2", lambda nbytes, most=64: 1)
+    monkeypatch.setattr(harness, "bench_meta", lambda: {"device": "fake"})
+    monkeypatch.setattr(harness, "copy_bandwidth", lambda: 2e12)
+    monkeypatch.setattr(harness, "bf16_matmul_rate", lambda: 1e12)  # slow products: flops bound
+    monkeypatch.setattr(harness, "graph_time_us",
+                        lambda fn, iters=100, repeats=7: {"rope": 3.0, "attention": 20.0}[fn.kind])
+    monkeypatch.setattr(harness, "kernel_profile", lambda fn: {"_mqa_split_kernel": {"launches": 1, "us": 15.0}})
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = harness.apply_quick(parser.parse_args(["--heads", "16", "--rows", "1", "--contexts", "64",
+                                                  "--prefill", "0"]))
+    (record,) = bench.run(args)[1]
+    nbytes, flops = bench.roofline("decode", 1, 16, bench.HEAD_DIM, 64)
+    assert (record["rope_us"], record["attention_us"], record["bytes"], record["flops"]) == (3.0, 20.0, nbytes, flops)
+    assert flops / 1e12 > nbytes / 2e12
+    assert record["floor_us"] == pytest.approx(flops / 1e12 * 1e6)
+    assert record["floor_fraction"] == pytest.approx(record["floor_us"] / 20.0)
+    assert (record["split_us"], record["merge_us"]) == (15.0, 0.0)
+
+
+def test_counts_must_be_positive():
+    bench = _load_benchmark("attention")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    for argv in (["--contexts", "0"], ["--heads", "0"], ["--rows", "0"], ["--iters", "0"], ["--prefill", "-1"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)

@@ -200,3 +200,48 @@ def test_roofline_is_the_larger_of_the_byte_and_flop_times_in_us():
     assert harness.roofline_us(4e6, 2e12, 1e9, 1e15) == pytest.approx(2.0)  # 1 us of flops: bytes bound
     assert harness.roofline_us(4e6, 2e12, 5e9, 1e15) == pytest.approx(5.0)  # 5 us of flops bound
     assert harness.roofline_us(4e6, 2e12, 5e9, None) == pytest.approx(2.0)  # no rate: bytes alone
+
+
+def test_quant_records_divide_the_right_times(monkeypatch, tmp_path):
+    """Without a GPU: the quant benchmark's ``run`` with each graph timed by what it calls (the
+    Triton quantize 4 us, the torch reference 10 us, the copy 2 us): the floor is the case's bytes
+    at the measured bandwidth, ``bw_fraction`` floor / Triton, ``copy_fraction`` copy / Triton,
+    ``speedup_vs_torch`` torch / Triton."""
+    from fp8chain.cli import _load_benchmark
+    from fp8chain_kernel.formats import ActFormat
+
+    bench = _load_benchmark("quant")
+
+    class GpuTorch(types.ModuleType):  # torch on the CPU, with a GPU to pass run's check
+        cuda = types.SimpleNamespace(is_available=lambda: True)
+
+        def __getattr__(self, attr):
+            return getattr(torch, attr)
+
+        @staticmethod
+        def randn(*shape, device=None, **kwargs):
+            return torch.randn(*shape, **kwargs)
+
+    copied = []
+    monkeypatch.setattr(bench, "torch", GpuTorch("torch"))
+    monkeypatch.setattr(bench, "empty_pair", lambda rows, cols, fmt, device: None)
+    monkeypatch.setattr(bench, "quant", types.SimpleNamespace(quantize=lambda x, fmt, out=None: 4.0))
+    monkeypatch.setattr(bench, "reference", types.SimpleNamespace(quantize=lambda x, fmt: 10.0))
+    monkeypatch.setattr(harness, "bench_meta", lambda: {"device": "fake"})
+    monkeypatch.setattr(harness, "copy_bandwidth", lambda: 2e12)
+    monkeypatch.setattr(harness, "graph_time_us", lambda fn, iters=100, repeats=7: fn())
+    monkeypatch.setattr(harness, "copy_time_us", lambda nbytes, iters=100: copied.append(nbytes) or 2.0)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    for argv in (["--rows", "0"], ["--cols", "0"], ["--iters", "0"], ["--formats", "fp16"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+    fmt = ActFormat.SM90_G32_FP32_MN
+    args = harness.apply_quick(parser.parse_args(["--formats", fmt.value, "--rows", "4", "--cols", "512"]))
+    (record,) = bench.run(args)[1]
+    nbytes = bench.quantize_bytes(4, 512, fmt)
+    assert copied == [nbytes] and record["bytes"] == nbytes
+    assert (record["triton_us"], record["torch_us"], record["copy_us"]) == (4.0, 10.0, 2.0)
+    assert record["floor_us"] == pytest.approx(nbytes / 2e12 * 1e6)
+    assert record["bw_fraction"] == pytest.approx(record["floor_us"] / 4.0)
+    assert record["copy_fraction"] == pytest.approx(0.5) and record["speedup_vs_torch"] == pytest.approx(2.5)

@@ -12,7 +12,7 @@ from fp8chain_kernel import act, norm
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import ActFormat, QuantizedActivation
 from fp8chain_kernel.reference.norm import add_residual, rms_norm_fp32
-from helpers import assert_close_bf16, assert_pairs_equal, poisoned_pair
+from helpers import TorchWithGpu, assert_close_bf16, assert_pairs_equal, poisoned_pair
 
 
 @pytest.mark.cpu
@@ -135,6 +135,7 @@ def test_every_launch_candidate_keeps_the_contract(name, cols, rows, device):
         assert_pairs_equal(pair, ref.quantize(y, fmt))
 
 
+@pytest.mark.cpu
 def test_producers_bf16_quant_arm_rereads_the_bf16_output():
     """The unchained arm writes bf16, reads it back to quantize and writes the pair."""
     from fp8chain.cli import _load_benchmark
@@ -148,6 +149,7 @@ def test_producers_bf16_quant_arm_rereads_the_bf16_output():
     assert case.bytes_bf16_quant == case.bytes_bf16 + bf16_out + harness.pair_bytes(3, case.cols, fmt)
 
 
+@pytest.mark.cpu
 def test_wo_a_sweep_report_keeps_the_fastest_config(tmp_path):
     from fp8chain.cli import _load_benchmark
 
@@ -157,3 +159,184 @@ def test_wo_a_sweep_report_keeps_the_fastest_config(tmp_path):
                dict(producer="wo_a_g8", T=1, fp8_us=2.5, floor_us=1.0, config={"BLOCK_M": 64})]
     rows = bench.report({"sweep": "wo_a"}, records, tmp_path).splitlines()[3:]
     assert rows == ["| wo_a_g8 | 1 | 2 | 1 | {'BLOCK_M': 16} |"]
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("name", ["rms_norm", "q_norm", "silu_mul", "mhc_boundary", "wo_a_g2", "wo_a_g8_fp8w"])
+def test_each_arms_floor_counts_the_bytes_it_moves(name, monkeypatch):
+    """The bytes behind ``floor_*_us``, per producer: what every arm reads and writes besides its
+    output (the residual read and written back, gate_up's two halves, wo_a's weights with their
+    scales, the boundary's streams and mixes), the bf16 output, the pair, the bf16 store the FP8
+    arm keeps where the model reads bf16 (RMSNorm, the mHC boundary), the einsum's flops."""
+    bench = _load_benchmark("producers")
+    monkeypatch.setattr(harness, "copies_past_l2", lambda nbytes, most=64: 1)  # one weight copy: no 160 MB
+    fmt, t = ActFormat.SM90_G32_FP32_MN, 3
+    case = bench.Case(name, t, fmt, "cpu")
+    h = {"rms_norm": 5120, "q_norm": 1280, "mhc_boundary": 5120}.get(name)
+    if name == "rms_norm":  # x, the weight, the residual read and written back
+        want_in, cols = t * h * 2 + h * 2 + 2 * t * h * 2, h
+    elif name == "q_norm":
+        want_in, cols = t * h * 2 + h * 2, h
+    elif name == "silu_mul":  # gate and up
+        want_in, cols = t * 2 * 2304 * 2, 2304
+    elif name == "mhc_boundary":  # y, the 4 streams read and written, the weight, pre / post / comb in fp32
+        want_in, cols = t * h * 2 + 2 * t * 4 * h * 2 + h * 2 + t * (4 + 4 + 16) * 4, h
+    else:
+        g = 8 if "g8" in name else 2
+        weight = g * 1024 * 4096 + g * (1024 // 32) * (4096 // 32) * 4 if name.endswith("fp8w") else g * 1024 * 4096 * 2
+        want_in, cols = t * g * 4096 * 2 + weight, g * 1024
+        assert case.flops == 2 * t * g * 1024 * 4096
+    assert (case.in_bytes, case.cols) == (want_in, cols)
+    assert case.fp8_bf16 == (name in ("rms_norm", "mhc_boundary"))
+    bf16_out, pair = t * cols * 2, harness.pair_bytes(t, cols, fmt)
+    assert case.bytes_bf16 == want_in + bf16_out
+    assert case.bytes_fp8 == want_in + pair + (bf16_out if case.fp8_bf16 else 0)
+    assert case.bytes_bf16_quant == want_in + 2 * bf16_out + pair
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("name", ["q_norm", "silu_mul"])
+def test_only_the_unchained_arm_launches_the_standalone_quantize(name, monkeypatch):
+    """``bf16_quant`` is the bf16 producer followed by ``quant.quantize`` of the bf16 it wrote
+    into its preallocated pair; ``bf16`` and ``fp8`` quantize nothing, ``fp8`` emits the pair."""
+    bench = _load_benchmark("producers")
+    fmt = ActFormat.SM90_G32_FP32_MN
+    case = bench.Case(name, 2, fmt, "cpu")
+    real, quantized = bench.quant.quantize, []
+    monkeypatch.setattr(bench.quant, "quantize",
+                        lambda x, fmt, out=None: quantized.append((x.clone(), out)) or real(x, fmt, out=out))
+    y = case.bf16()
+    assert not quantized and isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16
+    y_again, pair = case.bf16_quant()
+    assert len(quantized) == 1 and torch.equal(quantized[0][0], y_again) and torch.equal(y_again, y)
+    assert quantized[0][1] is not None and pair.data.data_ptr() == quantized[0][1].data.data_ptr()
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+    fp8 = case.fp8()
+    assert len(quantized) == 1 and isinstance(fp8, QuantizedActivation)
+    assert_pairs_equal(fp8, ref.quantize(y, fmt))
+
+
+def _fake_gpu_producers_run(monkeypatch, tmp_path, argv):
+    """``benchmark/producers.py``'s ``run`` on the CPU: each Case remembered, a graph is the arm
+    it was captured from, its time set by which arm it is (bf16 2 us, bf16 + quantize 3.5 us, FP8
+    2.5 us, plus 0.1 us per case), launch counts by arm. Returns ``(records, replay calls)``."""
+    bench = _load_benchmark("producers")
+    cases, replays = [], []
+
+    class CpuCase(bench.Case):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            cases.append(self)
+
+    def arm_of(fn):
+        case = next(c for c in cases if fn in (c.bf16, c.bf16_quant, c.fp8))
+        return case, next(arm for arm in ("bf16", "bf16_quant", "fp8") if getattr(case, arm) is fn)
+
+    def replay_times_us(graphs, iters, rounds=7):
+        replays.append(sorted(graphs))
+        times = {}
+        for key, fn in graphs.items():
+            case, arm = arm_of(fn)
+            times[key] = {"bf16": 2.0, "bf16_quant": 3.5, "fp8": 2.5}[arm] + 0.1 * cases.index(case)
+        return times
+
+    monkeypatch.setattr(bench, "torch", TorchWithGpu("torch"))
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "Case", CpuCase)
+    monkeypatch.setattr(harness, "copies_past_l2", lambda nbytes, most=64: 1)
+    monkeypatch.setattr(harness, "bench_meta", lambda: {"device": "fake"})
+    monkeypatch.setattr(harness, "copy_bandwidth", lambda: 2e12)
+    monkeypatch.setattr(harness, "bf16_matmul_rate", lambda: 5e14)
+    monkeypatch.setattr(harness, "capture_graph", lambda fn, iters: fn)
+    monkeypatch.setattr(harness, "replay_times_us", replay_times_us)
+    monkeypatch.setattr(harness, "count_launches",
+                        lambda fn: {"producer": 1, "_quantize_kernel": int(arm_of(fn)[1] == "bf16_quant")})
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = harness.apply_quick(parser.parse_args([*argv, "--results-dir", str(tmp_path)]))
+    return bench.run(args)[1], replays, cases
+
+
+@pytest.mark.cpu
+def test_records_hold_each_arms_time_floor_and_ratio(monkeypatch, tmp_path):
+    """Without a GPU: ``run`` with graphs that are the arm they were captured from. Each
+    ``*_us`` is its own arm's time, the three arms of a case replay in turn, the floors are the
+    case's bytes of that arm at the measured bandwidth, the ratios divide the FP8 arm's time by the
+    other arm's, the launches are the FP8 arm's; wo_a adds its flops against the matmul rate."""
+    records, replays, cases = _fake_gpu_producers_run(
+        monkeypatch, tmp_path, ["--producers", "q_norm", "wo_a_g2", "--rows", "1", "--no-peer"])
+    assert [(r["producer"], r["T"]) for r in records] == [("q_norm", 1), ("wo_a_g2", 1)]
+    assert replays == [["bf16", "bf16_quant", "fp8"]] * 2
+    for index, r in enumerate(records):
+        case = cases[index]
+        assert (r["bf16_us"], r["bf16_quant_us"], r["fp8_us"]) == pytest.approx((2.0 + 0.1 * index, 3.5 + 0.1 * index,
+                                                                                   2.5 + 0.1 * index))
+        for arm, nbytes in (("bf16", case.bytes_bf16), ("bf16_quant", case.bytes_bf16_quant), ("fp8", case.bytes_fp8)):
+            assert r[f"floor_{arm}_us"] == pytest.approx(nbytes / 2e12 * 1e6)
+        assert r["fp8_over_bf16"] == pytest.approx(r["fp8_us"] / r["bf16_us"])
+        assert r["fp8_over_bf16_quant"] == pytest.approx(r["fp8_us"] / r["bf16_quant_us"])
+        assert r["fp8_bw_fraction"] == pytest.approx(r["floor_fp8_us"] / r["fp8_us"])
+        assert r["fp8_launches"] == 1 and r["compiled_peer_us"] is None and r["fp8_over_peer"] is None
+    wo_a = records[1]
+    flops = 2 * 1 * 2 * 1024 * 4096
+    assert wo_a["floor_compute_us"] == pytest.approx(flops / 5e14 * 1e6)
+    assert wo_a["fp8_tflops"] == pytest.approx(flops / (wo_a["fp8_us"] * 1e-6) / 1e12)
+    assert wo_a["fp8_roofline_fraction"] == pytest.approx(max(wo_a["floor_fp8_us"], wo_a["floor_compute_us"])
+                                                          / wo_a["fp8_us"])
+    assert "floor_compute_us" not in records[0]
+
+
+@pytest.mark.cpu
+def test_wo_a_sweep_takes_t_up_to_64():
+    bench = _load_benchmark("producers")
+    args = argparse.Namespace(producers=["rms_norm", "wo_a_g8", "wo_a_g2_fp8w"], rows=[1, 64, 65])
+    assert bench.wo_a_sweep_cases(args) == [("wo_a_g8", 1), ("wo_a_g8", 64), ("wo_a_g2_fp8w", 1), ("wo_a_g2_fp8w", 64)]
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("name", ["wo_a_g2", "wo_a_g2_fp8w"])
+def test_wo_a_sweep_floor_counts_weights_scales_input_and_pair(name, monkeypatch, tmp_path):
+    """Without a GPU: ``--sweep-wo-a``'s floor is one weight copy (FP8: e4m3 bytes and fp32 32x32
+    block scales), the bf16 o read and the pair written, at the measured bandwidth; the table's
+    own config is timed first."""
+    import types
+
+    bench = _load_benchmark("producers")
+    timed = []
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "wo_a_candidates", lambda rows, d, splits: [dict(BLOCK_M=16)])
+    monkeypatch.setattr(harness, "copies_past_l2", lambda nbytes, most=64: 1)
+    monkeypatch.setattr(harness, "bench_meta", lambda: {"device": "fake"})
+    monkeypatch.setattr(harness, "copy_bandwidth", lambda: 2e12)
+    monkeypatch.setattr(harness, "graph_time_us", lambda fn, iters=100, repeats=7: timed.append(fn) or 5.0 - len(timed))
+    args = types.SimpleNamespace(producers=[name], rows=[2], formats=[ActFormat.SM90_G32_FP32_MN.value], iters=1,
+                                 splits=None, results_dir=tmp_path)
+    meta, records = bench.run_wo_a_sweep(args)
+    fmt, g, r, d = ActFormat.SM90_G32_FP32_MN, 2, 1024, 4096
+    weight = g * r * d + g * (r // 32) * (d // 32) * 4 if name.endswith("fp8w") else g * r * d * 2
+    floor = (weight + 2 * g * d * 2 + harness.pair_bytes(2, g * r, fmt)) / 2e12 * 1e6
+    assert [(rec["config"], rec["fp8_us"]) for rec in records] == [("table", 4.0), (dict(BLOCK_M=16), 3.0)]
+    assert all(rec["floor_us"] == pytest.approx(floor) for rec in records)
+
+
+@pytest.mark.cpu
+def test_launch_candidates_span_the_documented_shapes():
+    """RMSNorm: 1-8 rows of the whole width per program at 4, 8 or 16 warps (q_norm's narrower rows:
+    2, 4 or 8); SiLU*mul: 128 / 256 wide tiles of 1-32 rows, 2-8 warps, at most 8192 outputs."""
+    bench = _load_benchmark("producers")
+    shapes = lambda name, rows: {tuple(c.values()) for c in bench.launch_candidates(name, rows)}  # noqa: E731
+    assert shapes("rms_norm", 64) == {(m, 8192, w) for m in (1, 2, 4, 8) for w in (4, 8, 16)}
+    assert shapes("q_norm", 2) == {(m, 2048, w) for m in (1, 2) for w in (2, 4, 8)}
+    silu = shapes("silu_mul", 64)
+    assert {(m, n) for m, n, _ in silu} == {(m, n) for n in (128, 256) for m in (1, 2, 4, 8, 16, 32) if m * n <= 8192}
+    assert {w for *_, w in silu} == {2, 4, 8} and (1, 128, 8) not in silu  # 256 threads for 128 outputs
+
+
+@pytest.mark.cpu
+def test_report_plots_every_arm(monkeypatch, tmp_path):
+    bench = _load_benchmark("producers")
+    plotted = []
+    monkeypatch.setattr(harness, "plot_records", lambda name, records, x, y_keys, *a, **k: plotted.append(list(y_keys)))
+    record = dict(case="silu_mul I=2304", format="g32", T=1, bf16_us=1.0, bf16_quant_us=2.0, fp8_us=1.2)
+    bench.report({"date": "today"}, [record], tmp_path)
+    assert plotted == [["bf16_us", "bf16_quant_us", "fp8_us", "compiled_peer_us", "floor_fp8_us"]]
