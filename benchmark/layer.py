@@ -318,6 +318,8 @@ def quantize_launches_removed():
     pairs = {}
 
     def stale_pair(x, fmt, out=None):
+        if out is not None:  # filling it would be a copy launch per call, the very launch this removes
+            raise TypeError("quantize_launches_removed: a caller-given out= pair is not supported")
         key = (tuple(x.shape), ActFormat(fmt), x.device)
         if key not in pairs:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():

@@ -108,6 +108,19 @@ def peer_function(name: str, fmt: ActFormat):
     raise ValueError(name)
 
 
+def wo_a_weight_copies(g: int, r: int, d: int, fp8_weights: bool, device) -> tuple[list, int]:
+    """Random wo_a weights ``[(weight, block scales or None)]`` in as many copies as take the
+    bytes past L2 (a decode step streams wo_a from HBM), and one copy's bytes: bf16 ``[G, R, D]``,
+    or the checkpoint's e4m3 with its fp32 32x32 block scales."""
+    if fp8_weights:
+        make = lambda: reference.random_fp8_wo_a(g, r, d, device=device, log2_scale=-12)  # noqa: E731
+    else:
+        make = lambda: ((torch.randn(g, r, d, device=device) / d ** 0.5).bfloat16(), None)  # noqa: E731
+    weights = [make()]
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights[0] if t is not None)
+    return weights + [make() for _ in range(harness.copies_past_l2(weight_bytes) - 1)], weight_bytes
+
+
 class Case:
     """One producer at one T: the three arms as closures over preallocated buffers, the peer's
     argument sets (``peer_arg_sets``: one per weight copy, which wo_a's arms rotate through past
@@ -152,13 +165,7 @@ class Case:
             # o as the attention output's view: [T, 64 heads / (8/G), 512] seen as [T, G, 4096]
             o = torch.randn(t, g, d, device=device).bfloat16()
             # every arm rotates through weight copies past L2, as a decode step streams wo_a from HBM
-            if fp8_weights:
-                make = lambda: reference.random_fp8_wo_a(g, r, d, device=device, log2_scale=-12)  # noqa: E731
-            else:
-                make = lambda: ((torch.randn(g, r, d, device=device) / d ** 0.5).bfloat16(), None)  # noqa: E731
-            weights = [make()]
-            weight_bytes = sum(t.numel() * t.element_size() for t in weights[0] if t is not None)
-            weights += [make() for _ in range(harness.copies_past_l2(weight_bytes) - 1)]
+            weights, weight_bytes = wo_a_weight_copies(g, r, d, fp8_weights, device)
             peer_weights = [reference.dequantize_wo_a(w, ws) if fp8_weights else w for w, ws in weights]
             self.fp8_bf16 = False
             self.in_bytes = t * g * d * 2 + weight_bytes
@@ -240,13 +247,7 @@ def run_wo_a_sweep(args) -> tuple[dict, list[dict]]:
     for name, rows in harness.progress(wo_a_sweep_cases(args), "wo_a configs"):
         g, r, d = (8 if name.startswith("wo_a_g8") else 2), 1024, 4096
         fp8_weights = name.endswith("_fp8w")
-        if fp8_weights:  # (e4m3 weight, its 32x32 block scales) per copy
-            weights = [reference.random_fp8_wo_a(g, r, d, device=DEVICE) for _ in range(harness.copies_past_l2(g * r * d))]
-            weight_bytes = g * r * d + weights[0][1].numel() * 4
-        else:
-            weights = [((torch.randn(g, r, d, device=DEVICE) / d ** 0.5).bfloat16(), None)
-                       for _ in range(harness.copies_past_l2(g * r * d * 2))]
-            weight_bytes = g * r * d * 2
+        weights, weight_bytes = wo_a_weight_copies(g, r, d, fp8_weights, DEVICE)
         o = torch.randn(rows, g, d, device=DEVICE).bfloat16()
         pair = empty_pair(rows, g * r, fmt, DEVICE)
 

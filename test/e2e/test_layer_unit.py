@@ -217,6 +217,9 @@ def test_no_quantize_arm_quantizes_once_per_shape_and_restores(monkeypatch):
         assert bench.fp8_method.quantize is bench.quant.quantize
         unit.step()
     assert len(calls) == len(first) + 5
+    x = torch.randn(3, config.hidden_size).bfloat16()
+    with bench.quantize_launches_removed(), pytest.raises(TypeError, match="out= pair is not supported"):
+        bench.fp8_method.quantize(x, layer.attn.wqkv_a.input_format, out=bench.quant.quantize(x, "sm90_g32_fp32_mn"))
 
 
 def test_kernel_breakdown_lists_the_costliest_kernels_first():

@@ -340,3 +340,20 @@ def test_report_plots_every_arm(monkeypatch, tmp_path):
     record = dict(case="silu_mul I=2304", format="g32", T=1, bf16_us=1.0, bf16_quant_us=2.0, fp8_us=1.2)
     bench.report({"date": "today"}, [record], tmp_path)
     assert plotted == [["bf16_us", "bf16_quant_us", "fp8_us", "compiled_peer_us", "floor_fp8_us"]]
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fp8_weights", [False, True])
+def test_wo_a_weight_copies_count_the_scales(fp8_weights, monkeypatch):
+    """The four arms and the wo_a sweep take their weights from one helper: copies past L2 by one
+    copy's bytes, the FP8 weights' fp32 block scales included."""
+    bench = _load_benchmark("producers")
+    asked = []
+    monkeypatch.setattr(harness, "copies_past_l2", lambda nbytes, most=64: asked.append(nbytes) or 3)
+    g, r, d = 2, 64, 128
+    weights, nbytes = bench.wo_a_weight_copies(g, r, d, fp8_weights, "cpu")
+    want = g * r * d + g * (r // 32) * (d // 32) * 4 if fp8_weights else g * r * d * 2
+    assert nbytes == want and asked == [want] and len(weights) == 3
+    assert all((s is not None) == fp8_weights for _, s in weights)
+    assert weights[0][0].data_ptr() != weights[1][0].data_ptr()
+
