@@ -563,3 +563,99 @@ def test_triton_serves_from_ada_on(monkeypatch, arch, serves):
     caps = dataclasses.replace(backends.probe(), cuda=True, arch=arch)
     monkeypatch.setattr(backends, "probe", lambda *a, **k: caps)
     assert (backends.get_backend("triton").rejection(G32, 32, 1792, 5120) is None) is serves
+
+
+def test_triton_refuses_without_a_device_or_interpreter_and_empty_weights(monkeypatch):
+    """No CUDA device and no TRITON_INTERPRET: nothing runs the kernels; an empty weight (N or K
+    zero, whose K passes the group check) is refused by name too. 128x128 blocks take any scales,
+    32x32 ones power-of-two scales only."""
+    import dataclasses
+
+    triton_backend = backends.get_backend("triton")
+    bare = dataclasses.replace(backends.probe(), cuda=False, arch=None, triton_interpreter=False)
+    monkeypatch.setattr(backends, "probe", lambda *a, **k: bare)
+    assert "no CUDA device and TRITON_INTERPRET is not set" in triton_backend.rejection(G32, 32, 1792, 5120)
+    interpreting = dataclasses.replace(bare, triton_interpreter=True)
+    monkeypatch.setattr(backends, "probe", lambda *a, **k: interpreting)
+    assert triton_backend.rejection(G32, 32, 1792, 5120) is None
+    assert "empty weight 0x5120" in triton_backend.rejection(G32, 32, 0, 5120)
+    assert "empty weight 256x0" in triton_backend.rejection(G128, 128, 256, 0)
+    w, s = _weights(256, 512, 128)
+    assert triton_backend.derive_weight_tensors(w, s * 3, 128) == {}  # not powers of two: fine at g128
+    with pytest.raises(ValueError, match="power-of-two"):
+        triton_backend.derive_weight_tensors(*_weights(256, 512, 32)[:1], _weights(256, 512, 32)[1] * 3, 32)
+
+
+def _torch_scaled_mm_reading(padded_stride: bool):
+    """Blockwise ``_scaled_mm`` of two torch versions: torch 2.11 (``padded_stride`` False) accepts
+    only ``scale_b.t()`` the contiguous [N/128, K/128] tensor, yet cuBLAS reads its rows with the
+    stride L4 = round_up(K/128, 4) (wrong at K/128 % 4 != 0); a torch that checks for cuBLAS's
+    layout (True) accepts only [N/128, K/128] with row stride L4 and computes right."""
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype=None):
+        m, k = a.shape
+        sbt = scale_b.t()
+        nb, kb = cdiv(b.shape[1], 128), cdiv(k, 128)
+        l4 = align4(kb)
+        if tuple(sbt.shape) != (nb, kb) or sbt.stride() != ((l4, 1) if padded_stride else (kb, 1)):
+            raise RuntimeError(f"scale_b layout {tuple(sbt.shape)} {sbt.stride()} not accepted")
+        flat = sbt.as_strided((sbt.untyped_storage().nbytes() // 4 - sbt.storage_offset(),), (1,))
+        index = torch.arange(nb)[:, None] * l4 + torch.arange(kb)[None, :]  # the rows cuBLAS reads
+        read = torch.where(index < flat.numel(), flat[index.clamp(max=flat.numel() - 1)], torch.zeros(()))
+        a_val = a.float() * scale_a.repeat_interleave(128, 1)[:, :k]
+        return (a_val.double() @ ref.dequantize_weight(b.t(), read, 128).double().t()).to(out_dtype)
+
+    return scaled_mm
+
+
+@pytest.mark.parametrize("padded_stride,views", [(False, {True: "contig", False: None}),
+                                                 (True, {True: "contig", False: "exact"})])
+def test_torch_blockwise_calibration_keeps_only_layouts_that_compute_right(monkeypatch, padded_stride, views):
+    """``calibrate`` on the CPU against two torch behaviours: torch 2.11 accepts the contiguous
+    layout at K/128 = 5 too but cuBLAS reads it wrongly there, so that class gets no layout (and
+    is refused); a torch that checks cuBLAS's padded stride gets the exact view at K/128 = 5 (at
+    K/128 = 4 the contiguous layout is that same layout).
+    A torch that computes wrongly at every layout is reported, with the reason."""
+    import dataclasses
+
+    backend = backends.get_backend("torch_blockwise")
+    monkeypatch.setattr(type(backend), "_scale_b_view", {})
+    monkeypatch.setattr(torch, "_scaled_mm", _torch_scaled_mm_reading(padded_stride), raising=False)
+    assert backend.calibrate(torch.device("cpu")) == ""
+    assert type(backend)._scale_b_view == views
+    working = dataclasses.replace(backends.probe(), scaled_mm_blockwise=True, scaled_mm_reason="")
+    monkeypatch.setattr(backends, "probe", lambda *a, **k: working)
+    assert backend.rejection(G128, 128, 256, 512) is None
+    assert (backend.rejection(G128, 128, 256, 640) is None) is (views[False] is not None)
+    zero = lambda a, b, scale_a, scale_b, out_dtype=None: torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)  # noqa: E731
+    monkeypatch.setattr(torch, "_scaled_mm", zero, raising=False)
+    assert "did not compute right" in backend.calibrate(torch.device("cpu"))
+    assert type(backend)._scale_b_view == {True: None, False: None}
+
+
+def test_torch_blockwise_operands_refuse_a_pair_of_another_format(monkeypatch):
+    """The benchmark times ``_scaled_mm`` on ``scaled_mm_operands`` directly: a g32 pair (scales
+    per 32 columns) is refused there by name, not handed to cuBLAS as 1x128 scales."""
+    backend = backends.get_backend("torch_blockwise")
+    monkeypatch.setattr(type(backend), "_scale_b_view", {True: "contig", False: None})
+    w, s = _weights(256, 512, 128)
+    g32 = ref.quantize(_activation(4, 512), G32)
+    for call in (backend.scaled_mm_operands, backend.gemm):
+        with pytest.raises(TypeError, match="torch_blockwise reads sm90_g128_fp32_mn, got a pair in sm90_g32_fp32_mn"):
+            call(g32, w, s, backend.derive_weight_tensors(w, s, 128))
+
+
+@pytest.mark.parametrize("fake_deep_gemm", [(9, 0)], indirect=True)
+def test_deep_gemm_refuses_another_block_and_hands_contiguous_weight_scales(fake_deep_gemm):
+    """On SM90 DeepGEMM reads g128 pairs with 128x128 weight blocks: the format alone does not
+    make it serve 32x32 blocks. Weight scales held as a transposed view (any strides torch allows)
+    reach DeepGEMM contiguous, as its sfb is read."""
+    _, calls, _ = fake_deep_gemm
+    backend = backends.get_backend("deep_gemm")
+    assert "does not read sm90_g128_fp32_mn with 32x32 blocks" in backend.rejection(G128, 32, 256, 512)
+    n, k, m = 256, 512, 3
+    w, s = _weights(n, k, 128)
+    strided = s.t().contiguous().t()
+    assert not strided.is_contiguous() and torch.equal(strided, s)
+    pair = ref.quantize(_activation(m, k), G128)
+    assert torch.equal(backend.gemm(pair, w, strided, {}), backend.gemm(pair, w, s, {}))
