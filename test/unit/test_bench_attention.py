@@ -106,7 +106,7 @@ def test_records_hold_the_roofline_against_the_attention_time(monkeypatch):
     flops), ``floor_fraction`` that floor over the attention's time."""
     import types
 
-    import torch
+    from helpers import TorchWithGpu
 
     bench = _load_benchmark("attention")
     real_calls = bench._calls
@@ -116,13 +116,7 @@ def test_records_hold_the_roofline_against_the_attention_time(monkeypatch):
         rope.kind = "rope"
         return rope, lambda tile=None, splits=None: types.SimpleNamespace(kind="attention", tile=tile), cache
 
-    class GpuTorch(types.ModuleType):  # torch, with a GPU to pass run's check
-        cuda = types.SimpleNamespace(is_available=lambda: True)
-
-        def __getattr__(self, attr):
-            return getattr(torch, attr)
-
-    monkeypatch.setattr(bench, "torch", GpuTorch("torch"))
+    monkeypatch.setattr(bench, "torch", TorchWithGpu("torch"))
     monkeypatch.setattr(bench, "_calls", calls)
     monkeypatch.setattr(harness, "copies_past_l2", lambda nbytes, most=64: 1)
     monkeypatch.setattr(harness, "bench_meta", lambda: {"device": "fake"})

@@ -209,15 +209,11 @@ def test_quant_records_divide_the_right_times(monkeypatch, tmp_path):
     ``speedup_vs_torch`` torch / Triton."""
     from fp8chain.cli import _load_benchmark
     from fp8chain_kernel.formats import ActFormat
+    from helpers import TorchWithGpu
 
     bench = _load_benchmark("quant")
 
-    class GpuTorch(types.ModuleType):  # torch on the CPU, with a GPU to pass run's check
-        cuda = types.SimpleNamespace(is_available=lambda: True)
-
-        def __getattr__(self, attr):
-            return getattr(torch, attr)
-
+    class GpuTorch(TorchWithGpu):  # its inputs made on the CPU whatever device is asked
         @staticmethod
         def randn(*shape, device=None, **kwargs):
             return torch.randn(*shape, **kwargs)
