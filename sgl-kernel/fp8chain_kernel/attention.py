@@ -377,12 +377,12 @@ def _check_index(idx: torch.Tensor, name: str, tokens: int) -> None:
         raise ValueError(f"{name} must be contiguous, got stride {idx.stride(0)}")
 
 
-def _check_cache(kv_cache: torch.Tensor, dim: int) -> None:
+def _check_cache(kv_cache: torch.Tensor, dim: int, tokens: int) -> None:
     if kv_cache.dtype != torch.bfloat16 or kv_cache.dim() != 3 or kv_cache.shape[2] != dim:
         raise TypeError(f"kv_cache must be bfloat16 [S, L, {dim}], got {kv_cache.dtype} {tuple(kv_cache.shape)}")
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous")
-    if kv_cache.shape[1] == 0:  # an out-of-range token still reads table row 0
+    if kv_cache.shape[1] == 0 and tokens:  # an out-of-range token still reads table row 0
         raise ValueError("kv_cache has no positions (L = 0): no token can be written or attend")
 
 
@@ -399,7 +399,7 @@ def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_tab
                         f"{q.dtype} {tuple(q.shape)}")
     if dim == 0 or q.shape[1] == 0:  # the launch that writes the kv cache runs beside the heads'
         raise ValueError(f"q and kv need columns: q {tuple(q.shape)}, kv {tuple(kv.shape)}")
-    _check_cache(kv_cache, dim)
+    _check_cache(kv_cache, dim, tokens)
     _check_index(slots, "slots", tokens)
     _check_index(positions, "positions", tokens)
     check_eps(eps)
@@ -445,7 +445,7 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
         raise TypeError(f"q must be bfloat16 [T, nh, D] with unit last stride, got {q.dtype} "
                         f"{tuple(q.shape)} strides {q.stride()}")
     tokens, heads, dim = q.shape
-    _check_cache(kv_cache, dim)
+    _check_cache(kv_cache, dim, tokens)
     sms = sm_count(q.device, interpreter=H200_SMS)
     block_h, block_l = _split_tile(tile, tokens, heads, kv_cache.shape[1])
     _check_index(slots, "slots", tokens)

@@ -445,6 +445,19 @@ def test_attention_refuses_a_cache_without_positions():
         attention.mqa_attention(bf16(2, 2, 128), empty, slots, positions, torch.zeros(2), 0.1, cos0, sin0)
 
 
+def test_attention_without_tokens_takes_a_cache_without_positions():
+    """T = 0 reads no table row, so an L = 0 cache is fine there: both functions return the empty
+    output the reference does, and the cache stays as it was."""
+    empty, cos0, sin0 = bf16(2, 0, 128), torch.zeros(0, 64), torch.zeros(0, 64)
+    no_index = torch.zeros(0, dtype=torch.long)
+    args = (bf16(0, 2 * 128), bf16(0, 128), cos0, sin0, empty, no_index, no_index, 1e-6)
+    got, want = attention.rope_qkv(*args), ref.rope_qkv(*args)
+    assert got.shape == want.shape == (0, 2, 128) and got.dtype == want.dtype == torch.bfloat16
+    args = (bf16(0, 2, 128), empty, no_index, no_index, torch.zeros(2), 0.1, cos0, sin0)
+    got, want = attention.mqa_attention(*args), ref.mqa_attention(*args)
+    assert got.shape == want.shape == (0, 2, 128) and got.dtype == want.dtype == torch.bfloat16
+
+
 def test_rope_qkv_refuses_malformed_q_kv_and_kv_weight():
     """q ``[T, heads * D]`` (whole heads, one row per kv row) and kv ``[T, D]``, unit column strides;
     kv_weight ``[D]``."""

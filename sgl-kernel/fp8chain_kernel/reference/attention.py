@@ -73,7 +73,7 @@ def rope_qkv(q: torch.Tensor, kv: torch.Tensor, cos_table: torch.Tensor, sin_tab
         kv = rms_norm(kv, kv_weight, eps)
     t, d = kv.shape
     cos, sin = cos_table[positions], sin_table[positions]
-    q = q.float().view(t, -1, d)
+    q = q.float().view(t, q.shape[1] // d, d)  # explicit heads: T = 0 too
     q = q * rms_rsqrt(q, eps)
     kv_cache[slots, positions] = _rope_last(kv.float(), cos, sin).to(kv_cache.dtype)
     return _rope_last(q, cos, sin).to(torch.bfloat16)
@@ -90,7 +90,7 @@ def attention_with_sinks(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tenso
     scores = torch.einsum("thd,tld->thl", q, keys).float() * scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     sink = sink.float().view(1, -1, 1)
-    peak = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+    peak = torch.cat((scores, sink.expand(*scores.shape[:2], 1)), dim=-1).amax(dim=-1, keepdim=True)  # L = 0 too
     probs = torch.exp(scores - peak)
     denom = probs.sum(dim=-1, keepdim=True) + torch.exp(sink - peak)
     return torch.einsum("thl,tld->thd", probs.to(keys.dtype), keys).float() / denom
