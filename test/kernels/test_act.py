@@ -15,11 +15,11 @@ import torch
 
 from fp8chain_kernel import act
 from fp8chain_kernel import reference as ref
-from fp8chain_kernel.formats import ActFormat, empty_pair
+from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, QuantizedActivation, empty_pair
 from fp8chain_kernel.reference.act import silu_mul_fp32
 from helpers import (
-    assert_captured_rest_untouched, assert_close_bf16, assert_other_rows_unchanged, assert_pairs_equal,
-    poisoned_pair,
+    POISON_DATA_BYTE, assert_captured_rest_untouched, assert_close_bf16, assert_other_rows_unchanged,
+    assert_pairs_equal, poisoned_pair,
 )
 
 ALL_FORMATS = list(ActFormat)
@@ -238,3 +238,36 @@ def test_silu_mul_refuses_nan_limit():
         act.check_limit(float("nan"))
     with pytest.raises(ValueError, match="positive number"):
         act.silu_mul(torch.randn(2, 256).bfloat16(), limit=float("nan"))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_silu_mul_cpu_width_not_a_multiple_of_the_group(fmt, device):
+    """I = 100: the last scale group (of 32 or 128 columns) is partial and must still be written."""
+    check_silu_mul(3, 100, fmt, device, LIMIT)
+
+
+@pytest.mark.cpu
+def test_silu_mul_limit_bounds(device):
+    """fp32's largest value is a limit like inf (nothing clamped: the same bits); 0, -0, a bool and
+    a negative limit are refused (not a positive number)."""
+    gu = _gate_up(3, 128, device)
+    assert torch.equal(act.silu_mul(gu, limit=torch.finfo(torch.float32).max).view(torch.int16),
+                       act.silu_mul(gu, limit=float("inf")).view(torch.int16))
+    for limit in (0.0, -0.0, 0, True, -7.0):
+        with pytest.raises(ValueError, match="limit must be a positive number or None"):
+            act.silu_mul(gu, limit=limit)
+
+
+@pytest.mark.cpu
+def test_silu_mul_into_row_padded_data(device):
+    """An out pair whose data rows are padded (data.stride(0) > I, which check_pair allows): rows
+    are written at the data's own row stride and the padding is left untouched."""
+    rows, inter, fmt = 3, 128, ActFormat.SM90_G32_FP32_MN
+    buf = torch.full((rows, inter + 64), POISON_DATA_BYTE, dtype=torch.uint8, device=device)
+    out = QuantizedActivation(buf.view(FP8_DTYPE)[:, :inter], poisoned_pair(rows, inter, fmt, device).scale, fmt)
+    gu = _gate_up(rows, inter, device)
+    y, pair = act.silu_mul(gu, limit=LIMIT, out=out)
+    assert pair.data.stride(0) == inter + 64
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+    assert (buf[:, inter:] == POISON_DATA_BYTE).all()

@@ -488,3 +488,59 @@ def test_wo_a_refuses_weight_scale_on_another_device():
     w8, s = ref.random_fp8_wo_a(2, 64, 64, 32, "cpu", log2_scale=-8)
     with pytest.raises(ValueError, match="weight_scale is on meta"):
         einsum.wo_a_einsum(o, w8, weight_scale=s.to("meta"))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("rows", [3, 70])
+def test_wo_a_r_not_a_multiple_of_the_n_tile(rows, device):
+    """R = 40 without a format: 16-column tiles, the last one of each group partial (EVEN_N off).
+    Every column is written, none past G*R (the bf16 out a view of a wider NaN buffer), and the
+    weight rows past R (a view of a taller buffer, inf there) are never read into the output."""
+    groups, r, d = 2, 40, 64
+    o, _ = _inputs(rows, groups, r, d, device)
+    tall = torch.full((groups, r + 8, d), float("inf"), device=device).bfloat16()
+    tall[:, :r] = (torch.randn(groups, r, d, device=device) / d ** 0.5).bfloat16()
+    w = tall[:, :r]
+    cols = groups * r
+    big_y = _nan_bf16(rows, cols + 16, device)
+    y = einsum.wo_a_einsum(o, w, out_bf16=big_y[:, :cols])
+    assert rel_error(y, wo_a_einsum_fp(o, w, torch.float64)) < REL_BOUND
+    assert torch.isnan(big_y[:, cols:]).all()
+
+
+@pytest.mark.cpu
+def test_wo_a_config_bounds_refused(device):
+    """A config whose BLOCK_N is a multiple of the format's group but does not divide R (a tile would
+    straddle two einsum groups and write a scale of the next one), a 32-warp config and a block
+    under 16 (the smallest dot) are refused; every check runs before a launch."""
+    o, w = _inputs(3, 2, 96, 64, device)
+    fmt = ActFormat.SM90_G32_FP32_MN
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
+    y, pair = einsum.wo_a_einsum(o, w, out_format=fmt, config=config)  # the valid base config
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+    with pytest.raises(ValueError, match="BLOCK_N=64 must be a multiple of 32 that divides R=96"):
+        einsum.wo_a_einsum(o, w, out_format=fmt, config=dict(config, BLOCK_N=64))
+    with pytest.raises(ValueError, match="num_warps must be a power of two <= 16"):
+        einsum.wo_a_einsum(o, w, config=dict(config, num_warps=32))
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        with pytest.raises(ValueError, match="powers of two >= 16"):
+            einsum.wo_a_einsum(o, w, config=dict(config, **{key: 8}))
+
+
+@pytest.mark.cpu
+def test_wo_a_split_keeps_two_k_tiles_a_slice():
+    """The narrow grid's split stops where a slice would hold fewer than two K tiles (D = 256: two
+    128-wide K tiles, no split), and never exceeds the grid's residency."""
+    assert einsum._launch_config(1, 2, 1024, 256, 32, num_sms=132)["SPLIT"] == 1
+    assert einsum._launch_config(1, 2, 1024, 512, 32, num_sms=132)["SPLIT"] == 2
+    assert einsum._narrow_split(64, 32, 264) == 4
+
+
+@pytest.mark.cpu
+def test_wo_a_refuses_a_tile_group_that_does_not_divide_r(device):
+    """tile_group 128 with R = 96: a 128-column group cannot be held whole by tiles of one einsum
+    group, so it is refused (32 divides 96 and is taken)."""
+    o, w = _inputs(2, 2, 96, 64, device)
+    with pytest.raises(ValueError, match="tile_group must be 32 or 128 and divide R=96"):
+        einsum.wo_a_einsum(o, w, tile_group=128)
+    assert torch.equal(einsum.wo_a_einsum(o, w, tile_group=32), einsum.wo_a_einsum(o, w))

@@ -16,11 +16,11 @@ import torch
 
 from fp8chain_kernel import norm
 from fp8chain_kernel import reference as ref
-from fp8chain_kernel.formats import ActFormat, empty_pair
+from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, QuantizedActivation, empty_pair
 from fp8chain_kernel.reference.norm import add_residual, rms_norm_fp32
 from helpers import (
-    assert_captured_rest_untouched, assert_close_bf16, assert_other_rows_unchanged, assert_pairs_equal,
-    poisoned_pair,
+    POISON_DATA_BYTE, assert_captured_rest_untouched, assert_close_bf16, assert_other_rows_unchanged,
+    assert_pairs_equal, poisoned_pair,
 )
 
 ALL_FORMATS = list(ActFormat)
@@ -337,3 +337,81 @@ def test_rms_norm_refuses_residual_over_weight():
     x = torch.randn(3, 256).bfloat16()
     with pytest.raises(ValueError, match="residual overlaps weight"):
         norm.rms_norm(x, storage[3 * 256 - 128:][:256], EPS, residual=storage[:3 * 256].view(3, 256))
+
+
+@pytest.mark.cpu
+def test_rms_norm_eps_range_bounds(device):
+    """eps = 0, fp32's smallest subnormal 2^-149 and its largest value are taken, each giving the
+    reference's output at that eps; 2^-150 (0 once passed as fp32, where torch would add it), a
+    negative value and a finite value past fp32's largest are refused before anything runs."""
+    x, w, _ = _inputs(3, 128, device, False)
+    for eps in (0, 0.0, 2.0**-149, norm.FP32_MAX):
+        assert_close_bf16(norm.rms_norm(x, w, eps), rms_norm_fp32(x, w, eps))
+    for eps in (2.0**-150, -(2.0**-149), 2.0 * norm.FP32_MAX):
+        with pytest.raises(ValueError, match="eps must be a non-negative number"):
+            norm.rms_norm(x, w, eps)
+
+
+@pytest.mark.cpu
+def test_rms_norm_refuses_outputs_without_unit_column_stride(device):
+    """A column-major out_bf16 or residual (one location per element, so only the stride check
+    stands in the way) is refused: the kernel writes them at unit column stride."""
+    x, w, r = _inputs(3, 128, device, True)
+    with pytest.raises(ValueError, match="out_bf16 must have unit column stride"):
+        norm.rms_norm(x, w, EPS, out_bf16=torch.empty(128, 3, dtype=torch.bfloat16, device=device).t())
+    with pytest.raises(ValueError, match="residual must have unit column stride"):
+        norm.rms_norm(x, w, EPS, residual=r.t().contiguous().t())
+
+
+@pytest.mark.cpu
+def test_rms_norm_out_that_is_not_a_pair(device):
+    """``out`` without ``out_format`` must be a QuantizedActivation (its format is read from it):
+    a bare (data, scale) tuple is a TypeError, not an AttributeError."""
+    x, w, _ = _inputs(3, 128, device, False)
+    pair = empty_pair(3, 128, ActFormat.SM90_G32_FP32_MN, device)
+    with pytest.raises(TypeError, match="out must be a QuantizedActivation, got tuple"):
+        norm.rms_norm(x, w, EPS, out=(pair.data, pair.scale))
+
+
+@pytest.mark.cpu
+def test_rms_norm_launch_config_bounds(device):
+    """A config at the limits is taken: BLOCK_H equal to the row width when that is 128 (whole
+    rows; the rows equal the launch rule's, an identical reduction), and a tile of exactly 2^20
+    values (checked before the empty batch returns)."""
+    x, w, _ = _inputs(3, 128, device, False)
+    fmt = ActFormat.SM90_G32_FP32_MN
+    y, pair = norm.rms_norm(x, w, EPS, out_format=fmt, config=dict(BLOCK_M=4, BLOCK_H=128, num_warps=4))
+    assert torch.equal(y, norm.rms_norm(x, w, EPS))
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+    big = dict(BLOCK_M=norm.MAX_TILE_ELEMS // 128, BLOCK_H=128, num_warps=4)
+    assert norm.rms_norm(x[:0], w, EPS, config=big).shape == (0, 128)
+
+
+@pytest.mark.cpu
+def test_rms_norm_into_row_padded_data(device):
+    """An out pair whose data rows are padded (data.stride(0) > H, which check_pair allows): rows
+    are written at the data's own row stride and the padding is left untouched."""
+    rows, cols, fmt = 3, 128, ActFormat.SM100_G32_UE8M0_PACKED_MN
+    buf = torch.full((rows, cols + 64), POISON_DATA_BYTE, dtype=torch.uint8, device=device)
+    out = QuantizedActivation(buf.view(FP8_DTYPE)[:, :cols], poisoned_pair(rows, cols, fmt, device).scale, fmt)
+    x, w, _ = _inputs(rows, cols, device, False)
+    y, pair = norm.rms_norm(x, w, EPS, out=out)
+    assert pair.data.stride(0) == cols + 64
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+    assert (buf[:, cols:] == POISON_DATA_BYTE).all()
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_rms_norm_cpu_width_not_a_multiple_of_the_group(fmt, device):
+    """H = 100: the last scale group (of 32 or 128 columns) is partial and must still be written."""
+    check_rms_norm(3, 100, fmt, device, residual=True)
+
+
+@pytest.mark.cpu
+def test_rms_norm_refuses_a_config_narrower_than_128(device):
+    """BLOCK_H below 128 is refused even where it holds the whole row (H = 64): a program must
+    hold whole 128-column scale groups of every format."""
+    x, w, _ = _inputs(2, 64, device, False)
+    with pytest.raises(ValueError, match="BLOCK_H >= 128"):
+        norm.rms_norm(x, w, EPS, config=dict(BLOCK_M=1, BLOCK_H=64, num_warps=4))

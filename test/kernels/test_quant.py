@@ -242,3 +242,13 @@ def test_quantize_refuses_out_on_another_device():
     fmt = ActFormat.SM90_G32_FP32_MN
     with pytest.raises(ValueError, match="out pair is on meta"):
         quant.quantize(x, fmt, out=empty_pair(4, 256, fmt, "meta"))
+
+
+@pytest.mark.cpu
+def test_quantize_refuses_a_non_tensor():
+    """A numpy array (or a list) is a TypeError naming the type, not an AttributeError."""
+    x = torch.randn(4, 256)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got ndarray"):
+        quant.quantize(x.numpy(), ActFormat.SM90_G32_FP32_MN)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        quant.quantize(x.tolist(), ActFormat.SM90_G32_FP32_MN)
