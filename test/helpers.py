@@ -7,7 +7,7 @@ import types
 import torch
 
 from fp8chain.verify import ROUNDED_FROM_FP32, bf16_ulp_error
-from fp8chain_kernel.formats import ActFormat, QuantizedActivation, empty_pair
+from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, QuantizedActivation, empty_pair
 
 
 def assert_pairs_equal(got: QuantizedActivation, want: QuantizedActivation) -> None:
@@ -41,6 +41,22 @@ def poisoned_pair(rows: int, cols: int, fmt, device) -> QuantizedActivation:
     pair.data.view(torch.uint8).fill_(POISON_DATA_BYTE)
     pair.scale.fill_(POISON_PACKED_SCALE if ActFormat(fmt).packed else POISON_FP32_SCALE)
     return pair
+
+
+def row_padded_pair(rows: int, cols: int, fmt, device, pad: int = 64) -> tuple[QuantizedActivation, torch.Tensor]:
+    """A ``poisoned_pair`` whose data rows are padded by ``pad`` poison bytes (``data.stride(0) =
+    cols + pad``, which ``check_pair`` allows), and the whole data buffer behind it."""
+    buf = torch.full((rows, cols + pad), POISON_DATA_BYTE, dtype=torch.uint8, device=device)
+    scale = poisoned_pair(rows, cols, fmt, device).scale
+    return QuantizedActivation(buf.view(FP8_DTYPE)[:, :cols], scale, ActFormat(fmt)), buf
+
+
+def assert_padded_pair_equal(got: QuantizedActivation, want: QuantizedActivation, buf: torch.Tensor) -> None:
+    """``got`` (a ``row_padded_pair`` over ``buf``) equals ``want`` bit for bit, still at its padded
+    row stride, and its padding is still poison."""
+    assert got.data.stride(0) == buf.shape[1]
+    assert_pairs_equal(got, want)
+    assert (buf[:, got.data.shape[1]:] == POISON_DATA_BYTE).all()
 
 
 def assert_rows_poisoned(pair: QuantizedActivation, first_row: int) -> None:

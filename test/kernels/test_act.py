@@ -15,11 +15,11 @@ import torch
 
 from fp8chain_kernel import act
 from fp8chain_kernel import reference as ref
-from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, QuantizedActivation, empty_pair
+from fp8chain_kernel.formats import ActFormat, empty_pair
 from fp8chain_kernel.reference.act import silu_mul_fp32
 from helpers import (
-    POISON_DATA_BYTE, assert_captured_rest_untouched, assert_close_bf16, assert_other_rows_unchanged,
-    assert_pairs_equal, poisoned_pair,
+    assert_captured_rest_untouched, assert_close_bf16, assert_other_rows_unchanged, assert_padded_pair_equal,
+    assert_pairs_equal, poisoned_pair, row_padded_pair,
 )
 
 ALL_FORMATS = list(ActFormat)
@@ -264,10 +264,6 @@ def test_silu_mul_into_row_padded_data(device):
     """An out pair whose data rows are padded (data.stride(0) > I, which check_pair allows): rows
     are written at the data's own row stride and the padding is left untouched."""
     rows, inter, fmt = 3, 128, ActFormat.SM90_G32_FP32_MN
-    buf = torch.full((rows, inter + 64), POISON_DATA_BYTE, dtype=torch.uint8, device=device)
-    out = QuantizedActivation(buf.view(FP8_DTYPE)[:, :inter], poisoned_pair(rows, inter, fmt, device).scale, fmt)
-    gu = _gate_up(rows, inter, device)
-    y, pair = act.silu_mul(gu, limit=LIMIT, out=out)
-    assert pair.data.stride(0) == inter + 64
-    assert_pairs_equal(pair, ref.quantize(y, fmt))
-    assert (buf[:, inter:] == POISON_DATA_BYTE).all()
+    out, buf = row_padded_pair(rows, inter, fmt, device)
+    y, pair = act.silu_mul(_gate_up(rows, inter, device), limit=LIMIT, out=out)
+    assert_padded_pair_equal(pair, ref.quantize(y, fmt), buf)

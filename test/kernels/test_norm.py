@@ -16,11 +16,11 @@ import torch
 
 from fp8chain_kernel import norm
 from fp8chain_kernel import reference as ref
-from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, QuantizedActivation, empty_pair
+from fp8chain_kernel.formats import ActFormat, empty_pair
 from fp8chain_kernel.reference.norm import add_residual, rms_norm_fp32
 from helpers import (
-    POISON_DATA_BYTE, assert_captured_rest_untouched, assert_close_bf16, assert_other_rows_unchanged,
-    assert_pairs_equal, poisoned_pair,
+    assert_captured_rest_untouched, assert_close_bf16, assert_other_rows_unchanged, assert_padded_pair_equal,
+    assert_pairs_equal, poisoned_pair, row_padded_pair,
 )
 
 ALL_FORMATS = list(ActFormat)
@@ -392,13 +392,10 @@ def test_rms_norm_into_row_padded_data(device):
     """An out pair whose data rows are padded (data.stride(0) > H, which check_pair allows): rows
     are written at the data's own row stride and the padding is left untouched."""
     rows, cols, fmt = 3, 128, ActFormat.SM100_G32_UE8M0_PACKED_MN
-    buf = torch.full((rows, cols + 64), POISON_DATA_BYTE, dtype=torch.uint8, device=device)
-    out = QuantizedActivation(buf.view(FP8_DTYPE)[:, :cols], poisoned_pair(rows, cols, fmt, device).scale, fmt)
+    out, buf = row_padded_pair(rows, cols, fmt, device)
     x, w, _ = _inputs(rows, cols, device, False)
     y, pair = norm.rms_norm(x, w, EPS, out=out)
-    assert pair.data.stride(0) == cols + 64
-    assert_pairs_equal(pair, ref.quantize(y, fmt))
-    assert (buf[:, cols:] == POISON_DATA_BYTE).all()
+    assert_padded_pair_equal(pair, ref.quantize(y, fmt), buf)
 
 
 @pytest.mark.cpu
