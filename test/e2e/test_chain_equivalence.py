@@ -19,7 +19,8 @@ interpreter); the GPU suite (test_engine_gpu.py) runs 8 prompts x 64 tokens with
 import pytest
 import torch
 
-from fp8chain.models.checkpoint import load_checkpoint, load_state_dict, write_random_checkpoint
+from fp8chain.models.checkpoint import (load_checkpoint, load_state_dict, random_checkpoint_tensors,
+                                       write_random_checkpoint)
 from fp8chain.models.deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM, DeepseekV41Reference
 from fp8chain.runtime.engine import Engine
 from helpers import decode_errors_vs_reference
@@ -172,3 +173,27 @@ def test_logits_match_fp32_reference_same_routing(setup):
           f"{errors.median().item():.4f}, max {errors.max().item():.4f}")
     assert torch.isfinite(errors).all()
     assert errors.max().item() <= REL_BOUND
+
+
+def test_two_layer_prefill_off_default_settings_matches_the_fp32_reference():
+    """A fast check of the whole model's numerics (no engine, no module fixture): one prompt through
+    two layers (so a layer hands its output to the next layer's norm, not the final one), with the
+    settings the model takes from its config moved off their defaults (RoPE theta, routed scaling
+    and renormalization, SwiGLU clamp, Sinkhorn iterations). With the reference taking the model's
+    expert choices, every position is within REL_BOUND."""
+    config = DeepseekV41Config.tiny(rope_theta=500.0, routed_scaling_factor=2.5, norm_topk_prob=False,
+                                    swiglu_limit=0.5, hc_sinkhorn_iters=5)
+    tensors = dict(random_checkpoint_tensors(config, seed=7))
+    model = DeepseekV41ForCausalLM(config)
+    model.load_weights(tensors.items())
+    seq = torch.randint(0, config.vocab_size, (12,), generator=torch.Generator().manual_seed(7))
+    n = seq.numel()
+    for layer in model.layers:
+        layer.ffn.gate.record = []
+    with torch.no_grad():
+        logits = model(seq, torch.arange(n), torch.zeros(n, dtype=torch.long), model.make_kv_cache(1, n))
+    routing = [layer.ffn.gate.record[0] for layer in model.layers]
+    ref = DeepseekV41Reference(config, tensors)(seq.tolist(), routing=routing).double()
+    errors = (logits.double() - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert torch.isfinite(errors).all()
+    assert errors.max().item() <= REL_BOUND, errors.tolist()

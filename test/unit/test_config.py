@@ -176,3 +176,44 @@ def test_group_routing_warns_only_when_groups_limit_the_choice(caplog):
     with caplog.at_level(logging.WARNING):
         DeepseekV41Config.from_dict({**tiny, "n_group": 4, "topk_group": 3})
     assert "group-limited routing" in caplog.text
+
+
+def test_from_dict_and_to_dict_copy_the_quantization_config():
+    """The config holds its own quantization_config: editing the dict it was read from, or the
+    dict to_dict wrote, leaves the config as it was (and the other way round)."""
+    d = DeepseekV41Config.tiny().to_dict()
+    c = DeepseekV41Config.from_dict(d)
+    d["quantization_config"]["scale_fmt"] = "edited"
+    assert c.quantization_config["scale_fmt"] == "ue8m0"
+    out = c.to_dict()
+    out["quantization_config"]["weight_block_size"] = [128, 128]
+    assert c.quantization_config["weight_block_size"] == [32, 32] and c.weight_block_size == (32, 32)
+
+
+@pytest.mark.parametrize("name", ["routed_scaling_factor", "rope_theta", "rms_norm_eps", "hc_eps"])
+def test_float_settings_of_zero_are_refused(name):
+    """"Positive" excludes 0 (a zero scaling factor silences every routed expert; a zero theta
+    makes every RoPE frequency infinite)."""
+    with pytest.raises(ValueError, match=f"{name} must be a positive finite number"):
+        DeepseekV41Config.from_dict({**DeepseekV41Config.tiny().to_dict(), name: 0.0})
+
+
+def test_the_bounds_of_rope_dim_and_top_k_are_inclusive():
+    """RoPE on the whole head (qk_rope_head_dim == head_dim, no nope part) and top-k over every
+    routed expert (num_experts_per_tok == n_routed_experts) are valid structures."""
+    c = DeepseekV41Config.tiny(qk_rope_head_dim=128)
+    assert c.qk_rope_head_dim == c.head_dim == 128 and c.qk_nope_head_dim == 0
+    assert DeepseekV41Config.tiny(num_experts_per_tok=8).num_experts_per_tok == 8
+    with pytest.raises(ValueError, match="qk_rope_head_dim=192 must be even and <= head_dim"):
+        DeepseekV41Config.tiny(qk_rope_head_dim=192)
+
+
+def test_one_hash_routed_layer_is_said(caplog):
+    """num_hash_layers counts the first layers that route by hash: even one is not modelled."""
+    with caplog.at_level(logging.WARNING):
+        DeepseekV41Config.from_dict({**DeepseekV41Config.tiny().to_dict(), "num_hash_layers": 1})
+    assert "num_hash_layers=1" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        DeepseekV41Config.from_dict({**DeepseekV41Config.tiny().to_dict(), "num_hash_layers": 0})
+    assert "num_hash_layers" not in caplog.text

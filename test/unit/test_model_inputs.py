@@ -502,3 +502,68 @@ def test_load_accepts_mhc_fn_values_at_the_bf16_limit(value):
     model = DeepseekV41ForCausalLM(config)
     model.load_weights(tensors.items())
     assert model.layers[0].hc_ffn.fn[2, 7].item() == value
+
+
+def test_attention_rope_tables_follow_the_config():
+    """The attention's cos/sin tables are RoPE's of the config's rope_theta and qk_rope_head_dim."""
+    config = DeepseekV41Config.tiny(num_hidden_layers=1, rope_theta=500.0, qk_rope_head_dim=32)
+    attn = deepseek_v41.MQALayer(config)
+    cos, sin = attn.rope_tables(16, "cpu")
+    want_cos, want_sin = ref.rope_tables(16, 32, 500.0, "cpu")
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+
+
+def test_the_scale_alias_renames_dense_block_scales_only():
+    """``<x>.scale`` is a dense weight's block scales (-> ``<x>.weight_scale_inv``); a routed expert's
+    ``.scale`` is its MXFP4 scale bytes and keeps its name (the fp32 reference reads it so)."""
+    rename = deepseek_v41._dense_scale_name
+    assert rename("layers.0.attn.wq_b.scale") == "layers.0.attn.wq_b.weight_scale_inv"
+    assert rename("layers.1.ffn.shared_experts.w2.scale") == "layers.1.ffn.shared_experts.w2.weight_scale_inv"
+    assert rename("layers.0.ffn.experts.3.w1.scale") == "layers.0.ffn.experts.3.w1.scale"
+    assert rename("layers.0.attn.wq_b.weight") == "layers.0.attn.wq_b.weight"
+
+
+def test_kept_indexer_inputs_are_the_attention_input_and_the_normed_q_lora(model):
+    """``keep_indexer_inputs`` keeps what DSv4.1's indexer reads: the attention's bf16 input and the
+    q_norm output (not wqkv_a's raw q_lora columns)."""
+    attn = model.layers[0].attn
+    attn.keep_indexer_inputs = True
+    try:
+        with torch.no_grad():
+            model(*_inputs(model))
+            x, q_lora = attn.last_x, attn.last_q_lora
+            want, _ = attn.q_norm(attn.wqkv_a(x)[:, :attn.q_lora_rank], None)
+    finally:
+        attn.keep_indexer_inputs = False
+        attn.last_x = attn.last_q_lora = None
+    assert x.shape == (3, model.config.hidden_size) and x.dtype == torch.bfloat16
+    assert torch.equal(q_lora, want)
+
+
+def test_the_shared_expert_clamps_with_the_configs_swiglu_limit():
+    """The shared expert's SiLU*mul clamps at the config's swiglu_limit (as the routed experts do):
+    its output is down(silu_mul(gate_up(x), limit)) bit for bit, at weights where the clamp is active."""
+    from fp8chain_kernel import act as act_kernels
+
+    config = DeepseekV41Config.tiny(num_hidden_layers=1, swiglu_limit=0.5)
+    model = DeepseekV41ForCausalLM(config)
+    model.load_weights(random_checkpoint_tensors(config))
+    shared = model.layers[0].ffn.shared_experts
+    x = torch.randn(4, config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with torch.no_grad():
+        gate_up = shared.gate_up(x)
+        want = shared.down(act_kernels.silu_mul(gate_up, limit=0.5))
+        unclamped = shared.down(act_kernels.silu_mul(gate_up, limit=None))
+        got = shared(x)
+    assert not torch.equal(want, unclamped)  # the clamp is active at these weights
+    assert torch.equal(got, want)
+
+
+def test_every_mhc_boundary_takes_the_configs_sinkhorn_iterations_and_epsilons():
+    """A Sinkhorn iteration more or less moves the mixes too little for a logits bound to see: the
+    boundaries' settings are checked as built."""
+    config = DeepseekV41Config.tiny(hc_sinkhorn_iters=7, hc_eps=3e-6, rms_norm_eps=2e-6)
+    model = DeepseekV41ForCausalLM(config)
+    for layer in model.layers:
+        for hc in (layer.hc_attn, layer.hc_ffn):
+            assert (hc.sinkhorn_iters, hc.hc_eps, hc.rms_eps) == (7, 3e-6, 2e-6)
