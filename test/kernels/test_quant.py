@@ -7,9 +7,9 @@ import triton.language as tl
 
 from fp8chain_kernel import quant
 from fp8chain_kernel import reference as ref
-from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, QuantizedActivation, empty_pair, empty_scale
+from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, empty_pair
 from fp8chain_kernel.fp8_tile import cast_to_e4m3, interpreting, round_bf16
-from helpers import POISON_DATA_BYTE, assert_pairs_equal, assert_rows_poisoned, poisoned_pair
+from helpers import assert_padded_pair_equal, assert_pairs_equal, assert_rows_poisoned, poisoned_pair, row_padded_pair
 
 ALL_FORMATS = list(ActFormat)
 
@@ -224,15 +224,10 @@ def test_quantize_into_row_padded_data(fmt):
     """An out pair whose data rows are padded (data.stride(0) > cols, which check_pair allows):
     rows are written at the data's own row stride and the padding is left untouched."""
     rows, cols = 5, 256
-    buf = torch.full((rows, cols + 64), POISON_DATA_BYTE, dtype=torch.uint8)
-    scale = empty_scale(rows, cols, fmt, "cpu")
-    scale.fill_(poisoned_pair(1, cols, fmt, "cpu").scale[0, 0].item())
-    out = QuantizedActivation(buf.view(torch.float8_e4m3fn)[:, :cols], scale, fmt)
+    out, buf = row_padded_pair(rows, cols, fmt, "cpu")
     x = (torch.randn(rows, cols) * torch.exp2(torch.randint(-8, 8, (rows, 1)).float())).bfloat16()
     got = quant.quantize(x, fmt, out=out)
-    assert got.data.stride(0) == cols + 64
-    assert_pairs_equal(got, ref.quantize(x, fmt))
-    assert (buf[:, cols:] == POISON_DATA_BYTE).all()
+    assert_padded_pair_equal(got, ref.quantize(x, fmt), buf)
 
 
 @pytest.mark.cpu
