@@ -353,17 +353,14 @@ def test_weight_bytes_count_the_units_fp8_weights_scales_wo_a_and_mhc():
     assert bench.weight_bytes(layer) == want
 
 
-class _Snapshot(dict):
-    """What a fake graph captured: the unit's configuration at capture (``_fake_gpu_run``)."""
-
-
 def _fake_gpu_run(monkeypatch, tmp_path, argv):
     """``benchmark/layer.py``'s ``run`` on the CPU at the tiny config, two weight copies: every
     ``capture_graph`` records the configuration the step is captured in (chain, stale quantize
     pairs, SiLU*mul fusion, mHC stats caps / placement / frozen mixes, PDL) instead of running it,
     ``replay_times_us`` gives each graph a distinct time (the best-stats arms fastest at one known
-    pair of caps each), ``kernel_profile`` fake launch counts. Returns ``(bench, records,
-    snapshots by time, replay calls)``: which arm a record's figure comes from is then checkable."""
+    pair of caps each), ``kernel_profile`` fake launch counts. Returns ``(bench, meta,
+    records, snapshots by time, replay calls, the layer copies)``: which arm a record's figure
+    comes from is then checkable."""
     import types
 
     bench = _layer_benchmark()
@@ -380,7 +377,7 @@ def _fake_gpu_run(monkeypatch, tmp_path, argv):
         unit = units[-1]
         layer = unit.layers[0]
         assert all(lay.hc_attn.max_stats_splits == layer.hc_attn.max_stats_splits for lay in unit.layers)
-        return _Snapshot(chain=unit.chain, stale=bench.fp8_method.quantize is not real_quantize,
+        return dict(chain=unit.chain, stale=bench.fp8_method.quantize is not real_quantize,
                          fused=layer.ffn.shared_experts.fuse_silu_mul,
                          caps=(layer.hc_attn.max_stats_splits, layer.hc_ffn.max_stats_splits),
                          overlap=layer.overlap_stats, at_start=layer.attn.stats_beside_core_tokens == 0,
@@ -531,14 +528,10 @@ def test_layer_arguments_refuse_what_no_run_can_use():
                  ["--shapes", "tp2"]):
         with pytest.raises(SystemExit):
             parser.parse_args(argv)
-    args = harness_apply_quick(bench, parser, ["--quick"])
+    args = bench.harness.apply_quick(parser.parse_args(["--quick"]))
     assert (args.rows, args.prefill, args.shapes, args.captures, args.context) == ([1, 16, 64], 0, ["tp1"], 1, 1024)
-    args = harness_apply_quick(bench, parser, [])
+    args = bench.harness.apply_quick(parser.parse_args([]))
     assert (args.rows, args.prefill, args.shapes) == (bench.ROWS, bench.PREFILL, ["tp1", "tp4"])
-
-
-def harness_apply_quick(bench, parser, argv):
-    return bench.harness.apply_quick(parser.parse_args(argv))
 
 
 def test_only_the_unchained_step_quantizes_and_only_the_chained_boundaries_write_pairs(monkeypatch):

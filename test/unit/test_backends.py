@@ -582,8 +582,9 @@ def test_triton_refuses_without_a_device_or_interpreter_and_empty_weights(monkey
     assert "empty weight 256x0" in triton_backend.rejection(G128, 128, 256, 0)
     w, s = _weights(256, 512, 128)
     assert triton_backend.derive_weight_tensors(w, s * 3, 128) == {}  # not powers of two: fine at g128
+    w32, s32 = _weights(256, 512, 32)
     with pytest.raises(ValueError, match="power-of-two"):
-        triton_backend.derive_weight_tensors(*_weights(256, 512, 32)[:1], _weights(256, 512, 32)[1] * 3, 32)
+        triton_backend.derive_weight_tensors(w32, s32 * 3, 32)
 
 
 def _torch_scaled_mm_reading(padded_stride: bool):

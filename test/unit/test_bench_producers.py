@@ -161,6 +161,11 @@ def test_wo_a_sweep_report_keeps_the_fastest_config(tmp_path):
     assert rows == ["| wo_a_g8 | 1 | 2 | 1 | {'BLOCK_M': 16} |"]
 
 
+def _wo_a_weight_bytes(g, r, d, fp8_weights):
+    """One wo_a copy's bytes: bf16 ``[G, R, D]``, or e4m3 with its fp32 32x32 block scales."""
+    return g * r * d + g * (r // 32) * (d // 32) * 4 if fp8_weights else g * r * d * 2
+
+
 @pytest.mark.cpu
 @pytest.mark.parametrize("name", ["rms_norm", "q_norm", "silu_mul", "mhc_boundary", "wo_a_g2", "wo_a_g8_fp8w"])
 def test_each_arms_floor_counts_the_bytes_it_moves(name, monkeypatch):
@@ -183,7 +188,7 @@ def test_each_arms_floor_counts_the_bytes_it_moves(name, monkeypatch):
         want_in, cols = t * h * 2 + 2 * t * 4 * h * 2 + h * 2 + t * (4 + 4 + 16) * 4, h
     else:
         g = 8 if "g8" in name else 2
-        weight = g * 1024 * 4096 + g * (1024 // 32) * (4096 // 32) * 4 if name.endswith("fp8w") else g * 1024 * 4096 * 2
+        weight = _wo_a_weight_bytes(g, 1024, 4096, name.endswith("fp8w"))
         want_in, cols = t * g * 4096 * 2 + weight, g * 1024
         assert case.flops == 2 * t * g * 1024 * 4096
     assert (case.in_bytes, case.cols) == (want_in, cols)
@@ -219,7 +224,7 @@ def test_only_the_unchained_arm_launches_the_standalone_quantize(name, monkeypat
 def _fake_gpu_producers_run(monkeypatch, tmp_path, argv):
     """``benchmark/producers.py``'s ``run`` on the CPU: each Case remembered, a graph is the arm
     it was captured from, its time set by which arm it is (bf16 2 us, bf16 + quantize 3.5 us, FP8
-    2.5 us, plus 0.1 us per case), launch counts by arm. Returns ``(records, replay calls)``."""
+    2.5 us, plus 0.1 us per case), launch counts by arm. Returns ``(records, replay calls, cases)``."""
     bench = _load_benchmark("producers")
     cases, replays = [], []
 
@@ -313,7 +318,7 @@ def test_wo_a_sweep_floor_counts_weights_scales_input_and_pair(name, monkeypatch
                                  splits=None, results_dir=tmp_path)
     meta, records = bench.run_wo_a_sweep(args)
     fmt, g, r, d = ActFormat.SM90_G32_FP32_MN, 2, 1024, 4096
-    weight = g * r * d + g * (r // 32) * (d // 32) * 4 if name.endswith("fp8w") else g * r * d * 2
+    weight = _wo_a_weight_bytes(g, r, d, name.endswith("fp8w"))
     floor = (weight + 2 * g * d * 2 + harness.pair_bytes(2, g * r, fmt)) / 2e12 * 1e6
     assert [(rec["config"], rec["fp8_us"]) for rec in records] == [("table", 4.0), (dict(BLOCK_M=16), 3.0)]
     assert all(rec["floor_us"] == pytest.approx(floor) for rec in records)
@@ -352,7 +357,7 @@ def test_wo_a_weight_copies_count_the_scales(fp8_weights, monkeypatch):
     monkeypatch.setattr(harness, "copies_past_l2", lambda nbytes, most=64: asked.append(nbytes) or 3)
     g, r, d = 2, 64, 128
     weights, nbytes = bench.wo_a_weight_copies(g, r, d, fp8_weights, "cpu")
-    want = g * r * d + g * (r // 32) * (d // 32) * 4 if fp8_weights else g * r * d * 2
+    want = _wo_a_weight_bytes(g, r, d, fp8_weights)
     assert nbytes == want and asked == [want] and len(weights) == 3
     assert all((s is not None) == fp8_weights for _, s in weights)
     assert weights[0][0].data_ptr() != weights[1][0].data_ptr()
