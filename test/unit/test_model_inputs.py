@@ -15,6 +15,7 @@ from fp8chain.layers.moe import (
 from fp8chain.models import deepseek_v41
 from fp8chain.models.checkpoint import random_checkpoint_tensors
 from fp8chain.models.deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM
+from fp8chain_kernel import act
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.reference.act import silu_mul_fp32
 
@@ -543,8 +544,6 @@ def test_kept_indexer_inputs_are_the_attention_input_and_the_normed_q_lora(model
 def test_the_shared_expert_clamps_with_the_configs_swiglu_limit():
     """The shared expert's SiLU*mul clamps at the config's swiglu_limit (as the routed experts do):
     its output is down(silu_mul(gate_up(x), limit)) bit for bit, at weights where the clamp is active."""
-    from fp8chain_kernel import act as act_kernels
-
     config = DeepseekV41Config.tiny(num_hidden_layers=1, swiglu_limit=0.5)
     model = DeepseekV41ForCausalLM(config)
     model.load_weights(random_checkpoint_tensors(config))
@@ -552,8 +551,8 @@ def test_the_shared_expert_clamps_with_the_configs_swiglu_limit():
     x = torch.randn(4, config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
     with torch.no_grad():
         gate_up = shared.gate_up(x)
-        want = shared.down(act_kernels.silu_mul(gate_up, limit=0.5))
-        unclamped = shared.down(act_kernels.silu_mul(gate_up, limit=None))
+        want = shared.down(act.silu_mul(gate_up, limit=0.5))
+        unclamped = shared.down(act.silu_mul(gate_up, limit=None))
         got = shared(x)
     assert not torch.equal(want, unclamped)  # the clamp is active at these weights
     assert torch.equal(got, want)
