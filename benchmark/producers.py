@@ -19,9 +19,9 @@ D=4096 (bf16 weights; ``wo_a_g8_fp8w`` / ``wo_a_g2_fp8w``: the checkpoint's FP8 
   reference, which is a specification, not a competitor.
 
 ``--sweep-wo-a`` instead times candidate launch configs of the FP8-emitting ``wo_a_einsum`` (the
-``wo_a*`` producers ``--producers`` selects, bf16 or FP8 weights, the given T; ``--splits`` narrows
-them to one-group tiles)
-against the table's choice, with the weights rotating through copies past L2
+``wo_a*`` producers ``--producers`` selects, bf16 or FP8 weights, the given T: decode tiles up to
+T = 64, ``--splits`` narrowing them to one-group tiles; compute tiles above, ``--splits`` setting
+their K splits) against the table's choice, with the weights rotating through copies past L2
 (``harness.copies_past_l2``), and writes ``producers_wo_a_sweep.json`` (the source of
 ``einsum._launch_config``).
 
@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweeps.add_argument("--sweep-wo-a", action="store_true",
                         help="time candidate wo_a_einsum launch configs (FP8 out) instead of the four arms")
     parser.add_argument("--splits", nargs="+", type=positive_int, default=None,
-                        help="with --sweep-wo-a: only one-scale-group tiles, with these K splits")
+                        help="with --sweep-wo-a: these K splits only (and at T <= 64 one-scale-group tiles only)")
     sweeps.add_argument("--sweep-launch", action="store_true",
                         help="time candidate program shapes of RMSNorm, q_norm and SiLU*mul instead of the four arms")
 
@@ -212,16 +212,21 @@ class Case:
 
 
 def wo_a_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -> list[dict]:
-    """Decode tile configs for ``wo_a_einsum``: 16-row (mma.sync) or 64-row (wgmma) M tiles, one or
-    two 32-column scale groups per N tile, pipelines that fit the H200's shared memory, D unsplit;
-    and one-group tiles with 128/256-wide K steps and 4 or 6 stages with D in 2, 4 or 8 slices (at
-    least two K steps each). ``splits``: only the one-group tiles, with these splits."""
+    """Tile configs for ``wo_a_einsum`` at ``rows`` tokens. Decode (<= 64 rows): 16- or 32-row
+    (mma.sync: operands from registers, so an FP8 wo_a's converted weights skip the round trip
+    through shared memory that wgmma takes) or 64-row (wgmma) M tiles, one or two 32-column scale
+    groups per N tile, pipelines that fit the
+    H200's shared memory, D unsplit; and one-group tiles with 128/256-wide K steps and 4 or 6 stages
+    with D in 2, 4 or 8 slices (at least two K steps each). ``splits``: only the one-group tiles,
+    with these splits. Larger batches: ``wo_a_compute_candidates``."""
+    if rows > 64:
+        return wo_a_compute_candidates(rows, d, splits)
     out = []
-    for block_m in sorted({max(16, triton.next_power_of_2(rows)), 64}):
+    for block_m in sorted({16, max(16, triton.next_power_of_2(rows)), 64} | ({32} if rows > 16 else set())):
         for block_n in (32, 64):
             for block_k in (64, 128, 256):
                 for stages in (3, 4, 5, 6):
-                    for warps in ((4,) if block_m == 16 else (4, 8)):
+                    for warps in ((4,) if block_m < 64 else (4, 8)):
                         if (block_m + block_n) * block_k * 2 * stages > 220 * 1024:
                             continue
                         one_group = block_n == 32 and block_k > 64 and stages in (4, 6)
@@ -233,9 +238,31 @@ def wo_a_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -
     return out
 
 
+def wo_a_compute_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -> list[dict]:
+    """Compute tiles for ``rows`` > 64 (wgmma): M tiles of 64, 128 or 256 rows (no taller than
+    ``rows`` needs; a taller tile converts an FP8 wo_a's weights fewer times), 64 or 128 columns,
+    K steps of 64, 3 or 4 stages, 4 warps for a 64 x 64 tile and 8 otherwise, D in ``splits``
+    slices (default 1, 2 or 4: the grid of a G = 2 shard fills few SMs), at least two K steps
+    each."""
+    out = []
+    for block_m in (64, 128, 256):
+        if block_m > max(64, triton.next_power_of_2(rows)):
+            continue
+        for block_n in (64, 128):
+            for stages in (3, 4):
+                if (block_m + block_n) * 64 * 2 * stages > 220 * 1024:
+                    continue
+                for split in (1, 2, 4) if splits is None else splits:
+                    if d // 64 >= 2 * split:
+                        out.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
+                                        num_warps=4 if block_m * block_n <= 64 * 64 else 8, num_stages=stages,
+                                        SPLIT=split))
+    return out
+
+
 def wo_a_sweep_cases(args) -> list[tuple[str, int]]:
-    """``--sweep-wo-a``'s (producer, T): the wo_a producers among ``--producers`` at T <= 64."""
-    return [(name, t) for name in args.producers if name.startswith("wo_a") for t in args.rows if t <= 64]
+    """``--sweep-wo-a``'s (producer, T): the wo_a producers among ``--producers``, each T."""
+    return [(name, t) for name in args.producers if name.startswith("wo_a") for t in args.rows]
 
 
 def run_wo_a_sweep(args) -> tuple[dict, list[dict]]:
@@ -338,7 +365,7 @@ def run(args) -> tuple[dict, list[dict]]:
     if args.splits is not None and not args.sweep_wo_a:
         raise SystemExit("--splits narrows the --sweep-wo-a candidates; pass --sweep-wo-a too")
     if args.sweep_wo_a and not wo_a_sweep_cases(args):
-        raise SystemExit("--sweep-wo-a: no wo_a producer at T <= 64 among --producers and --rows")
+        raise SystemExit("--sweep-wo-a: --producers names no wo_a producer")
     if args.sweep_launch and not launch_sweep_cases(args):
         raise SystemExit(f"--sweep-launch: --producers names none of {', '.join(LAUNCH_SWEEP)}")
     if not torch.cuda.is_available():

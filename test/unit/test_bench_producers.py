@@ -5,10 +5,11 @@ import json
 
 import pytest
 import torch
+import triton
 
 from fp8chain.bench import harness
 from fp8chain.cli import _load_benchmark
-from fp8chain_kernel import act, norm
+from fp8chain_kernel import act, einsum, norm
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import ActFormat, QuantizedActivation
 from fp8chain_kernel.reference.norm import add_residual, rms_norm_fp32
@@ -58,7 +59,7 @@ def test_sweep_launch_option_and_report(tmp_path):
     # a sweep with nothing to time, or --splits without the sweep it narrows, is refused before
     # any GPU work or result file
     for argv, match in ((["--sweep-launch", "--producers", "wo_a_g8"], "names none of"),
-                        (["--sweep-wo-a", "--rows", "256", "2048"], "no wo_a producer at T <= 64"),
+                        (["--sweep-wo-a", "--producers", "q_norm"], "names no wo_a producer"),
                         (["--splits", "2"], "--splits narrows the --sweep-wo-a candidates")):
         with pytest.raises(SystemExit, match=match):
             bench.run(parser.parse_args([*argv, "--results-dir", str(tmp_path / "run")]))
@@ -292,10 +293,32 @@ def test_records_hold_each_arms_time_floor_and_ratio(monkeypatch, tmp_path):
 
 
 @pytest.mark.cpu
-def test_wo_a_sweep_takes_t_up_to_64():
+def test_wo_a_sweep_takes_the_wo_a_producers_at_every_t():
     bench = _load_benchmark("producers")
-    args = argparse.Namespace(producers=["rms_norm", "wo_a_g8", "wo_a_g2_fp8w"], rows=[1, 64, 65])
-    assert bench.wo_a_sweep_cases(args) == [("wo_a_g8", 1), ("wo_a_g8", 64), ("wo_a_g2_fp8w", 1), ("wo_a_g2_fp8w", 64)]
+    args = argparse.Namespace(producers=["rms_norm", "wo_a_g8", "wo_a_g2_fp8w"], rows=[1, 65])
+    assert bench.wo_a_sweep_cases(args) == [("wo_a_g8", 1), ("wo_a_g8", 65), ("wo_a_g2_fp8w", 1), ("wo_a_g2_fp8w", 65)]
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("rows", [1, 16, 17, 64, 65, 128, 256, 2048])
+def test_wo_a_candidates_take_compute_tiles_above_64_rows(rows):
+    """Decode tiles (16 / 64 rows; 32 too from T = 17) up to T = 64; above, wgmma tiles no taller
+    than T needs (up to 256 rows, the tallest converting an FP8 wo_a's weights the fewest times), K
+    split 1, 2 or 4 or as ``splits`` says; every candidate passes the kernel's own config check and
+    fits the H200's shared memory, none twice."""
+    bench = _load_benchmark("producers")
+    candidates = bench.wo_a_candidates(rows)
+    for c in candidates:
+        einsum._check_config(c, 1024, 32)
+        assert (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * 2 * c["num_stages"] <= 220 * 1024
+    assert len({tuple(sorted(c.items())) for c in candidates}) == len(candidates)
+    heights = {c["BLOCK_M"] for c in candidates}
+    if rows <= 64:
+        assert heights == ({16, 64} if rows <= 16 else {16, 32, 64})
+        return
+    assert heights == {64, 128, 256} & set(range(64, max(64, triton.next_power_of_2(rows)) + 1))
+    assert {c["SPLIT"] for c in candidates} == {1, 2, 4}
+    assert {c["SPLIT"] for c in bench.wo_a_candidates(rows, splits=[8])} == {8}
 
 
 @pytest.mark.cpu
