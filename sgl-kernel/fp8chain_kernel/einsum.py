@@ -147,7 +147,7 @@ def _wo_a_kernel(o_ptr, w_ptr, ws_ptr, y_ptr, data_ptr, scale_ptr, part_ptr, cou
 
 
 def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: int = H200_SMS,
-                   min_k: int = 16) -> dict:
+                   min_k: int = 16, w_fp8: bool = False) -> dict:
     """Tile sizes and K split for ``rows`` tokens. Decode (<= 64 rows) streams the weights, so the
     tiles are narrow in N (one 32-column scale group) to spread the weights over many programs, and
     deep cp.async pipelines keep each SM's reads in flight. The decode rows come from the H200 sweep
@@ -163,8 +163,10 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
       against 10.5); 17-64 rows, 64 x 32 x 128 tiles with 6 stages and 2 slices (9.1 against 10.0
       us; 4 slices 12.2 us: the second wave).
 
-    Larger batches use compute tiles (64x128, 128x128). Pipeline depth is capped so the stages
-    fit in ~192 KiB of shared memory."""
+    Larger batches use compute tiles (64x128, 128x128). An FP8 wo_a there converts each weight tile
+    in registers once per M tile, so its tiles are as tall as the batch needs (up to 256 rows, 8
+    warps), 64 columns wide up to 256 rows (128 above), D split while the grid leaves SMs idle (one
+    program per SM). Pipeline depth is capped so the stages fit in ~192 KiB of shared memory."""
     split = 1
     if rows <= 64:
         block_n = max(min_n, 32)
@@ -180,6 +182,11 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
             cfg = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=5)
         else:
             cfg = dict(BLOCK_M=64, BLOCK_N=max(block_n, 64), BLOCK_K=128, num_warps=4, num_stages=4)
+    elif w_fp8:
+        cfg = dict(BLOCK_M=min(256, triton.next_power_of_2(rows)), BLOCK_N=max(min_n, 64 if rows <= 256 else 128),
+                   BLOCK_K=64, num_warps=8, num_stages=3)
+        split = _narrow_split(triton.cdiv(rows, cfg["BLOCK_M"]) * groups * triton.cdiv(r, cfg["BLOCK_N"]),
+                              triton.cdiv(d, max(min_k, 64)), num_sms)
     elif rows <= 256:
         cfg = dict(BLOCK_M=64, BLOCK_N=max(min_n, 128), BLOCK_K=64, num_warps=4, num_stages=4)
     else:
@@ -322,7 +329,7 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, weight_scale: torch.Tens
             raise ValueError(f"an FP8 wo_a needs BLOCK_K >= {min_k} (whole scale blocks), got {config!r}")
         cfg["BLOCK_K"] = _clamp_block_k(cfg["BLOCK_K"], d, min_k)
     else:
-        cfg = _launch_config(rows, groups, r, d, min_n, sm_count(o.device, interpreter=H200_SMS), min_k)
+        cfg = _launch_config(rows, groups, r, d, min_n, sm_count(o.device, interpreter=H200_SMS), min_k, w_fp8)
     block_n = cfg["BLOCK_N"]
     tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(r, block_n)
     k_tiles = triton.cdiv(d, cfg["BLOCK_K"])

@@ -358,11 +358,31 @@ def test_wo_a_fp8_weight_128_blocks_cpu(device):
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("split, d, block_k", [(2, 256, 64), (2, 80, 32), (3, 96, 32)])
-def test_wo_a_fp8_weight_split_k_cpu(split, d, block_k, device):
-    """K slices read their own scale columns (uneven slices, a slice past D)."""
-    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, num_warps=4, num_stages=2, SPLIT=split)
-    check_wo_a_fp8_weight(5, 2, 96, d, ActFormat.SM90_G32_FP32_MN, device, config)
+@pytest.mark.parametrize("rows, block_m, split, d, block_k", [(5, 16, 2, 256, 64), (5, 16, 2, 80, 32),
+                                                               (5, 16, 3, 96, 32), (70, 128, 2, 256, 64)])
+def test_wo_a_fp8_weight_split_k_cpu(rows, block_m, split, d, block_k, device):
+    """K slices read their own scale columns (uneven slices, a slice past D), also under a compute
+    tile taller than the batch (the table's FP8-weight tiles past 64 rows)."""
+    config = dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=block_k, num_warps=4, num_stages=2, SPLIT=split)
+    check_wo_a_fp8_weight(rows, 2, 96, d, ActFormat.SM90_G32_FP32_MN, device, config)
+
+
+@pytest.mark.cpu
+def test_wo_a_fp8_weight_compute_config():
+    """Past 64 rows an FP8 wo_a takes the tallest tile the batch needs, up to 256 rows (each weight
+    tile is converted once per M tile), and splits D where the grid leaves SMs idle (G = 2, one
+    program per SM); bf16 weights keep their 64 / 128-row tiles."""
+    fp8 = dict(num_sms=132, min_k=32, w_fp8=True)
+    for rows, block_m, block_n in ((65, 128, 64), (256, 256, 64), (257, 256, 128), (2048, 256, 128)):
+        cfg = einsum._launch_config(rows, 8, 1024, 4096, 32, **fp8)
+        assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["SPLIT"]) == (block_m, block_n, 8, 1)
+    assert einsum._launch_config(256, 2, 1024, 4096, 32, **fp8)["SPLIT"] == 4  # 32 tiles x 4 slices
+    assert einsum._launch_config(2048, 2, 1024, 4096, 32, **fp8)["SPLIT"] == 1  # 128 tiles fill the SMs
+    assert einsum._launch_config(64, 8, 1024, 4096, 32, **fp8) == einsum._launch_config(64, 8, 1024, 4096, 32, 132, 32)
+    assert einsum._launch_config(256, 2, 1024, 4096, 32, num_sms=132)["BLOCK_M"] == 64
+    # 128x128 weight blocks: K steps of whole blocks, the stages cut to fit shared memory
+    cfg = einsum._launch_config(256, 8, 1024, 4096, 128, num_sms=132, min_k=128, w_fp8=True)
+    assert cfg["BLOCK_K"] == 128 and (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * 128 * 2 * cfg["num_stages"] <= 192 * 1024
 
 
 @pytest.mark.gpu
