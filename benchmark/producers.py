@@ -241,7 +241,7 @@ def wo_a_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -
 def wo_a_compute_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -> list[dict]:
     """Compute tiles for ``rows`` > 64 (wgmma): M tiles of 64, 128 or 256 rows (no taller than
     ``rows`` needs; a taller tile converts an FP8 wo_a's weights fewer times), 64 or 128 columns,
-    K steps of 64, 3 or 4 stages, 4 warps for a 64 x 64 tile and 8 otherwise, D in ``splits``
+    K steps of 64, 3 or 4 stages, 4 warps for 64-row tiles (the bf16 table's) and 8 for taller, D in ``splits``
     slices (default 1, 2 or 4: the grid of a G = 2 shard fills few SMs), at least two K steps
     each."""
     out = []
@@ -255,7 +255,7 @@ def wo_a_compute_candidates(rows: int, d: int = 4096, splits: list[int] | None =
                 for split in (1, 2, 4) if splits is None else splits:
                     if d // 64 >= 2 * split:
                         out.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
-                                        num_warps=4 if block_m * block_n <= 64 * 64 else 8, num_stages=stages,
+                                        num_warps=4 if block_m == 64 else 8, num_stages=stages,
                                         SPLIT=split))
     return out
 
