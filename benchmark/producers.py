@@ -241,9 +241,9 @@ def wo_a_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -
 def wo_a_compute_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -> list[dict]:
     """Compute tiles for ``rows`` > 64 (wgmma): M tiles of 64, 128 or 256 rows (no taller than
     ``rows`` needs; a taller tile converts an FP8 wo_a's weights fewer times), 64 or 128 columns,
-    K steps of 64, 3 or 4 stages, 4 warps for 64-row tiles (the bf16 table's) and 8 for taller, D in ``splits``
-    slices (default 1, 2 or 4: the grid of a G = 2 shard fills few SMs), at least two K steps
-    each."""
+    K steps of 64, 3 or 4 stages, 4 warps for 64-row tiles (as the bf16 table's) and 8 for
+    taller, D in ``splits`` slices (default 1, 2 or 4: the grid of a G = 2 shard fills few SMs),
+    at least two K steps each."""
     out = []
     for block_m in (64, 128, 256):
         if block_m > max(64, triton.next_power_of_2(rows)):
