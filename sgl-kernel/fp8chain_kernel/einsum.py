@@ -163,10 +163,12 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
       against 10.5); 17-64 rows, 64 x 32 x 128 tiles with 6 stages and 2 slices (9.1 against 10.0
       us; 4 slices 12.2 us: the second wave).
 
-    Larger batches use compute tiles (64x128, 128x128). An FP8 wo_a there converts each weight tile
-    in registers once per M tile, so its tiles are as tall as the batch needs (up to 256 rows, 8
-    warps), 64 columns wide up to 256 rows (128 above), D split while the grid leaves SMs idle (one
-    program per SM). Pipeline depth is capped so the stages fit in ~192 KiB of shared memory."""
+    Larger batches use compute tiles (64x128, 128x128). An FP8 wo_a (32x32 blocks) there converts
+    each weight tile in registers once per M tile, so its tiles are as tall as the batch needs, up
+    to 256 x 64 (128 x 128 for 128-column scale groups) with 8 warps: the most that compiles for
+    sm_90 without spilling (256 x 128 spills 208 bytes a thread); D is split while the grid leaves
+    SMs idle (one program per SM). Pipeline depth is capped so the stages fit in ~192 KiB of shared
+    memory."""
     split = 1
     if rows <= 64:
         block_n = max(min_n, 32)
@@ -182,9 +184,10 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
             cfg = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=5)
         else:
             cfg = dict(BLOCK_M=64, BLOCK_N=max(block_n, 64), BLOCK_K=128, num_warps=4, num_stages=4)
-    elif w_fp8:
-        cfg = dict(BLOCK_M=min(256, triton.next_power_of_2(rows)), BLOCK_N=max(min_n, 64 if rows <= 256 else 128),
-                   BLOCK_K=64, num_warps=8, num_stages=3)
+    elif w_fp8 and min_k <= 64:
+        block_n = max(min_n, 64)
+        cfg = dict(BLOCK_M=min(256 * 64 // block_n, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=64,
+                   num_warps=8, num_stages=3)
         split = _narrow_split(triton.cdiv(rows, cfg["BLOCK_M"]) * groups * triton.cdiv(r, cfg["BLOCK_N"]),
                               triton.cdiv(d, max(min_k, 64)), num_sms)
     elif rows <= 256:

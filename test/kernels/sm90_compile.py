@@ -78,7 +78,7 @@ def record_launches() -> None:
             for width in (5120, 1280):  # the boundary's RMSNorm at layer 0, q_norm
                 norm.rms_norm(bf16(rows, width), bf16(width), 1e-6, out_format=fmt)
             act.silu_mul(bf16(rows, 4608), limit=10.0, out_format=fmt)
-        for rows, groups in ((1, 2), (4, 8), (64, 2), (2048, 8)):
+        for rows, groups in ((1, 2), (4, 8), (64, 2), (256, 2), (2048, 8)):
             einsum.wo_a_einsum(bf16(rows, groups, 4096), bf16(groups, 1024, 4096), out_format=fmt)
             einsum.wo_a_einsum(bf16(rows, groups, 4096), torch.zeros(groups, 1024, 4096, dtype=FP8_DTYPE),
                                weight_scale=torch.ones(groups, 1024 // 32, 4096 // 32), out_format=fmt)

@@ -369,20 +369,25 @@ def test_wo_a_fp8_weight_split_k_cpu(rows, block_m, split, d, block_k, device):
 
 @pytest.mark.cpu
 def test_wo_a_fp8_weight_compute_config():
-    """Past 64 rows an FP8 wo_a takes the tallest tile the batch needs, up to 256 rows (each weight
-    tile is converted once per M tile), and splits D where the grid leaves SMs idle (G = 2, one
-    program per SM); bf16 weights keep their 64 / 128-row tiles."""
+    """Past 64 rows an FP8 wo_a with 32x32 blocks takes the tallest tile the batch needs, up to
+    256 x 64 (128 x 128 for 128-column scale groups; each weight tile is converted once per M
+    tile), and splits D where the grid leaves SMs idle (G = 2, one program per SM); bf16 weights
+    and 128x128 weight blocks keep the bf16 table's tiles."""
     fp8 = dict(num_sms=132, min_k=32, w_fp8=True)
-    for rows, block_m, block_n in ((65, 128, 64), (256, 256, 64), (257, 256, 128), (2048, 256, 128)):
+    for rows, block_m in ((65, 128), (256, 256), (2048, 256)):
         cfg = einsum._launch_config(rows, 8, 1024, 4096, 32, **fp8)
-        assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["SPLIT"]) == (block_m, block_n, 8, 1)
+        assert tuple(cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "SPLIT")) == (block_m, 64, 64, 8, 1)
+    g128 = einsum._launch_config(2048, 8, 1024, 4096, 128, **fp8)
+    assert (g128["BLOCK_M"], g128["BLOCK_N"]) == (128, 128)
     assert einsum._launch_config(256, 2, 1024, 4096, 32, **fp8)["SPLIT"] == 4  # 32 tiles x 4 slices
-    assert einsum._launch_config(2048, 2, 1024, 4096, 32, **fp8)["SPLIT"] == 1  # 128 tiles fill the SMs
-    assert einsum._launch_config(64, 8, 1024, 4096, 32, **fp8) == einsum._launch_config(64, 8, 1024, 4096, 32, 132, 32)
-    assert einsum._launch_config(256, 2, 1024, 4096, 32, num_sms=132)["BLOCK_M"] == 64
-    # 128x128 weight blocks: K steps of whole blocks, the stages cut to fit shared memory
-    cfg = einsum._launch_config(256, 8, 1024, 4096, 128, num_sms=132, min_k=128, w_fp8=True)
-    assert cfg["BLOCK_K"] == 128 and (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * 128 * 2 * cfg["num_stages"] <= 192 * 1024
+    assert einsum._launch_config(2048, 2, 1024, 4096, 32, **fp8)["SPLIT"] == 1  # 256 tiles fill the SMs
+    bf16_table = dict(num_sms=132, min_k=32)
+    assert einsum._launch_config(64, 8, 1024, 4096, 32, **fp8) == einsum._launch_config(64, 8, 1024, 4096, 32,
+                                                                                         **bf16_table)
+    assert einsum._launch_config(256, 2, 1024, 4096, 32, **bf16_table)["BLOCK_M"] == 64
+    blocks_128 = dict(num_sms=132, min_k=128)
+    assert (einsum._launch_config(256, 8, 1024, 4096, 32, w_fp8=True, **blocks_128)
+            == einsum._launch_config(256, 8, 1024, 4096, 32, **blocks_128))
 
 
 @pytest.mark.gpu
