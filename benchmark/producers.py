@@ -240,8 +240,8 @@ def wo_a_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -
 
 def wo_a_compute_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -> list[dict]:
     """Compute tiles for ``rows`` > 64 (wgmma): M tiles of 64, 128 or 256 rows (no taller than
-    ``rows`` needs; a taller tile converts an FP8 wo_a's weights fewer times), 64 or 128 columns,
-    K steps of 64, 3 or 4 stages, 4 warps for 64-row tiles (as the bf16 table's) and 8 for
+    ``rows`` needs; a taller tile converts an FP8 wo_a's weights fewer times), 64 or 128 columns
+    (at most 128 x 128 outputs: 256 x 128 spills registers on sm_90), K steps of 64, 3 or 4 stages, 4 warps for 64-row tiles (as the bf16 table's) and 8 for
     taller, D in ``splits`` slices (default 1, 2 or 4: the grid of a G = 2 shard fills few SMs),
     at least two K steps each."""
     out = []
@@ -250,7 +250,7 @@ def wo_a_compute_candidates(rows: int, d: int = 4096, splits: list[int] | None =
             continue
         for block_n in (64, 128):
             for stages in (3, 4):
-                if (block_m + block_n) * 64 * 2 * stages > 220 * 1024:
+                if block_m * block_n > 128 * 128 or (block_m + block_n) * 64 * 2 * stages > 220 * 1024:
                     continue
                 for split in (1, 2, 4) if splits is None else splits:
                     if d // 64 >= 2 * split:
