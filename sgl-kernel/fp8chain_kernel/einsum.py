@@ -167,8 +167,9 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
     each weight tile in registers once per M tile, so its tiles are as tall as the batch needs, up
     to 256 x 64 (128 x 128 for 128-column scale groups) with 8 warps: the most that compiles for
     sm_90 without spilling (256 x 128 spills 208 bytes a thread); D is split while the grid leaves
-    SMs idle (one program per SM). Pipeline depth is capped so the stages fit in ~192 KiB of shared
-    memory."""
+    SMs idle (one program per SM); 4 stages up to 256 rows, 3 above (the sweep on an H100, G = 8:
+    50.1 against 54.9 us at T = 256, 386 against 316 at T = 2048). Pipeline depth is capped so the
+    stages fit in ~192 KiB of shared memory."""
     split = 1
     if rows <= 64:
         block_n = max(min_n, 32)
@@ -187,7 +188,7 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
     elif w_fp8 and min_k <= 64:
         block_n = max(min_n, 64)
         cfg = dict(BLOCK_M=min(256 * 64 // block_n, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=64,
-                   num_warps=8, num_stages=3)
+                   num_warps=8, num_stages=4 if rows <= 256 else 3)
         split = _narrow_split(triton.cdiv(rows, cfg["BLOCK_M"]) * groups * triton.cdiv(r, cfg["BLOCK_N"]),
                               triton.cdiv(d, max(min_k, 64)), num_sms)
     elif rows <= 256:

@@ -374,9 +374,9 @@ def test_wo_a_fp8_weight_compute_config():
     tile), and splits D where the grid leaves SMs idle (G = 2, one program per SM); bf16 weights
     and 128x128 weight blocks keep the bf16 table's tiles."""
     fp8 = dict(num_sms=132, min_k=32, w_fp8=True)
-    for rows, block_m in ((65, 128), (256, 256), (2048, 256)):
+    for rows, block_m, stages in ((65, 128, 4), (256, 256, 4), (257, 256, 3), (2048, 256, 3)):
         cfg = einsum._launch_config(rows, 8, 1024, 4096, 32, **fp8)
-        assert tuple(cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "SPLIT")) == (block_m, 64, 64, 8, 1)
+        assert cfg == dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=stages, SPLIT=1)
     g128 = einsum._launch_config(2048, 8, 1024, 4096, 128, **fp8)
     assert (g128["BLOCK_M"], g128["BLOCK_N"]) == (128, 128)
     assert einsum._launch_config(256, 2, 1024, 4096, 32, **fp8)["SPLIT"] == 4  # 32 tiles x 4 slices
