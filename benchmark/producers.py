@@ -212,13 +212,13 @@ class Case:
 
 
 def wo_a_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -> list[dict]:
-    """Tile configs for ``wo_a_einsum`` at ``rows`` tokens. Decode (<= 64 rows): 16- or 32-row
-    (mma.sync: operands from registers, so an FP8 wo_a's converted weights skip the round trip
-    through shared memory that wgmma takes) or 64-row (wgmma) M tiles, one or two 32-column scale
-    groups per N tile, pipelines that fit the
-    H200's shared memory, D unsplit; and one-group tiles with 128/256-wide K steps and 4 or 6 stages
-    with D in 2, 4 or 8 slices (at least two K steps each). ``splits``: only the one-group tiles,
-    with these splits. Larger batches: ``wo_a_compute_candidates``."""
+    """Tile configs for ``wo_a_einsum`` at ``rows`` tokens. Decode (<= 64 rows): 16-row, from 17
+    rows also 32-row (mma.sync: operands from registers, so an FP8 wo_a's converted weights skip
+    the round trip through shared memory that wgmma takes) or 64-row (wgmma) M tiles, one or two
+    32-column scale groups per N tile, pipelines that fit the H200's shared memory, D unsplit; and
+    one-group tiles with 128/256-wide K steps and 4 or 6 stages with D in 2, 4 or 8 slices (at
+    least two K steps each). ``splits``: only the one-group tiles, with these splits. Larger
+    batches: ``wo_a_compute_candidates``."""
     if rows > 64:
         return wo_a_compute_candidates(rows, d, splits)
     out = []
@@ -241,9 +241,10 @@ def wo_a_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -
 def wo_a_compute_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -> list[dict]:
     """Compute tiles for ``rows`` > 64 (wgmma): M tiles of 64, 128 or 256 rows (no taller than
     ``rows`` needs; a taller tile converts an FP8 wo_a's weights fewer times), 64 or 128 columns
-    (at most 128 x 128 outputs: 256 x 128 spills registers on sm_90), K steps of 64, 3 or 4 stages, 4 warps for 64-row tiles (as the bf16 table's) and 8 for
-    taller, D in ``splits`` slices (default 1, 2 or 4: the grid of a G = 2 shard fills few SMs),
-    at least two K steps each."""
+    (at most 128 x 128 outputs: 256 x 128 spills registers on sm_90), K steps of 64, 3 or 4
+    stages, 4 warps for 64-row tiles (as the bf16 table's) and 8 for taller, D in ``splits``
+    slices (default 1, 2 or 4: the grid of a G = 2 shard fills few SMs), at least two K steps
+    each."""
     out = []
     for block_m in (64, 128, 256):
         if block_m > max(64, triton.next_power_of_2(rows)):

@@ -190,7 +190,7 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
         cfg = dict(BLOCK_M=min(256 * 64 // block_n, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=64,
                    num_warps=8, num_stages=4 if rows <= 256 else 3)
         split = _narrow_split(triton.cdiv(rows, cfg["BLOCK_M"]) * groups * triton.cdiv(r, cfg["BLOCK_N"]),
-                              triton.cdiv(d, max(min_k, 64)), num_sms)
+                              triton.cdiv(d, cfg["BLOCK_K"]), num_sms)
     elif rows <= 256:
         cfg = dict(BLOCK_M=64, BLOCK_N=max(min_n, 128), BLOCK_K=64, num_warps=4, num_stages=4)
     else:

@@ -301,7 +301,7 @@ def test_wo_a_sweep_takes_the_wo_a_producers_at_every_t():
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("rows", [1, 16, 17, 64, 65, 128, 256, 2048])
-def test_wo_a_candidates_take_compute_tiles_above_64_rows(rows):
+def test_wo_a_candidates_by_rows(rows):
     """Decode tiles (16 / 64 rows; 32 too from T = 17) up to T = 64; above, wgmma tiles no taller
     than T needs (up to 256 rows, the tallest converting an FP8 wo_a's weights the fewest times), K
     split 1, 2 or 4 or as ``splits`` says; every candidate passes the kernel's own config check and
