@@ -222,7 +222,7 @@ def wo_a_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -
     if rows > 64:
         return wo_a_compute_candidates(rows, d, splits)
     out = []
-    for block_m in sorted({16, max(16, triton.next_power_of_2(rows)), 64} | ({32} if rows > 16 else set())):
+    for block_m in (16, 32, 64) if rows > 16 else (16, 64):
         for block_n in (32, 64):
             for block_k in (64, 128, 256):
                 for stages in (3, 4, 5, 6):
@@ -247,11 +247,11 @@ def wo_a_compute_candidates(rows: int, d: int = 4096, splits: list[int] | None =
     each."""
     out = []
     for block_m in (64, 128, 256):
-        if block_m > max(64, triton.next_power_of_2(rows)):
+        if block_m > triton.next_power_of_2(rows):
             continue
         for block_n in (64, 128):
             for stages in (3, 4):
-                if block_m * block_n > 128 * 128 or (block_m + block_n) * 64 * 2 * stages > 220 * 1024:
+                if block_m * block_n > 128 * 128:  # 256 x 128 spills; every other tile's stages fit in 160 KiB
                     continue
                 for split in (1, 2, 4) if splits is None else splits:
                     if d // 64 >= 2 * split:
