@@ -103,6 +103,23 @@ def rms_rstd(sum_sq, n, eps):
 
 
 @triton.jit
+def add_rn(a, b, EXACT_CAST: tl.constexpr):
+    """fp32 ``a + b``, rounded once, as its own operation: a chain of ``add_rn`` sums in the order
+    written, which a bitwise contract with a torch reference needs.
+
+    Compiled, the sum is one inline ``add.rn.f32``, which no compiler pass reorders or merges.
+    Plain ``+`` chains are not safe: Triton 3.8's LLVM folds ``a*p + b*q + c*r + d*s + e*t``
+    (the mHC post) into a vector reduction that adds the terms in another order
+    (docs/architecture.md, "Summation order"). The interpreter adds as written.
+    """
+    if EXACT_CAST:
+        return a + b
+    else:
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
 def round_bf16(x, EXACT_CAST: tl.constexpr):
     """fp32 tile -> bf16 tile, round to nearest even (NaN kept, overflow to inf).
 

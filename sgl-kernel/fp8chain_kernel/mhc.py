@@ -56,7 +56,7 @@ import triton.language as tl
 
 from .formats import (ActFormat, QuantizedActivation, cdiv, check_disjoint, check_distinct_elements, check_no_overlap,
                       is_int)
-from .fp8_tile import format_constexprs, fp8_offsets, interpreting, round_bf16, store_pair_tile
+from .fp8_tile import add_rn, format_constexprs, fp8_offsets, interpreting, round_bf16, store_pair_tile
 from .launch import (ARRIVAL_SLOTS, H200_SMS, arrival_counters, arrive_last, await_arrivals, await_producer,
                      compiled_for_gpu, pdl_options, rearm, sm_count, zeroed_workspace)
 from .norm import check_eps, check_rows, produced
@@ -211,12 +211,12 @@ def _load_col(ptr, rows, m_ok, stride_t, offset):
 
 @triton.jit
 def _post_stream(y, r0, r1, r2, r3, q, c0, c1, c2, c3, EXACT_CAST: tl.constexpr):
-    """bf16-rounded (kept in fp32) ``post[o]*y + c0o*R0 + c1o*R1 + c2o*R2 + c3o*R3``."""
-    acc = q * y
-    acc = acc + c0 * r0
-    acc = acc + c1 * r1
-    acc = acc + c2 * r2
-    acc = acc + c3 * r3
+    """bf16-rounded (kept in fp32) ``post[o]*y + c0o*R0 + c1o*R1 + c2o*R2 + c3o*R3``, summed left
+    to right (``add_rn``)."""
+    acc = add_rn(q * y, c0 * r0, EXACT_CAST)
+    acc = add_rn(acc, c1 * r1, EXACT_CAST)
+    acc = add_rn(acc, c2 * r2, EXACT_CAST)
+    acc = add_rn(acc, c3 * r3, EXACT_CAST)
     return round_bf16(acc, EXACT_CAST).to(tl.float32)
 
 
@@ -232,11 +232,10 @@ def _load_streams(base, mask, stride_s, CACHE: tl.constexpr):
 
 @triton.jit
 def _combine(n0, n1, n2, n3, p0, p1, p2, p3, EXACT_CAST: tl.constexpr):
-    """``v = bf16(pre0*n0 + pre1*n1 + pre2*n2 + pre3*n3)`` left to right, kept in fp32."""
-    v = p0 * n0
-    v = v + p1 * n1
-    v = v + p2 * n2
-    v = v + p3 * n3
+    """``v = bf16(pre0*n0 + pre1*n1 + pre2*n2 + pre3*n3)`` left to right (``add_rn``), kept in fp32."""
+    v = add_rn(p0 * n0, p1 * n1, EXACT_CAST)
+    v = add_rn(v, p2 * n2, EXACT_CAST)
+    v = add_rn(v, p3 * n3, EXACT_CAST)
     return round_bf16(v, EXACT_CAST).to(tl.float32)
 
 
