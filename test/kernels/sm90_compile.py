@@ -12,6 +12,7 @@ launch on, as on sm_90 (``fp8chain_kernel.launch``).
 """
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -120,7 +121,8 @@ def record_launches() -> None:
 def record_boundary_launches() -> None:
     """The mHC stats and boundary as configured on an H200 (132 SMs, one row per program): T = 1
     and 16 (row barrier: slices of 128 and 1024 columns), 128 (the last program of a row
-    normalizes it) and 2048 (whole 5120-column rows), writing x and the packed pair."""
+    normalizes it) and 2048 (whole 5120-column rows), writing x and the packed pair; the post
+    alone (``mhc_post``) at the same T."""
     gpu_config = dict(_target_programs=lambda device: 2 * 132, _max_rows_per_program=lambda device: 1,
                       compiled_for_gpu=lambda device: True)
     saved = {name: getattr(mhc, name) for name in gpu_config}
@@ -134,6 +136,7 @@ def record_boundary_launches() -> None:
             mhc.mhc_mega_boundary(torch.randn(rows, 5120).bfloat16(), torch.randn(rows, 4, 5120).bfloat16(),
                                   *mixes, torch.randn(5120).bfloat16(), 1e-6,
                                   out_format=ActFormat.SM100_G32_UE8M0_PACKED_MN)
+            mhc.mhc_post(torch.randn(rows, 5120).bfloat16(), torch.randn(rows, 4, 5120).bfloat16(), *mixes[1:])
     finally:
         for name, value in saved.items():
             setattr(mhc, name, value)
@@ -151,6 +154,26 @@ SPILL_ALLOWED = {
     ("_block_scaled_gemm_kernel", (("GROUP", 32), ("DEQUANT", True), ("SPLIT", 1), ("BLOCK_N", 128),
                                    ("BLOCK_M", 64), ("SCALE_AHEAD", 0))): 32,
 }
+
+
+def unordered_sums(ptx: str) -> tuple[int, int]:
+    """(fp32 sums rounded to bf16, those not added left to right as written) in ``ptx``.
+
+    A sum here is an ``add.rn.f32`` chain that a conversion to bf16 rounds (the mHC post and
+    combine); written left to right, each add takes the running sum first and a product second,
+    as ``fp8_tile.add_rn`` keeps them. A compiler that reorders the chain (Triton 3.8 without
+    ``add_rn``) or a chain of plain ``+`` (whose operands the compiler may swap) fails this."""
+    adds = {d: (a, b) for d, a, b in re.findall(r"add\.rn\.f32\s+(%r\d+),\s*(%r\d+),\s*(%r\d+);", ptx)}
+    products = set(re.findall(r"mul\.rn\.f32\s+(%r\d+),", ptx))
+
+    def left_to_right(reg):
+        first, second = adds[reg]
+        return second in products and (first in products or (first in adds and left_to_right(first)))
+
+    rounded = re.findall(r"cvt\.rn\.bf16x2\.f32\s+%r\d+,\s*(%r\d+),\s*(%r\d+);", ptx)
+    rounded += [(reg,) for reg in re.findall(r"cvt\.rn\.bf16\.f32\s+%rs\d+,\s*(%r\d+);", ptx)]
+    roots = [reg for regs in rounded for reg in regs if reg in adds]
+    return len(roots), sum(not left_to_right(reg) for reg in roots)
 
 
 def _allowance_key(kernel, constexprs):
@@ -183,6 +206,9 @@ def main() -> int:
                                    text=True, check=True).stdout
         print(kernel.__name__, next(line.strip() for line in usage.splitlines() if "REG:" in line),
               f"smem {compiled.metadata.shared} spill-allowed {SPILL_ALLOWED.get(allowance, 0)}")
+        if kernel.__name__ == "_boundary_kernel":
+            sums, unordered = unordered_sums(compiled.asm["ptx"])
+            print(f"sum-order {kernel.__name__} sums {sums} unordered {unordered}")
     for name, values in sorted(unused):  # an allowance no launch uses any more must go
         print(f"unused-allowance {name} {dict(values)}")
     return 0

@@ -1,6 +1,7 @@
 """Kernels the CPU interpreter accepts must also compile for Hopper (sm_90) without spilling
-registers (except the launches ``sm90_compile.SPILL_ALLOWED`` names, within their bound), and the
-producers' FP8 stores must not shuffle their tile through shared memory."""
+registers (except the launches ``sm90_compile.SPILL_ALLOWED`` names, within their bound), the
+producers' FP8 stores must not shuffle their tile through shared memory, and the mHC boundary's
+post and combine must add their terms in the order written (``sm90_compile.unordered_sums``)."""
 
 import os
 import re
@@ -30,7 +31,13 @@ def test_kernels_compile_for_sm90():
     lines = result.stdout.strip().splitlines()
     unused = [line for line in lines if line.startswith("unused-allowance ")]
     assert not unused, f"SPILL_ALLOWED names launches no kernel makes: {unused}"
-    usage = [line.split(" ", 1) for line in lines]
+    # the mHC post and combine sum left to right, as reference.mhc does (bitwise R' and x)
+    orders = [line for line in lines if line.startswith("sum-order ")]
+    assert orders, result.stdout
+    for line in orders:
+        sums, unordered = (int(v) for v in re.search(r"sums (\d+) unordered (\d+)", line).groups())
+        assert sums > 0 and unordered == 0, line
+    usage = [line.split(" ", 1) for line in lines if not line.startswith("sum-order ")]
     assert {name for name, _ in usage} == EVERY_KERNEL, result.stdout
     for name, resources in usage:
         allowed = int(re.search(r"spill-allowed (\d+)", resources).group(1))
