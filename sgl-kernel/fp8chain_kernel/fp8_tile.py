@@ -107,7 +107,8 @@ def add_rn(a, b, EXACT_CAST: tl.constexpr):
     """fp32 ``a + b``, rounded once, as its own operation: a chain of ``add_rn`` sums in the order
     written, which a bitwise contract with a torch reference needs.
 
-    Compiled, the sum is one inline ``add.rn.f32``, an operation no compiler pass reassociates.
+    Compiled, the sum is one inline ``add.rn.f32`` (PTX: NVIDIA GPUs, which these kernels target),
+    an operation no compiler pass reassociates.
     Plain ``+`` chains are not safe: Triton 3.8's LLVM folds ``a*p + b*q + c*r + d*s + e*t``
     (the mHC post) into a vector reduction that adds the terms in another order
     (docs/architecture.md, "Summation order"). The interpreter adds as written.
