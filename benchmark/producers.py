@@ -251,7 +251,7 @@ def wo_a_compute_candidates(rows: int, d: int = 4096, splits: list[int] | None =
             continue
         for block_n in (64, 128):
             for stages in (3, 4):
-                if block_m * block_n > 128 * 128:  # 256 x 128 spills; every other tile's stages fit in 160 KiB
+                if block_m * block_n > einsum.FP8_WEIGHT_TILE_OUTPUTS:  # every other tile's stages fit in 160 KiB
                     continue
                 for split in (1, 2, 4) if splits is None else splits:
                     if d // 64 >= 2 * split:
