@@ -151,8 +151,16 @@ def _wo_a_kernel(o_ptr, w_ptr, ws_ptr, y_ptr, data_ptr, scale_ptr, part_ptr, cou
 FP8_WEIGHT_TILE_OUTPUTS = 128 * 128
 
 
+def fp8_weight_tile_rows(triton_version: str = triton.__version__) -> int:
+    """The tallest FP8-weight wo_a tile that compiles for sm_90 without spilling: 256 rows under
+    Triton <= 3.6; Triton 3.8 spills the 256 x 64 tile (288-328 bytes a thread, 1.5x the time at
+    T = 2048 on an H100), so 128 there (docs/benchmarks.md, "Triton 3.8")."""
+    major, minor = (int(part) for part in triton_version.split(".")[:2])
+    return 256 if (major, minor) <= (3, 6) else 128
+
+
 def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: int = H200_SMS,
-                   min_k: int = 16, w_fp8: bool = False) -> dict:
+                   min_k: int = 16, w_fp8: bool = False, fp8_tile_rows: int | None = None) -> dict:
     """Tile sizes and K split for ``rows`` tokens. Decode (<= 64 rows) streams the weights, so the
     tiles are narrow in N (one 32-column scale group) to spread the weights over many programs, and
     deep cp.async pipelines keep each SM's reads in flight. The decode rows come from the H200 sweep
@@ -171,7 +179,9 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
     Larger batches use compute tiles (64x128, 128x128). An FP8 wo_a (32x32 blocks) there converts
     each weight tile in registers once per M tile, so its tiles are as tall as the batch needs, up
     to 256 x 64 (128 x 128 for 128-column scale groups) with 8 warps: the most that compiles for
-    sm_90 without spilling (256 x 128 spills 208 bytes a thread); D is split while the grid leaves
+    sm_90 without spilling (256 x 128 spills 208 bytes a thread; ``fp8_tile_rows``, by default
+    ``fp8_weight_tile_rows()``, caps the height, and a batch taller than the cap gets tiles as wide
+    as 128 x 128 outputs allow); D is split while the grid leaves
     SMs idle (one program per SM); 4 stages up to 256 rows, 3 above (the sweep on an H100, G = 8:
     50.1 against 54.9 us at T = 256, 386 against 316 at T = 2048). Pipeline depth is capped so the
     stages fit in ~192 KiB of shared memory."""
@@ -191,8 +201,10 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
         else:
             cfg = dict(BLOCK_M=64, BLOCK_N=max(block_n, 64), BLOCK_K=128, num_warps=4, num_stages=4)
     elif w_fp8 and min_k <= 64:
-        block_n = max(min_n, 64)
-        cfg = dict(BLOCK_M=min(FP8_WEIGHT_TILE_OUTPUTS // block_n, triton.next_power_of_2(rows)), BLOCK_N=block_n,
+        max_rows = fp8_weight_tile_rows() if fp8_tile_rows is None else fp8_tile_rows
+        block_n = max(min_n, 64, FP8_WEIGHT_TILE_OUTPUTS // max_rows if rows > max_rows else 0)
+        cfg = dict(BLOCK_M=min(FP8_WEIGHT_TILE_OUTPUTS // block_n, max_rows, triton.next_power_of_2(rows)),
+                   BLOCK_N=block_n,
                    BLOCK_K=64, num_warps=8, num_stages=4 if rows <= 256 else 3)
         split = _narrow_split(triton.cdiv(rows, cfg["BLOCK_M"]) * groups * triton.cdiv(r, cfg["BLOCK_N"]),
                               triton.cdiv(d, cfg["BLOCK_K"]), num_sms)
