@@ -373,7 +373,7 @@ def test_wo_a_fp8_weight_compute_config():
     256 x 64 (128 x 128 for 128-column scale groups; each weight tile is converted once per M
     tile), and splits D where the grid leaves SMs idle (G = 2, one program per SM); bf16 weights
     and 128x128 weight blocks keep the bf16 table's tiles."""
-    fp8 = dict(num_sms=132, min_k=32, w_fp8=True)
+    fp8 = dict(num_sms=132, min_k=32, w_fp8=True, fp8_tile_rows=256)  # the tiles Triton 3.6 compiles unspilled
     for rows, block_m, stages in ((65, 128, 4), (256, 256, 4), (257, 256, 3), (2048, 256, 3)):
         cfg = einsum._launch_config(rows, 8, 1024, 4096, 32, **fp8)
         assert cfg == dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=stages, SPLIT=1)
@@ -388,6 +388,37 @@ def test_wo_a_fp8_weight_compute_config():
     blocks_128 = dict(num_sms=132, min_k=128)
     assert (einsum._launch_config(256, 8, 1024, 4096, 32, w_fp8=True, **blocks_128)
             == einsum._launch_config(256, 8, 1024, 4096, 32, **blocks_128))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("version, tile_rows", [("3.4.0", 256), ("3.6.0", 256), ("3.8.0", 128), ("3.10.1", 128),
+                                                ("4.0.0+git1a2b", 128)])
+def test_wo_a_fp8_weight_tile_rows_by_triton(version, tile_rows):
+    assert einsum.fp8_weight_tile_rows(version) == tile_rows
+
+
+@pytest.mark.cpu
+def test_wo_a_fp8_weight_compute_config_128_row_cap():
+    """Where the compiler spills a 256-row FP8-weight tile (Triton 3.8) the tiles stop at 128 rows:
+    128 x 64 up to 256 rows, 128 x 128 (three stages) past them; 128-column groups unchanged."""
+    capped = dict(num_sms=132, min_k=32, w_fp8=True, fp8_tile_rows=128)
+    for rows, block_n, stages in ((65, 64, 4), (256, 64, 4), (257, 128, 3), (2048, 128, 3)):
+        cfg = einsum._launch_config(rows, 8, 1024, 4096, 32, **capped)
+        assert cfg == dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=64, num_warps=8, num_stages=stages, SPLIT=1)
+    for rows in (65, 256, 2048):
+        assert (einsum._launch_config(rows, 8, 1024, 4096, 128, **capped)
+                == einsum._launch_config(rows, 8, 1024, 4096, 128, num_sms=132, min_k=32, w_fp8=True,
+                                         fp8_tile_rows=256))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", [ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN])
+def test_wo_a_fp8_weight_capped_tile_cpu(fmt, device):
+    """The 128 x 128 tile the 128-row cap gives past 256 rows (Triton 3.8), over a batch that
+    leaves its last tile mostly empty; 32-column scale groups, pairs bitwise."""
+    config = einsum._launch_config(257, 2, 128, 128, 32, min_k=32, w_fp8=True, fp8_tile_rows=128)
+    assert (config["BLOCK_M"], config["BLOCK_N"]) == (128, 128)
+    check_wo_a_fp8_weight(257, 2, 128, 128, fmt, device, config)
 
 
 @pytest.mark.gpu
