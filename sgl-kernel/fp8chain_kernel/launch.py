@@ -16,8 +16,9 @@ On by default on GPUs of compute capability >= 9.0; off on older GPUs and the CP
 turns it off for the process, ``programmatic_launches(False)`` for a block.
 
 Also here, for every kernel family that sizes or finishes its launches: ``sm_count`` (the SM
-count launch shapes are sized against) and the arrival protocols for the programs of one
-launch that finish an output together (split-K GEMM and wo_a einsum, the row-split mHC boundary):
+count launch shapes are sized against), ``triton_release`` (the compiler's version) and the
+arrival protocols for the programs of one launch that finish an output together (split-K GEMM and
+wo_a einsum, the row-split mHC boundary):
 ``arrival_counters`` / ``split_workspace`` / ``zeroed_workspace`` on the host; in the kernels
 ``arrive``, then either ``arrive_last`` (the last to arrive finishes; ``rearm``, and the split-K
 partial tiles ``publish_partial`` / ``gather_partials``) or ``await_arrivals`` (every program
@@ -40,7 +41,7 @@ from .fp8_tile import interpreting
 __all__ = ["ARRIVAL_SLOTS", "H200_SMS", "arrival_counters", "arrive", "arrive_last", "await_arrivals", "await_producer",
            "compiled_for_gpu",
            "enabled", "gather_partials", "on_device", "programmatic_launches", "pdl_options", "publish_partial", "rearm",
-           "sm_count", "split_workspace", "supported", "zeroed_workspace"]
+           "sm_count", "split_workspace", "supported", "triton_release", "zeroed_workspace"]
 
 _override: list[bool] = []  # innermost programmatic_launches() block last
 
@@ -71,6 +72,13 @@ H200_SMS = 132  # the GPU the launch shapes were tuned on: the stand-in where no
 def compiled_for_gpu(device: torch.device) -> bool:
     """Whether kernels on ``device`` run compiled on a GPU (not on the Triton CPU interpreter)."""
     return device.type == "cuda" and not interpreting()
+
+
+def triton_release(version: str = triton.__version__) -> tuple[int, int]:
+    """(major, minor) of a Triton version string ("3.8.0", "3.6.0+git1a2b"): launch tables whose
+    best shapes depend on what the compiler can hold in registers read it."""
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
 
 
 def sm_count(device: torch.device, interpreter: int) -> int:

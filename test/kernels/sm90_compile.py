@@ -165,7 +165,7 @@ SPILL_ALLOWED_TRITON_3_8 = {
     ("_block_scaled_gemm_kernel", (("GROUP", 32), ("DEQUANT", True), ("SPLIT", 1), ("BLOCK_N", 128),
                                    ("BLOCK_M", 64), ("SCALE_AHEAD", 0))): 40,
 }
-if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 8):
+if launch.triton_release() >= (3, 8):
     SPILL_ALLOWED = {**SPILL_ALLOWED, **SPILL_ALLOWED_TRITON_3_8}
 
 
