@@ -160,9 +160,12 @@ def _cmd_info(args) -> int:
               f"{props.total_memory / 2**30:.0f} GiB")
     else:
         print("GPU: none (kernels run on the Triton CPU interpreter)")
-    from fp8chain_kernel import backends, launch, mhc
+    from fp8chain_kernel import backends, einsum, launch, mhc
     from fp8chain_kernel.formats import ActFormat
 
+    tested = "tested" if launch.triton_release() in ((3, 6), (3, 8)) else "untested"
+    print(f"triton release: {tested} (fp8chain tests 3.6 and 3.8; launch tables swept under 3.6), FP8-weight wo_a "
+          f"tiles up to {einsum.fp8_weight_tile_rows()} rows")
     caps = backends.probe()
     print(f"capabilities: {caps}")
     print("programmatic dependent launch: " + ("on" if launch.enabled() else

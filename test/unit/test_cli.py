@@ -187,6 +187,7 @@ def test_info_lists_backends(capsys):
         assert name in out
     assert "programmatic dependent launch: off (needs sm_90+" in out  # CPU
     assert "mHC boundary row barrier at decode: off (the Triton interpreter" in out
+    assert "triton release: tested (fp8chain tests 3.6 and 3.8; launch tables swept under 3.6)" in out
     assert "SGLang plugin: sglang.srt.plugins entry point registered (fp8chain.integrations.sglang:install)" in out
 
 
