@@ -23,7 +23,8 @@ D=4096 (bf16 weights; ``wo_a_g8_fp8w`` / ``wo_a_g2_fp8w``: the checkpoint's FP8 
 T = 64, ``--splits`` narrowing them to one-group tiles; compute tiles above, ``--splits`` setting
 their K splits) against the table's choice, with the weights rotating through copies past L2
 (``harness.copies_past_l2``), and writes ``producers_wo_a_sweep.json`` (the source of
-``einsum._launch_config``).
+``einsum._launch_config``). Each config first runs once and is checked (``check_wo_a_launch``: bf16
+within ``verify.WO_A_REL_BOUND`` of the fp64 einsum, pair bitwise); a wrong one is skipped, named.
 
 ``--sweep-launch`` instead times candidate program shapes (rows per program, tile width, warps)
 of the row-tiled producers (RMSNorm, q_norm, SiLU*mul; ``config=``), each shape's bf16-only and
@@ -50,9 +51,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel"))
 
 from fp8chain.argtypes import output_dir, positive_int  # noqa: E402
+from fp8chain import verify  # noqa: E402
 from fp8chain.bench import harness  # noqa: E402
 from fp8chain_kernel import act, einsum, norm, quant, reference  # noqa: E402
 from fp8chain_kernel.formats import ActFormat, empty_pair  # noqa: E402
+from fp8chain_kernel.reference.einsum import wo_a_einsum_fp  # noqa: E402
 
 ROWS = [1, 4, 16, 64, 256, 2048]
 QUICK_ROWS = [1, 64, 2048]
@@ -261,6 +264,27 @@ def wo_a_compute_candidates(rows: int, d: int = 4096, splits: list[int] | None =
     return out
 
 
+def wo_a_reference_fp64(o: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> torch.Tensor:
+    """The einsum in fp64 on the values a wo_a launch multiplies (an FP8 weight dequantized as the
+    kernel dequantizes it)."""
+    if weight_scale is not None:
+        weight = reference.dequantize_wo_a(weight, weight_scale, 32)
+    return wo_a_einsum_fp(o, weight, torch.float64)
+
+
+def check_wo_a_launch(o: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, fmt: ActFormat,
+                      config: dict | None, want: torch.Tensor) -> None:
+    """A swept launch must be a correct producer before its time counts: run once, its bf16 output
+    within ``verify.WO_A_REL_BOUND`` of ``want`` (the fp64 einsum; NaN fails), its pair
+    ``reference.quantize`` of that output bit for bit. Raises ``AssertionError`` naming what is wrong."""
+    y, pair = einsum.wo_a_einsum(o, weight, weight_scale=weight_scale, out_format=fmt, config=config)
+    err = verify.relative_error(y, want)
+    if not err < verify.WO_A_REL_BOUND:
+        raise AssertionError(f"wrong output: relative error {err:.3g} (bound {verify.WO_A_REL_BOUND})")
+    if not verify.pairs_equal(pair, reference.quantize(y, fmt)):
+        raise AssertionError("wrong output: the pair is not the quantization of the launch's own bf16 output")
+
+
 def wo_a_sweep_cases(args) -> list[tuple[str, int]]:
     """``--sweep-wo-a``'s (producer, T): the wo_a producers among ``--producers``, each T."""
     return [(name, t) for name in args.producers if name.startswith("wo_a") for t in args.rows]
@@ -281,11 +305,13 @@ def run_wo_a_sweep(args) -> tuple[dict, list[dict]]:
 
         floor_us = ((weight_bytes + rows * g * d * 2 + harness.pair_bytes(rows, g * r, fmt))
                     / (meta["copy_bandwidth_TBps"] * 1e12) * 1e6)
+        want = wo_a_reference_fp64(o, *weights[0])
         mine = []
         for config in [None] + wo_a_candidates(rows, d, args.splits):
             call = harness.rotating(lambda w, ws, c=config: einsum.wo_a_einsum(
                 o, w, weight_scale=ws, out_format=fmt, out=pair, return_bf16=False, config=c), weights)
             try:
+                check_wo_a_launch(o, *weights[0], fmt, config, want)
                 us = harness.graph_time_us(call, iters=args.iters, repeats=3)
             except Exception as exc:
                 if config is None:  # the table's own choice failing is a bug to report, not a skip

@@ -334,6 +334,7 @@ def test_wo_a_sweep_floor_counts_weights_scales_input_and_pair(name, monkeypatch
     timed = []
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "wo_a_candidates", lambda rows, d, splits: [dict(BLOCK_M=16)])
+    monkeypatch.setattr(bench, "check_wo_a_launch", lambda *args: None)  # its own tests below
     monkeypatch.setattr(harness, "copies_past_l2", lambda nbytes, most=64: 1)
     monkeypatch.setattr(harness, "bench_meta", lambda: {"device": "fake"})
     monkeypatch.setattr(harness, "copy_bandwidth", lambda: 2e12)
@@ -346,6 +347,77 @@ def test_wo_a_sweep_floor_counts_weights_scales_input_and_pair(name, monkeypatch
     floor = (weight + 2 * g * d * 2 + harness.pair_bytes(2, g * r, fmt)) / 2e12 * 1e6
     assert [(rec["config"], rec["fp8_us"]) for rec in records] == [("table", 4.0), (dict(BLOCK_M=16), 3.0)]
     assert all(rec["floor_us"] == pytest.approx(floor) for rec in records)
+
+
+@pytest.mark.cpu
+def test_wo_a_sweep_times_only_correct_launches(monkeypatch, tmp_path, capsys):
+    """A candidate whose output fails ``check_wo_a_launch`` is skipped, named, before it is timed;
+    the table's own launch failing it stops the sweep."""
+    import types
+
+    bench = _load_benchmark("producers")
+    wrong = dict(BLOCK_M=32)
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "wo_a_candidates", lambda rows, d, splits: [dict(BLOCK_M=16), wrong])
+    monkeypatch.setattr(harness, "copies_past_l2", lambda nbytes, most=64: 1)
+    monkeypatch.setattr(harness, "bench_meta", lambda: {"device": "fake"})
+    monkeypatch.setattr(harness, "copy_bandwidth", lambda: 2e12)
+    monkeypatch.setattr(harness, "graph_time_us", lambda fn, iters=100, repeats=7: 1.0)
+    checked = []
+
+    def check(o, weight, weight_scale, fmt, config, want):
+        checked.append(config)
+        if config == wrong:
+            raise AssertionError("wrong output: relative error 0.5")
+
+    monkeypatch.setattr(bench, "check_wo_a_launch", check)
+    args = types.SimpleNamespace(producers=["wo_a_g2"], rows=[2], formats=[ActFormat.SM90_G32_FP32_MN.value],
+                                 iters=1, splits=None, results_dir=tmp_path)
+    _, records = bench.run_wo_a_sweep(args)
+    assert checked == [None, dict(BLOCK_M=16), wrong]
+    assert [rec["config"] for rec in records] == ["table", dict(BLOCK_M=16)]
+    assert "skip wo_a_g2 T=2 {'BLOCK_M': 32}: AssertionError: wrong output" in capsys.readouterr().out
+    monkeypatch.setattr(bench, "wo_a_candidates", lambda rows, d, splits: [])
+    monkeypatch.setattr(bench, "check_wo_a_launch", lambda *args: check(*args[:4], wrong, args[5]))
+    with pytest.raises(AssertionError, match="wrong output"):
+        bench.run_wo_a_sweep(args)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fp8_weights", [False, True])
+def test_check_wo_a_launch_passes_the_kernel_and_fails_wrong_outputs(fp8_weights, monkeypatch):
+    """The sweep's check on the interpreter: the kernel's own launch passes (bf16 or FP8 weights);
+    a bf16 output off by more than the bound, a NaN in it, or a pair one byte off fails."""
+    bench = _load_benchmark("producers")
+    fmt = ActFormat.SM90_G32_FP32_MN
+    rows, g, r, d = 3, 2, 64, 64
+    o = torch.randn(rows, g, d).bfloat16()
+    if fp8_weights:
+        weight, scale = ref.random_fp8_wo_a(g, r, d, device="cpu", log2_scale=-6)
+    else:
+        weight, scale = (torch.randn(g, r, d) / d ** 0.5).bfloat16(), None
+    want = bench.wo_a_reference_fp64(o, weight, scale)
+    bench.check_wo_a_launch(o, weight, scale, fmt, None, want)
+    y, pair = einsum.wo_a_einsum(o, weight, weight_scale=scale, out_format=fmt)
+
+    def returning(y_out, pair_out):
+        monkeypatch.setattr(bench.einsum, "wo_a_einsum", lambda *args, **kwargs: (y_out, pair_out))
+
+    off = y.clone()
+    off[1] = (off[1].float() * 1.1).bfloat16()
+    returning(off, ref.quantize(off, fmt))
+    with pytest.raises(AssertionError, match="relative error"):
+        bench.check_wo_a_launch(o, weight, scale, fmt, None, want)
+    nan = y.clone()
+    nan[2, 5] = float("nan")
+    returning(nan, ref.quantize(nan, fmt))
+    with pytest.raises(AssertionError, match="relative error"):
+        bench.check_wo_a_launch(o, weight, scale, fmt, None, want)
+    data = pair.data.clone()
+    data.view(torch.uint8)[0, 0] ^= 1
+    returning(y, QuantizedActivation(data, pair.scale, pair.fmt))
+    with pytest.raises(AssertionError, match="pair"):
+        bench.check_wo_a_launch(o, weight, scale, fmt, None, want)
 
 
 @pytest.mark.cpu
