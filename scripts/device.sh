@@ -19,7 +19,9 @@
 #   scripts/device.sh $OUT tests --jobs 3
 #   scripts/device.sh $OUT bench:layer,producers
 # The tree travels without its own git metadata (what git reports there can be an older commit):
-# pass FP8CHAIN_COMMIT=<hash> so results name the commit they measured.
+# pass FP8CHAIN_COMMIT=<hash> so results name the commit they measured. Under another Triton than
+# the machine's: PYTHONPATH=<folder holding its triton package> scripts/device.sh ... (PYTHONPATH
+# comes after the source tree and before site-packages; docs/benchmarks.md, "Triton 3.8").
 set -uo pipefail
 usage="usage: scripts/device.sh OUTDIR [all|tests|bench|bench:NAME[,NAME...]] [--quick] [--jobs N] [-- PYTEST_ARGS...]"
 out=${1:?$usage}
