@@ -163,9 +163,11 @@ def _cmd_info(args) -> int:
     from fp8chain_kernel import backends, einsum, launch, mhc
     from fp8chain_kernel.formats import ActFormat
 
-    tested = "tested" if launch.triton_release() in ((3, 6), (3, 8)) else "untested"
-    print(f"triton release: {tested} (fp8chain tests 3.6 and 3.8; launch tables swept under 3.6), FP8-weight wo_a "
-          f"tiles up to {einsum.fp8_weight_tile_rows()} rows")
+    tested_releases = ((3, 6), (3, 8))  # pyproject's triton pin admits these
+    tested = "tested" if launch.triton_release() in tested_releases else "untested"
+    names = " and ".join(f"{major}.{minor}" for major, minor in tested_releases)
+    print(f"triton release: {tested} (fp8chain tests {names}; launch tables swept under 3.6), FP8-weight wo_a "
+          f"tiles up to {einsum.FP8_WEIGHT_TILE_ROWS} rows")
     caps = backends.probe()
     print(f"capabilities: {caps}")
     print("programmatic dependent launch: " + ("on" if launch.enabled() else

@@ -158,8 +158,11 @@ def fp8_weight_tile_rows(triton_version: str = triton.__version__) -> int:
     return 256 if triton_release(triton_version) <= (3, 6) else 128
 
 
+FP8_WEIGHT_TILE_ROWS = fp8_weight_tile_rows()  # for the Triton this process compiles with
+
+
 def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: int = H200_SMS,
-                   min_k: int = 16, w_fp8: bool = False, fp8_tile_rows: int | None = None) -> dict:
+                   min_k: int = 16, w_fp8: bool = False, fp8_tile_rows: int = FP8_WEIGHT_TILE_ROWS) -> dict:
     """Tile sizes and K split for ``rows`` tokens. Decode (<= 64 rows) streams the weights, so the
     tiles are narrow in N (one 32-column scale group) to spread the weights over many programs, and
     deep cp.async pipelines keep each SM's reads in flight. The decode rows come from the H200 sweep
@@ -179,7 +182,7 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
     each weight tile in registers once per M tile, so its tiles are as tall as the batch needs, up
     to 256 x 64 (128 x 128 for 128-column scale groups) with 8 warps: the most that compiles for
     sm_90 without spilling (256 x 128 spills 208 bytes a thread; ``fp8_tile_rows``, by default
-    ``fp8_weight_tile_rows()``, caps the height; past 256 rows such a tile is as wide as 128 x 128
+    ``FP8_WEIGHT_TILE_ROWS``, caps the height; past 256 rows such a tile is as wide as 128 x 128
     outputs allow); D is split while the grid leaves
     SMs idle (one program per SM); 4 stages up to 256 rows, 3 above (the sweep on an H100, G = 8:
     50.1 against 54.9 us at T = 256, 386 against 316 at T = 2048). Pipeline depth is capped so the
@@ -200,14 +203,12 @@ def _launch_config(rows: int, groups: int, r: int, d: int, min_n: int, num_sms: 
         else:
             cfg = dict(BLOCK_M=64, BLOCK_N=max(block_n, 64), BLOCK_K=128, num_warps=4, num_stages=4)
     elif w_fp8 and min_k <= 64:
-        max_rows = fp8_weight_tile_rows() if fp8_tile_rows is None else fp8_tile_rows
         # Past 256 rows a tile capped below 256 rows widens to 128 x 128 outputs: it reads o half as
         # often (Triton 3.8, H100, T = 2048, G = 8: 317 against 400 us at 128 x 64); up to 256 rows
         # 64 columns time faster (T = 256: 55.7 against 59.0 us).
-        block_n = max(min_n, 64 if rows <= 256 else FP8_WEIGHT_TILE_OUTPUTS // max_rows)
-        cfg = dict(BLOCK_M=min(FP8_WEIGHT_TILE_OUTPUTS // block_n, max_rows, triton.next_power_of_2(rows)),
-                   BLOCK_N=block_n,
-                   BLOCK_K=64, num_warps=8, num_stages=4 if rows <= 256 else 3)
+        block_n = max(min_n, 64 if rows <= 256 else FP8_WEIGHT_TILE_OUTPUTS // fp8_tile_rows)
+        cfg = dict(BLOCK_M=min(FP8_WEIGHT_TILE_OUTPUTS // block_n, fp8_tile_rows, triton.next_power_of_2(rows)),
+                   BLOCK_N=block_n, BLOCK_K=64, num_warps=8, num_stages=4 if rows <= 256 else 3)
         split = _narrow_split(triton.cdiv(rows, cfg["BLOCK_M"]) * groups * triton.cdiv(r, cfg["BLOCK_N"]),
                               triton.cdiv(d, cfg["BLOCK_K"]), num_sms)
     elif rows <= 256:
