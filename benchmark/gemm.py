@@ -9,6 +9,11 @@ Columns per (shape, M), all timed in one process with CUDA-graph replay (median)
 * ``cublas_g128_us``: cuBLAS blockwise (``torch._scaled_mm``, 1x128 x 128x128) on the g128 problem;
 * ``triton_g128_us``: the Triton GEMM on the same g128 problem (both None where K % 128 != 0: no
   g128 problem);
+* ``silu_epilogue_us`` / ``silu_launch_us`` (the shared expert's gate_up shapes only): the pair
+  GEMM writing ``act.swiglu`` of its output and that output's ``sm90_g32_fp32_mn`` pair in its
+  epilogue (``gemm.fp8_gemm_silu_mul`` on the tensor-core GEMM's config), against the table's GEMM
+  (``gemm.gemm_config``: the GEMV where it serves) then ``act.silu_mul`` writing the same pair, the
+  chained shared expert's two ways; ``silu_rule`` is the one ``gemm.silu_mul_epilogue_pays`` takes;
 * ``floor_us``: weight bytes / device copy bandwidth measured in this run; ``bw_frac``: floor /
   pair_us (the fraction of copy bandwidth the pair GEMM reaches on weight bytes: the decode bound);
 * ``roofline_us``: the pair GEMM's roofline, the larger of every byte it moves (weights and their
@@ -17,7 +22,9 @@ Columns per (shape, M), all timed in one process with CUDA-graph replay (median)
 
 Weights rotate through enough copies to exceed L2 (every call streams its weights from HBM).
 ``--sweep`` times candidate launch configs per (shape, M bucket) and prints the best (the source
-of ``gemm.CONFIG_TABLE``; at M <= 4 the ``gemv`` mode's candidates too: ``gemv.GEMV_TABLE``).
+of ``gemm.CONFIG_TABLE``; at M <= 4 the ``gemv`` mode's candidates too: ``gemv.GEMV_TABLE``);
+with ``--silu`` on the gate_up shapes it times them through the SiLU*mul epilogue
+(``gemm.fp8_gemm_silu_mul`` writing the pair alone, as the chained shared expert calls it).
 """
 
 from __future__ import annotations
@@ -38,8 +45,10 @@ for _p in (_ROOT / "python", _ROOT / "sgl-kernel"):
 
 from fp8chain.argtypes import positive_int  # noqa: E402
 from fp8chain.bench import harness  # noqa: E402
+from fp8chain.models.deepseek_v41 import DeepseekV41Config  # noqa: E402
 from fp8chain_kernel import gemm, quant, reference  # noqa: E402
-from fp8chain_kernel.formats import ActFormat  # noqa: E402
+from fp8chain_kernel.act import silu_mul  # noqa: E402
+from fp8chain_kernel.formats import ActFormat, empty_pair  # noqa: E402
 from fp8chain_kernel.gemv import MAX_GEMV_TOKENS, GemvConfig, select_gemv  # noqa: E402
 
 SHAPES = {**gemm.DSV41_TP1_LINEARS, **gemm.DSV41_TP4_SHARDS}
@@ -47,6 +56,9 @@ SHAPES = {**gemm.DSV41_TP1_LINEARS, **gemm.DSV41_TP4_SHARDS}
 # other shards run on request (--shapes; the down shard's K = 576 has no g128 arms)
 DEFAULT_SHAPES = [*gemm.DSV41_TP1_LINEARS, "wo_b_tp4"]
 MS = [1, 4, 16, 64, 256, 2048]
+# the shared expert's gate_up ([gate; up] rows), timed with SiLU*mul too, at DSv4.1's clamp
+SILU_SHAPES = ("gate_up", "gate_up_tp4")
+SWIGLU_LIMIT = DeepseekV41Config.flash().swiglu_limit
 QUICK_MS = [1, 16, 64, 2048]
 G32, G128 = ActFormat.SM90_G32_FP32_MN, ActFormat.SM90_G128_FP32_MN
 
@@ -58,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ms", default=None, help="comma-separated M values")
     parser.add_argument("--iters", type=positive_int, default=None, help="calls per captured graph")
     parser.add_argument("--sweep", action="store_true", help="time candidate configs, print the best")
+    parser.add_argument("--silu", action="store_true",
+                        help=f"with --sweep: time the candidates through the SiLU*mul epilogue "
+                             f"({', '.join(SILU_SHAPES)} only)")
     parser.add_argument("--groups", default="32,128", help="weight block sizes the sweep covers")
     parser.add_argument("--stages", default="4",
                         help="comma-separated pipeline depths of the generated candidates (M <= 256)")
@@ -218,7 +233,7 @@ def _plan(args):
     if args.sweep:
         for name, n, k, group, m in _sweep_points(args):
             for cfg in _candidates(args, m, n, k, group):
-                plan.append(("fp8", name, group, m, cfg))
+                plan.append(("silu" if args.silu else "fp8", name, group, m, cfg))
     else:
         for name in shapes:
             n, k = SHAPES[name]
@@ -249,6 +264,10 @@ def _precompile_share(args, device):
         try:
             if kind == "fp8":
                 gemm.fp8_gemm(x, w, s, weight_block=group, fmt=gemm.input_format_for_block(group), config=cfg)
+            elif kind == "silu":
+                pair = quant.quantize(x, gemm.input_format_for_block(group))
+                gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=group, limit=SWIGLU_LIMIT, out_format=pair.fmt,
+                                       return_bf16=False, config=cfg)
             else:
                 gemm.w8a16_gemm(x, w, s, weight_block=group, config=cfg)
         except Exception as exc:  # noqa: BLE001 - report, keep compiling the rest
@@ -265,6 +284,8 @@ def _precompile(args):
         argv.append("--quick")
     if args.sweep:
         argv.append("--sweep")
+    if args.silu:
+        argv.append("--silu")
     if args.ms:
         argv += ["--ms", args.ms]
     argv += ["--groups", args.groups, "--stages", args.stages, "--modes", args.modes, "--block-k", args.block_k,
@@ -307,11 +328,29 @@ def run_sweep(args, device, copy_bw):
         out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
         heur = gemm.gemm_config(m, n, k, group, device)  # what config=None runs
         results = []
+        if args.silu:  # checked on bf16 y, timed writing the pair alone (the chained shared expert)
+            h_pair = empty_pair(m, n // 2, pair.fmt, device)
+            want = reference.fp8_gemm_silu_mul(pair, ws[0][0], ws[0][1], group, limit=SWIGLU_LIMIT).double()
 
-        want = reference.fp8_gemm(pair, ws[0][0], ws[0][1], group)
+            def check(cfg):
+                return gemm.fp8_gemm_silu_mul(pair, ws[0][0], ws[0][1], weight_block=group, limit=SWIGLU_LIMIT,
+                                              config=cfg)
+
+            def call(w, s, cfg):
+                gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=group, limit=SWIGLU_LIMIT, out_format=pair.fmt,
+                                       out=h_pair, return_bf16=False, config=cfg)
+        else:
+            want = reference.fp8_gemm(pair, ws[0][0], ws[0][1], group)
+
+            def check(cfg):
+                return gemm.fp8_gemm(pair, ws[0][0], ws[0][1], weight_block=group, config=cfg)
+
+            def call(w, s, cfg):
+                gemm.fp8_gemm(pair, w, s, weight_block=group, out=out, config=cfg)
+
         for cfg in _candidates(args, m, n, k, group) + [None]:
             try:
-                got = gemm.fp8_gemm(pair, ws[0][0], ws[0][1], weight_block=group, config=cfg)
+                got = check(cfg)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
                 print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 continue
@@ -319,7 +358,7 @@ def run_sweep(args, device, copy_bw):
             if not err < 5e-3:  # NaN-safe: a wrong config is never a candidate
                 print(f"  {cfg}: WRONG, relative error {err:.3g}", flush=True)
                 continue
-            fn = harness.rotating(lambda w, s, c=cfg: gemm.fp8_gemm(pair, w, s, weight_block=group, out=out, config=c), ws)
+            fn = harness.rotating(lambda w, s, c=cfg: call(w, s, c), ws)
             try:
                 results.append((_time(fn, args), cfg))
             except Exception as exc:  # noqa: BLE001
@@ -390,6 +429,10 @@ def check_lists(args) -> None:
         bad = [v for v in text.split(",") if v and not ok(v)]
         if bad:
             raise SystemExit(f"{option}: {bad} are not {what}")
+    if args.silu and not args.sweep:
+        raise SystemExit("--silu selects the sweep's SiLU*mul epilogue: give --sweep too")
+    if args.silu and set(_items(args.shapes)) - set(SILU_SHAPES):
+        raise SystemExit(f"--silu: the SiLU*mul epilogue runs on {', '.join(SILU_SHAPES)} only, got {args.shapes}")
     if args.precompile < 0 or not args.sweep_budget_s > 0:
         raise SystemExit("--precompile must be >= 0 and --sweep-budget-s > 0")
 
@@ -415,6 +458,7 @@ def run(args):
     meta["copy_bandwidth_TBps"] = copy_bw / 1e12
     if args.sweep:
         meta["sweep"] = True
+        meta["silu_mul_epilogue"] = args.silu
         return meta, run_sweep(args, device, copy_bw)
 
     from fp8chain_kernel import backends
@@ -467,6 +511,10 @@ def run(args):
                         for (w, s), d in zip(w128, derived)]
             arms["cublas_g128_us"] = harness.rotating(lambda a, kw: torch._scaled_mm(*a, **kw), operands)
             rec["cublas_valid"] = reason is None
+        if name in SILU_SHAPES:
+            arms.update(_silu_arms(pair32, w32, out, device))
+            rec["silu_rule"] = ("epilogue" if gemm.silu_mul_epilogue_pays(gemm.gemm_config(m, n, k, 32, device))
+                                else "launch")
         rec.update(_time_arms(arms, args))
         rec["floor_us"] = n * k / copy_bw * 1e6
         rec["bw_frac"] = rec["floor_us"] / rec["pair_us"]
@@ -482,8 +530,29 @@ def run(args):
     return meta, records
 
 
+def _silu_arms(pair, weights, gate_up, device) -> dict:
+    """The chained shared expert's gate_up + SiLU*mul, both ways (the module docstring), writing
+    one pair buffer; ``gate_up`` is the plain GEMM's ``[M, 2I]`` output."""
+    m, n = gate_up.shape
+    k = pair.data.shape[1]
+    h_pair = empty_pair(m, n // 2, G32, device)
+    epilogue_config = gemm.select_config(m, n, k, 32, device)
+
+    def epilogue(w, s):
+        gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, limit=SWIGLU_LIMIT, out_format=G32, out=h_pair,
+                               return_bf16=False, config=epilogue_config)
+
+    def launch(w, s):
+        gemm.fp8_gemm(pair, w, s, weight_block=32, out=gate_up)
+        silu_mul(gate_up, limit=SWIGLU_LIMIT, out_format=G32, out=h_pair, return_bf16=False)
+
+    return {"silu_epilogue_us": harness.rotating(epilogue, weights),
+            "silu_launch_us": harness.rotating(launch, weights)}
+
+
 COLUMNS = ["shape", "m", "pair_us", "bf16_quant_us", "w8a16_us", "cublas_g128_us", "triton_g128_us",
-           "floor_us", "bw_frac", "roofline_us", "roofline_frac", "pair_vs_cublas", "g128_vs_cublas"]
+           "floor_us", "bw_frac", "roofline_us", "roofline_frac", "pair_vs_cublas", "g128_vs_cublas",
+           "silu_epilogue_us", "silu_launch_us", "silu_rule"]
 
 
 def roofline_us(m: int, n: int, k: int, group: int, copy_bw: float, fp8_rate: float | None) -> float:
@@ -506,7 +575,8 @@ def report(meta, records, results_dir=None) -> str:
     path = harness.save_results("gemm", meta, records, results_dir)
     try:
         harness.plot_records("gemm", records, "m", ["pair_us", "bf16_quant_us", "w8a16_us", "cublas_g128_us",
-                                             "triton_g128_us", "floor_us"], "us per call", group="shape",
+                                             "triton_g128_us", "silu_epilogue_us", "silu_launch_us", "floor_us"],
+                     "us per call", group="shape",
                      results_dir=results_dir)
     except Exception as exc:  # noqa: BLE001 - a plot is not worth failing the run
         print(f"plot skipped: {exc}")

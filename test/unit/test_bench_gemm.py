@@ -56,6 +56,7 @@ def test_default_candidates_and_group_128():
     (["--token-tiles", "-4"], r"--token-tiles: \['-4'\] are not positive integers"),
     (["--scale-ahead", "5"], r"--scale-ahead: \['5'\] are not 0-4 or 'default'"),
     (["--precompile", "-1"], r"--precompile must be >= 0"),
+    (["--silu", "--shapes", "gate_up,wq_b"], r"--silu: the SiLU\*mul epilogue runs on gate_up, gate_up_tp4 only"),
 ])
 def test_list_options_are_checked_before_any_gpu_work(argv, match):
     bench, args = _sweep_args(*argv)
@@ -148,13 +149,16 @@ def test_candidates_up_to_256_tokens_add_generated_tiles_to_the_list():
 # layout torch 2.11 reads wrongly: timed, flagged invalid), K = 288 (no g128 problem)
 TINY_SHAPES = {"k512": (256, 512), "k640": (256, 640), "k288": (256, 288)}
 # each arm's fake time, set by the launch its graph holds (+ 0.5 us per point)
-ARM_US = {"pair_us": 10.0, "bf16_quant_us": 14.0, "w8a16_us": 12.0, "triton_g128_us": 11.0, "cublas_g128_us": 9.0}
+ARM_US = {"pair_us": 10.0, "bf16_quant_us": 14.0, "w8a16_us": 12.0, "triton_g128_us": 11.0, "cublas_g128_us": 9.0,
+          "silu_epilogue_us": 7.0, "silu_launch_us": 8.0}
 
 
 def _arm_of(launch):
     """Which arm a recorded launch belongs to, from what it reads."""
     from fp8chain_kernel.formats import QuantizedActivation
 
+    if launch["kernel"] == "gemm_silu_mul":
+        return "silu_epilogue_us"
     if launch["kernel"] == "scaled_mm":
         return "cublas_g128_us"
     if launch["kernel"] == "w8a16_gemm":
@@ -164,9 +168,16 @@ def _arm_of(launch):
     return "pair_us" if launch["weight_block"] == 32 else "triton_g128_us"
 
 
-def _fake_gpu_gemm_run(monkeypatch, argv, fp8_gemm=None, time_of=None, blockwise=True, fp8_rate=1e9, bench=None):
+def _graph_arm(graph):
+    """A captured graph's arm: the SiLU*mul launch arm holds a GEMM and ``silu_mul`` launches."""
+    return "silu_launch_us" if any(launch["kernel"] == "silu_mul" for launch in graph) else _arm_of(graph[0])
+
+
+def _fake_gpu_gemm_run(monkeypatch, argv, fp8_gemm=None, time_of=None, blockwise=True, fp8_rate=1e9, bench=None,
+                       gemm_silu_mul=None):
     """``benchmark/gemm.py``'s ``main`` on the CPU (``TINY_SHAPES``, two weight copies): its
-    kernels record their launches (``fp8_gemm``: ``fp8_gemm(call)`` gives the result, else none),
+    kernels record their launches (``fp8_gemm`` / ``gemm_silu_mul``: ``fp8_gemm(call)`` gives the
+    result, else none),
     a captured graph is the launches its ``iters`` calls made, a replay's time is
     ``time_of(graph)`` (default: the arm's ``ARM_US``, 0.5 us more per point). cuBLAS blockwise
     works (calibrated: the contiguous layout at K/128 % 4 == 0, none else) unless ``blockwise`` is
@@ -188,6 +199,13 @@ def _fake_gpu_gemm_run(monkeypatch, argv, fp8_gemm=None, time_of=None, blockwise
             return result(call) if result else out
         return launch
 
+    def record_silu(kernel, result=None):
+        def launch(*args, **kwargs):  # fp8_gemm_silu_mul(a, weight, scale, ...), silu_mul(gate_up, ...)
+            call = dict(kernel=kernel, args=args, w=args[1] if len(args) > 1 else None, **kwargs)
+            launches.append(call)
+            return result(call) if result else None
+        return launch
+
     def scaled_mm(*args, **kwargs):
         launches.append(dict(kernel="scaled_mm", args=args, kwargs=kwargs, w=args[1].t()))
 
@@ -202,7 +220,7 @@ def _fake_gpu_gemm_run(monkeypatch, argv, fp8_gemm=None, time_of=None, blockwise
     def replay_times_us(graphs, iters, rounds=7):
         replays.append((dict(graphs), iters, rounds))
         point = len(replays) - 1
-        return {name: time_of(graph) if time_of else ARM_US[_arm_of(graph[0])] + 0.5 * point
+        return {name: time_of(graph) if time_of else ARM_US[_graph_arm(graph)] + 0.5 * point
                 for name, graph in graphs.items()}
 
     fake_torch = TorchWithGpu("torch")
@@ -212,6 +230,8 @@ def _fake_gpu_gemm_run(monkeypatch, argv, fp8_gemm=None, time_of=None, blockwise
     monkeypatch.setattr(bench, "SHAPES", TINY_SHAPES)
     monkeypatch.setattr(bench.gemm, "fp8_gemm", record("fp8_gemm", fp8_gemm))
     monkeypatch.setattr(bench.gemm, "w8a16_gemm", record("w8a16_gemm"))
+    monkeypatch.setattr(bench.gemm, "fp8_gemm_silu_mul", record_silu("gemm_silu_mul", gemm_silu_mul))
+    monkeypatch.setattr(bench, "silu_mul", record_silu("silu_mul"))
     caps = dataclasses.replace(backends.probe(), scaled_mm_blockwise=blockwise,
                                scaled_mm_reason="" if blockwise else "no CUDA device")
     monkeypatch.setattr(backends, "probe", lambda *args, **kwargs: caps)
@@ -322,7 +342,8 @@ def test_report_plots_and_tabulates_every_arm(monkeypatch, tmp_path):
     record = dict(shape="wo_b_tp4", n=5120, k=2048, m=1, pair_us=1.0, bf16_quant_us=2.0, w8a16_us=1.5,
                   cublas_g128_us=1.2, triton_g128_us=1.1, floor_us=0.5, cublas_valid=False)
     text = bench.report({"date": "today"}, [record], tmp_path)
-    assert plotted == [["pair_us", "bf16_quant_us", "w8a16_us", "cublas_g128_us", "triton_g128_us", "floor_us"]]
+    assert plotted == [["pair_us", "bf16_quant_us", "w8a16_us", "cublas_g128_us", "triton_g128_us",
+                        "silu_epilogue_us", "silu_launch_us", "floor_us"]]
     header, _, row = text.splitlines()[1:4]
     assert header.split(" | ")[-1] == "cublas_valid |" and row.endswith("| False |")
     assert json.loads((tmp_path / "gemm.json").read_text())["records"] == [record]
@@ -384,3 +405,101 @@ def test_sweep_keeps_the_fastest_verified_candidate(monkeypatch, tmp_path):
     assert json.loads((tmp_path / "gemm_sweep.json").read_text())["records"] == records
     assert not (tmp_path / "gemm.json").exists()
     assert f"| k512 | 32 | 1 | 1.5 | {tuple(GV)} | 4 |" in text
+
+
+
+def test_run_times_the_gate_up_with_silu_mul_both_ways(monkeypatch, tmp_path):
+    """On a gate_up shape ``run`` also times the chained shared expert's two ways into one pair
+    buffer: the GEMM's SiLU*mul epilogue (one launch, the tensor-core config, DSv4.1's clamp, the
+    pair alone) and the table's GEMM into ``[M, 2I]`` then ``act.silu_mul`` of that very output,
+    both over every weight copy; ``silu_rule`` is ``silu_mul_epilogue_pays`` of the table's
+    config. Other shapes get no SiLU*mul arms."""
+    from fp8chain_kernel.formats import ActFormat, QuantizedActivation
+
+    G32 = ActFormat.SM90_G32_FP32_MN
+    cpu = torch.device("cpu")
+    bench = _load_benchmark("gemm")
+    monkeypatch.setattr(bench, "SILU_SHAPES", ("k512",))
+    pays = {1: False, 16: True}  # by the table config's token tile, here M
+    table_config = {m: bench.gemm.GemmConfig(64, m, 128) for m in pays}
+    monkeypatch.setattr(bench.gemm, "gemm_config", lambda m, n, k, group, device: table_config[m])
+    monkeypatch.setattr(bench.gemm, "silu_mul_epilogue_pays", lambda config: pays[config.block_m])
+    out_json = tmp_path / "gemm.json"
+    bench, launches, captures, replays, asked = _fake_gpu_gemm_run(
+        monkeypatch, ["--shapes", "k512,k640", "--ms", "1,16", "--json-out", str(out_json)], bench=bench)
+    records = json.loads(out_json.read_text())["records"]
+    assert [(r["shape"], r["m"]) for r in records] == [("k512", 1), ("k512", 16), ("k640", 1), ("k640", 16)]
+    for point, ((graphs, _, _), r) in enumerate(zip(replays, records)):
+        shape, m = r["shape"], r["m"]
+        if shape != "k512":
+            assert not {"silu_epilogue_us", "silu_launch_us"} & set(graphs)
+            assert r.get("silu_epilogue_us") is None and "silu_rule" not in r
+            continue
+        assert r["silu_rule"] == ("epilogue" if pays[m] else "launch")
+        for arm in ("silu_epilogue_us", "silu_launch_us"):
+            assert r[arm] == pytest.approx(ARM_US[arm] + 0.5 * point)
+        n, k, i = 256, 512, 128
+        epilogue, two_launches = graphs["silu_epilogue_us"], graphs["silu_launch_us"]
+        assert {launch["kernel"] for launch in epilogue} == {"gemm_silu_mul"}
+        assert [launch["kernel"] for launch in two_launches] == ["fp8_gemm", "silu_mul"] * (len(two_launches) // 2)
+        for graph in (epilogue, two_launches[::2]):  # every weight copy
+            assert len({launch["w"].data_ptr() for launch in graph}) == 2
+        outs = {id(launch["out"]) for launch in epilogue} | {id(launch["out"]) for launch in two_launches
+                                                              if launch["kernel"] == "silu_mul"}
+        assert len(outs) == 1  # one pair buffer for both ways
+        for launch in epilogue:
+            pair, w = launch["args"][:2]
+            assert isinstance(pair, QuantizedActivation) and pair.data.shape == (m, k) and w.shape == (n, k)
+            assert launch["weight_block"] == 32 and launch["limit"] == bench.SWIGLU_LIMIT == 10.0
+            assert launch["out_format"] is G32 and launch["return_bf16"] is False
+            assert launch["out"].fmt is G32 and launch["out"].data.shape == (m, i)
+            assert launch["config"] == bench.gemm.select_config(m, n, k, 32, cpu)
+        for gemm_launch, silu_launch in zip(two_launches[::2], two_launches[1::2]):
+            assert gemm_launch["config"] is None and gemm_launch["a"] is epilogue[0]["args"][0]
+            (gate_up,) = silu_launch["args"]
+            assert gate_up is gemm_launch["out"] and gate_up.shape == (m, n)
+            assert silu_launch["limit"] == 10.0 and silu_launch["out_format"] is G32
+            assert silu_launch["return_bf16"] is False
+
+
+def test_silu_sweep_checks_and_times_candidates_through_the_epilogue(monkeypatch, tmp_path):
+    """``--sweep --silu``: each candidate is checked on bf16 ``y`` against the reference gate_up +
+    SiLU*mul (a wrong one is not timed) and timed as the chained shared expert calls it (the pair
+    alone, DSv4.1's clamp, one pair buffer, every weight copy); the fastest is kept. Without
+    ``--sweep``, ``--silu`` is refused."""
+    from fp8chain_kernel import reference as ref
+
+    bench = _load_benchmark("gemm")
+    GemmConfig = bench.gemm.GemmConfig
+    GOOD, FAST_WRONG, SLOW = GemmConfig(64, 16, 128, 1, 4, 4), GemmConfig(128, 16, 128, 1, 4, 4), GemmConfig(64, 16, 256)
+    us = {GOOD: 2.0, FAST_WRONG: 1.0, SLOW: 3.0, None: 2.5}
+    monkeypatch.setattr(bench, "SILU_SHAPES", ("k512",))
+    monkeypatch.setattr(bench, "_candidates", lambda args, m, n, k, group: [GOOD, FAST_WRONG, SLOW])
+
+    def gemm_silu_mul(call):
+        pair, w, s = call["args"]
+        y = ref.fp8_gemm_silu_mul(pair, w, s, call["weight_block"], limit=call["limit"])
+        return y * 1.01 if call["config"] == FAST_WRONG else y
+
+    out_json = tmp_path / "sweep.json"
+    bench, launches, captures, replays, asked = _fake_gpu_gemm_run(
+        monkeypatch, ["--sweep", "--silu", "--shapes", "k512", "--ms", "16", "--groups", "32", "--json-out",
+                      str(out_json)], gemm_silu_mul=gemm_silu_mul,
+        time_of=lambda graph: us[graph[0]["config"]], bench=bench)
+    saved = json.loads(out_json.read_text())
+    assert saved["meta"]["silu_mul_epilogue"] is True
+    (record,) = saved["records"]
+    assert (record["best_us"], record["best"], record["current_us"]) == (2.0, list(GOOD), 2.5)
+    assert record["all"] == [[2.0, list(GOOD)], [3.0, list(SLOW)], [2.5, None]]
+    checked = [call for call in launches if call.get("return_bf16", True)]
+    assert [call["config"] for call in checked] == [GOOD, FAST_WRONG, SLOW, None]
+    timed = [call for graph in (graph for r in replays for graph in r[0].values()) for call in graph]
+    assert {call["kernel"] for call in timed} == {"gemm_silu_mul"}
+    assert all(call["return_bf16"] is False and call["limit"] == 10.0 and call["out_format"] is call["out"].fmt
+               for call in timed)
+    assert len({id(call["out"]) for call in timed}) == 1 and len({call["w"].data_ptr() for call in timed}) == 2
+    assert FAST_WRONG not in {call["config"] for call in timed}
+    with pytest.raises(SystemExit, match="give --sweep too"):
+        parser = argparse.ArgumentParser()
+        bench.add_arguments(parser)
+        bench.check_lists(parser.parse_args(["--silu", "--shapes", "k512"]))
