@@ -340,6 +340,9 @@ class GemmConfig(NamedTuple):
     # K iterations the scales are read ahead in those two modes, 0..4 (None: 1 block-diagonal,
     # 0 dequantized); the per-group FP8 dot reads them at use
     scale_ahead: int | None = None
+    # registers per thread ptxas may use (Triton's maxnreg; None: its own choice): a cap keeps as
+    # many programs resident per SM under every Triton release (the table's capped entries)
+    max_regs: int | None = None
 
     def scale_prefetch(self) -> int:
         """The kernel's SCALE_AHEAD for this config."""
@@ -360,6 +363,8 @@ DSV41_TP4_SHARDS = {"wq_b_tp4": (8192, 1280), "wo_b_tp4": (5120, 2048), "gate_up
 # 8, 16, 32, 64, 128, 256, 1 << 30 (anything larger). Shapes not listed fall back to
 # ``_heuristic_config``. ``group`` is 32 (DSv4.1 weights) or 128; W8A16 uses the heuristic.
 _C = GemmConfig
+# sm_90's 65536 registers per SM over three 4-warp programs, in ptxas's 8-register steps
+THREE_PROGRAMS_PER_SM = 65536 // (3 * 4 * 32) // 8 * 8
 CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     # H200 sweep 2026-11-29 11:10 UTC (benchmark/gemm.py --sweep): fastest verified candidate, its
     # CUDA-graph median per call (weights streamed from HBM). The block_diag entries (32-groups at
@@ -372,6 +377,10 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     # Buckets 4 and 8 from the sweep of 2026-11-30 03:52 UTC (--ms 1,4,8 --modes block_diag): a token
     # tile of 4 or 8 columns per group (a 16- or 32-column block-diagonal operand) shortens every
     # K step's promotion and copies, 0.4-2.7 us per GEMM against the 16-token tile.
+    # The three M = 64 entries capped at THREE_PROGRAMS_PER_SM registers: Triton 3.6 compiles them
+    # in 167, 3.8 in 173 (183 with the SiLU*mul epilogue), which leaves two programs per SM where
+    # their 288-320 programs need three (132 SMs) to run in one wave; under 3.8 on an H100 the
+    # gate_up with the epilogue took 40.6 us uncapped against 25.2 under 3.6 (docs/gemm.md).
     # wqkv_a 1792x5120
     (4, 1792, 5120, 32): _C(64, 4, 128, 8, 3, 4, block_diag=True),  # 6.6 us (M = 1), 6.7 (M = 4)
     (8, 1792, 5120, 32): _C(64, 8, 128, 8, 3, 4, block_diag=True),  # 7.0 us
@@ -398,7 +407,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (4, 5120, 8192, 32): _C(64, 4, 128, 8, 3, 4, block_diag=True),  # 14.5 us (M = 1), 15.0 (M = 4)
     (8, 5120, 8192, 32): _C(64, 8, 128, 4, 3, 4, block_diag=True),  # 15.9 us
     (16, 5120, 8192, 32): _C(64, 16, 128, 4, 3, 4, block_diag=True),  # 18.0 us (3 stages, 2026-11-30)
-    (64, 5120, 8192, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2),  # 37.0 us (2026-11-30)
+    (64, 5120, 8192, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2, max_regs=THREE_PROGRAMS_PER_SM),  # 37.0 us (2026-11-30)
     (256, 5120, 8192, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 117.7 us
     (1 << 30, 5120, 8192, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 559.3 us
     (16, 5120, 8192, 128): _C(64, 16, 128, 4, 4, 4),  # 16.1 us
@@ -409,7 +418,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (4, 5120, 2048, 32): _C(64, 4, 128, 4, 3, 4, block_diag=True),  # 6.6 us (M = 1), 6.6 (M = 4)
     (8, 5120, 2048, 32): _C(64, 8, 128, 4, 3, 4, block_diag=True),  # 7.1 us
     (16, 5120, 2048, 32): _C(64, 16, 128, 4, 3, 4, block_diag=True),  # 8.2 us (3 stages, 2026-11-30)
-    (64, 5120, 2048, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2),  # 13.5 us (2026-11-30)
+    (64, 5120, 2048, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2, max_regs=THREE_PROGRAMS_PER_SM),  # 13.5 us (2026-11-30)
     (256, 5120, 2048, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 33.7 us
     (1 << 30, 5120, 2048, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 152.2 us
     (16, 5120, 2048, 128): _C(64, 16, 128, 4, 4, 4),  # 7.7 us
@@ -420,7 +429,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (4, 4608, 5120, 32): _C(64, 4, 128, 8, 3, 4, block_diag=True),  # 9.9 us (M = 1), 10.0 (M = 4)
     (8, 4608, 5120, 32): _C(64, 8, 128, 5, 3, 4, block_diag=True),  # 10.5 us
     (16, 4608, 5120, 32): _C(64, 16, 128, 5, 3, 4, block_diag=True),  # 11.4 us (3 stages, 2026-11-30)
-    (64, 4608, 5120, 32): _C(64, 64, 128, 4, 3, 4, dequant=True, scale_ahead=2),  # 24.1 us (2026-11-30)
+    (64, 4608, 5120, 32): _C(64, 64, 128, 4, 3, 4, dequant=True, scale_ahead=2, max_regs=THREE_PROGRAMS_PER_SM),  # 24.1 us (2026-11-30)
     (256, 4608, 5120, 32): _C(64, 64, 128, 1, 4, 4),  # 72.9 us
     (1 << 30, 4608, 5120, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 359.6 us
     (16, 4608, 5120, 128): _C(64, 16, 128, 5, 4, 4),  # 11.2 us
@@ -613,6 +622,15 @@ def _check_config(cfg: GemmConfig, k: int, group: int, a_fp8: bool) -> None:
         raise ValueError("a block_diag config runs FP8 dots on an FP8 pair: not with dequant=True or W8A16")
     if cfg.scale_ahead is not None and not 0 <= cfg.scale_ahead <= 4:
         raise ValueError(f"config scale_ahead must be None or 0..4, got {cfg.scale_ahead}")
+    if cfg.max_regs is not None and not (is_int(cfg.max_regs) and 24 <= cfg.max_regs <= 255):
+        raise ValueError(f"config max_regs must be None or 24..255 registers per thread, got {cfg.max_regs}")
+
+
+def _compile_options(cfg: GemmConfig) -> dict:
+    """The launch options a config sets beyond its warps (none under the interpreter)."""
+    if interpreting():
+        return {}
+    return {"num_stages": cfg.stages, **({} if cfg.max_regs is None else {"maxnreg": cfg.max_regs})}
 
 
 def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, config: GemmConfig | None):
@@ -628,7 +646,7 @@ def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, conf
         a_scale, stride_asm, stride_asg = a, 0, 0
     else:
         stride_asm, stride_asg = a_scale.stride(0), a_scale.stride(1)
-    extra = {} if interpreting() else {"num_stages": cfg.stages}
+    extra = _compile_options(cfg)
     _block_scaled_gemm_kernel[(tiles, split)](
         a, a_scale, weight, weight_scale, out, out if part is None else part, out if counters is None else counters,
         m, n, k,
@@ -771,7 +789,7 @@ def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale
     tiles = cdiv(inter, cfg.block_n // 2) * cdiv(m, cfg.block_m)
     split, iters_per_split, part, counters = _split_plan(tiles, k, cfg, weight.device)
     args = launch_args(fmt, out_pair, y, pair.data)
-    extra = {} if interpreting() else {"num_stages": cfg.stages}
+    extra = _compile_options(cfg)
     consts = args["consts"]
     _gemm_silu_mul_kernel[(tiles, split)](
         pair.data, pair.scale, weight, weight_scale, args["y"], args["data"], args["scale"],

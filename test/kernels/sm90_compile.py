@@ -3,8 +3,8 @@
 Run as a script in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit):
 ``python test/kernels/sm90_compile.py`` calls the public kernel functions on CPU tensors at
 DSv4.1-Flash shapes with launching replaced by recording, compiles every recorded launch for
-sm_90 with Triton's own ptxas, and prints ``kernel REG:.. STACK:.. LOCAL:.. smem .. spill-allowed ..`` per launch; a
-compile error exits non-zero. It catches what the CPU interpreter accepts but the compiler
+sm_90 with Triton's own ptxas, and prints ``kernel REG:.. STACK:.. LOCAL:.. smem .. spill-allowed
+.. max-regs ..`` per launch (max-regs 0: no ``maxnreg`` cap); a compile error exits non-zero. It catches what the CPU interpreter accepts but the compiler
 rejects (branch-local shapes, dot shapes, layouts) and register spills (STACK/LOCAL > 0).
 Kernels whose launch configuration depends on the GPU they run on (the mHC boundary) are
 called with the H200's configuration patched in, and every kernel with programmatic dependent
@@ -30,7 +30,7 @@ from fp8chain_kernel.formats import FP8_DTYPE, ActFormat, cdiv  # noqa: E402
 
 TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv", torch.int32: "i32",
          torch.int64: "i64", torch.uint8: "u8"}
-OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl")
+OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl", "maxnreg")
 launches = []
 
 
@@ -218,7 +218,8 @@ def main() -> int:
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True,
                                    text=True, check=True).stdout
         print(kernel.__name__, next(line.strip() for line in usage.splitlines() if "REG:" in line),
-              f"smem {compiled.metadata.shared} spill-allowed {SPILL_ALLOWED.get(allowance, 0)}")
+              f"smem {compiled.metadata.shared} spill-allowed {SPILL_ALLOWED.get(allowance, 0)}"
+              f" max-regs {options.get('maxnreg', 0)}")
         if kernel.__name__ == "_boundary_kernel":
             sums, unordered = unordered_sums(compiled.asm["ptx"])
             print(f"sum-order {kernel.__name__} sums {sums} unordered {unordered}")

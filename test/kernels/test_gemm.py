@@ -202,20 +202,38 @@ def test_bad_weights_and_out_are_rejected(device):
 
 @pytest.mark.cpu
 def test_configs_the_kernel_cannot_run_are_refused(device):
-    """block_m and block_k powers of two, block_k a multiple of the group that divides K, and
-    scale_ahead in 0..4: refused before a launch otherwise (fp8_gemm, w8a16 and the SiLU*mul entry)."""
+    """block_m and block_k powers of two, block_k a multiple of the group that divides K,
+    scale_ahead in 0..4 and max_regs in 24..255: refused before a launch otherwise (fp8_gemm, w8a16
+    and the SiLU*mul entry)."""
     w, s = ref.random_fp8_weight(128, 384, 32, device)
     x = make_activation(2, 384, device)
     pair = ref.quantize(x, G32)
     plain = gemm.GemmConfig(64, 16, 128, 1, 2, 4, 8)
     for bad, match in ((plain._replace(block_m=24), "GemmConfig"), (plain._replace(block_k=96), "GemmConfig"),
                        (plain._replace(block_k=16), "multiple of 32"), (plain._replace(block_k=256), "divide K=384"),
-                       (plain._replace(dequant=True, scale_ahead=-1), "scale_ahead")):
+                       (plain._replace(dequant=True, scale_ahead=-1), "scale_ahead"),
+                       (plain._replace(max_regs=16), "max_regs"), (plain._replace(max_regs=256), "max_regs"),
+                       (plain._replace(max_regs=168.0), "max_regs")):
         for call in (lambda: gemm.fp8_gemm(pair, w, s, weight_block=32, config=bad),
                      lambda: gemm.w8a16_gemm(x, w, s, weight_block=32, config=bad),
                      lambda: gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, config=bad)):
             with pytest.raises(ValueError, match=match):
                 call()
+
+
+@pytest.mark.cpu
+def test_a_register_cap_reaches_the_compiler(monkeypatch):
+    """``max_regs`` becomes Triton's ``maxnreg`` beside ``num_stages`` when compiling; the
+    interpreter takes neither. The table's capped entries keep three 4-warp programs per SM."""
+    capped = gemm.GemmConfig(64, 64, 128, 4, 3, 4, 8, True, False, 2, max_regs=gemm.THREE_PROGRAMS_PER_SM)
+    monkeypatch.setattr(gemm, "interpreting", lambda: False)
+    assert gemm._compile_options(capped) == {"num_stages": 3, "maxnreg": 168}
+    assert gemm._compile_options(capped._replace(max_regs=None)) == {"num_stages": 3}
+    monkeypatch.setattr(gemm, "interpreting", lambda: True)
+    assert gemm._compile_options(capped) == {}
+    assert 3 * 4 * 32 * gemm.THREE_PROGRAMS_PER_SM <= 65536 < 3 * 4 * 32 * (gemm.THREE_PROGRAMS_PER_SM + 8)
+    assert {key for key, cfg in gemm.CONFIG_TABLE.items() if cfg.max_regs} == {
+        (64, 4608, 5120, 32), (64, 5120, 8192, 32), (64, 5120, 2048, 32)}
 
 
 @pytest.mark.cpu
@@ -486,6 +504,26 @@ def test_torch_blockwise_dsv41_shapes_gpu(n, k):
         out = backend.gemm(pair, w, s, derived, out=poisoned_out(m, n, "cuda"))
         err = rel_error(out, ref.dequantize(pair).double() @ w_ref.t())
         assert err < TOL, f"M={m}: relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4608, 5120), (5120, 8192), (5120, 2048)])
+def test_a_register_cap_changes_no_bit_gpu(n, k):
+    """The table's capped M = 64 entries write the same bits as the same config uncapped (the cap
+    moves registers, not arithmetic), the gate_up with its SiLU*mul epilogue too."""
+    torch.manual_seed(0)
+    w, s, _ = _gpu_weight(n, k, 32)
+    for m in (33, 64):
+        pair = quant.quantize(make_activation(m, k, "cuda"), G32)
+        capped = gemm.gemm_config(m, n, k, 32, pair.data.device)
+        assert capped.max_regs == gemm.THREE_PROGRAMS_PER_SM
+        uncapped = capped._replace(max_regs=None)
+        outs = [gemm.fp8_gemm(pair, w, s, weight_block=32, config=c).view(torch.int16) for c in (capped, uncapped)]
+        assert torch.equal(*outs), f"M={m}"
+        if n == 4608:
+            pairs = [gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, limit=10.0, out_format=G32,
+                                            return_bf16=False, config=c) for c in (capped, uncapped)]
+            assert_pairs_equal(*pairs)
 
 
 @pytest.mark.gpu

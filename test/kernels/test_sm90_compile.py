@@ -1,5 +1,6 @@
 """Kernels the CPU interpreter accepts must also compile for Hopper (sm_90) without spilling
-registers (except the launches ``sm90_compile.SPILL_ALLOWED`` names, within their bound), the
+registers (except the launches ``sm90_compile.SPILL_ALLOWED`` names, within their bound), within
+the register cap a launch sets (``GemmConfig.max_regs``; at least one table launch sets one), the
 producers' FP8 stores must not shuffle their tile through shared memory, and the mHC boundary's
 post and combine must add their terms in the order written (``sm90_compile.unordered_sums``)."""
 
@@ -39,10 +40,16 @@ def test_kernels_compile_for_sm90():
         assert sums > 0 and unordered == 0, line
     usage = [line.split(" ", 1) for line in lines if not line.startswith("sum-order ")]
     assert {name for name, _ in usage} == EVERY_KERNEL, result.stdout
+    capped = 0
     for name, resources in usage:
+        cap = int(re.search(r"max-regs (\d+)", resources).group(1))
+        if cap:
+            capped += 1
+            assert int(re.search(r"REG:(\d+)", resources).group(1)) <= cap, f"{name} over its register cap: {resources}"
         allowed = int(re.search(r"spill-allowed (\d+)", resources).group(1))
         stack = int(re.search(r"STACK:(\d+)", resources).group(1))
         assert stack <= allowed and "LOCAL:0 " in resources, f"{name} spills: {resources}"
         if name in SHARED_LAYOUT:
             shared = int(re.search(r"smem (\d+)", resources).group(1))
             assert shared <= SHARED_LAYOUT_MAX_BYTES, f"{name} shuffles its tile through shared memory: {resources}"
+    assert capped >= 4, "the capped GEMM table entries (and the fused gate_up at M = 64) compile with their cap"
