@@ -52,7 +52,8 @@ from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_no_o
 from .act import check_limit, silu_mul, swiglu
 from .gemv import GEMV_TABLE, GemvConfig, gemv_token_tile, launch_gemv, select_gemv
 from .fp8_tile import dequantize_tile, e4m3_to_f32_exact, fp8_offsets, interpreting, round_bf16, store_pair_tile
-from .launch import await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count, split_workspace
+from .launch import (await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count, split_workspace,
+                     triton_release)
 from .norm import check_rows, launch_args, produced, producer_result, resolve_outputs
 from .quant import check_activation, quantize
 
@@ -365,6 +366,19 @@ DSV41_TP4_SHARDS = {"wq_b_tp4": (8192, 1280), "wo_b_tp4": (5120, 2048), "gate_up
 _C = GemmConfig
 # sm_90's 65536 registers per SM over three 4-warp programs, in ptxas's 8-register steps
 THREE_PROGRAMS_PER_SM = 65536 // (3 * 4 * 32) // 8 * 8
+
+
+def m64_register_cap(triton_version: str = triton.__version__) -> int | None:
+    """The register cap of the 32-group M = 64 entries with bf16-dequantized 64 x 64 tiles (gate_up,
+    wo_b, its TP4 shard): Triton 3.6 compiles them in 167 registers, three programs per SM, as
+    swept, so none there (a cap changes its schedule); 3.8 takes 173 (183 with the SiLU*mul
+    epilogue), two per SM, and their 288-320 programs then run in two waves on 132 SMs (on an
+    H100 under 3.8 the gate_up with the epilogue took 40.6 us, capped 25.9: docs/gemm.md), so
+    THREE_PROGRAMS_PER_SM from 3.7 on."""
+    return None if triton_release(triton_version) <= (3, 6) else THREE_PROGRAMS_PER_SM
+
+
+M64_REGISTER_CAP = m64_register_cap()  # for the Triton this process compiles with
 CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     # H200 sweep 2026-11-29 11:10 UTC (benchmark/gemm.py --sweep): fastest verified candidate, its
     # CUDA-graph median per call (weights streamed from HBM). The block_diag entries (32-groups at
@@ -377,10 +391,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     # Buckets 4 and 8 from the sweep of 2026-11-30 03:52 UTC (--ms 1,4,8 --modes block_diag): a token
     # tile of 4 or 8 columns per group (a 16- or 32-column block-diagonal operand) shortens every
     # K step's promotion and copies, 0.4-2.7 us per GEMM against the 16-token tile.
-    # The three M = 64 entries capped at THREE_PROGRAMS_PER_SM registers: Triton 3.6 compiles them
-    # in 167, 3.8 in 173 (183 with the SiLU*mul epilogue), which leaves two programs per SM where
-    # their 288-320 programs need three (132 SMs) to run in one wave; under 3.8 on an H100 the
-    # gate_up with the epilogue took 40.6 us uncapped against 25.2 under 3.6 (docs/gemm.md).
+    # The three M = 64 entries capped at M64_REGISTER_CAP registers (see m64_register_cap).
     # wqkv_a 1792x5120
     (4, 1792, 5120, 32): _C(64, 4, 128, 8, 3, 4, block_diag=True),  # 6.6 us (M = 1), 6.7 (M = 4)
     (8, 1792, 5120, 32): _C(64, 8, 128, 8, 3, 4, block_diag=True),  # 7.0 us
@@ -407,7 +418,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (4, 5120, 8192, 32): _C(64, 4, 128, 8, 3, 4, block_diag=True),  # 14.5 us (M = 1), 15.0 (M = 4)
     (8, 5120, 8192, 32): _C(64, 8, 128, 4, 3, 4, block_diag=True),  # 15.9 us
     (16, 5120, 8192, 32): _C(64, 16, 128, 4, 3, 4, block_diag=True),  # 18.0 us (3 stages, 2026-11-30)
-    (64, 5120, 8192, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2, max_regs=THREE_PROGRAMS_PER_SM),  # 37.0 us (2026-11-30)
+    (64, 5120, 8192, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2, max_regs=M64_REGISTER_CAP),  # 37.0 us (2026-11-30)
     (256, 5120, 8192, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 117.7 us
     (1 << 30, 5120, 8192, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 559.3 us
     (16, 5120, 8192, 128): _C(64, 16, 128, 4, 4, 4),  # 16.1 us
@@ -418,7 +429,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (4, 5120, 2048, 32): _C(64, 4, 128, 4, 3, 4, block_diag=True),  # 6.6 us (M = 1), 6.6 (M = 4)
     (8, 5120, 2048, 32): _C(64, 8, 128, 4, 3, 4, block_diag=True),  # 7.1 us
     (16, 5120, 2048, 32): _C(64, 16, 128, 4, 3, 4, block_diag=True),  # 8.2 us (3 stages, 2026-11-30)
-    (64, 5120, 2048, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2, max_regs=THREE_PROGRAMS_PER_SM),  # 13.5 us (2026-11-30)
+    (64, 5120, 2048, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2, max_regs=M64_REGISTER_CAP),  # 13.5 us (2026-11-30)
     (256, 5120, 2048, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 33.7 us
     (1 << 30, 5120, 2048, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 152.2 us
     (16, 5120, 2048, 128): _C(64, 16, 128, 4, 4, 4),  # 7.7 us
@@ -429,7 +440,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (4, 4608, 5120, 32): _C(64, 4, 128, 8, 3, 4, block_diag=True),  # 9.9 us (M = 1), 10.0 (M = 4)
     (8, 4608, 5120, 32): _C(64, 8, 128, 5, 3, 4, block_diag=True),  # 10.5 us
     (16, 4608, 5120, 32): _C(64, 16, 128, 5, 3, 4, block_diag=True),  # 11.4 us (3 stages, 2026-11-30)
-    (64, 4608, 5120, 32): _C(64, 64, 128, 4, 3, 4, dequant=True, scale_ahead=2, max_regs=THREE_PROGRAMS_PER_SM),  # 24.1 us (2026-11-30)
+    (64, 4608, 5120, 32): _C(64, 64, 128, 4, 3, 4, dequant=True, scale_ahead=2, max_regs=M64_REGISTER_CAP),  # 24.1 us (2026-11-30)
     (256, 4608, 5120, 32): _C(64, 64, 128, 1, 4, 4),  # 72.9 us
     (1 << 30, 4608, 5120, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 359.6 us
     (16, 4608, 5120, 128): _C(64, 16, 128, 5, 4, 4),  # 11.2 us

@@ -224,7 +224,8 @@ def test_configs_the_kernel_cannot_run_are_refused(device):
 @pytest.mark.cpu
 def test_a_register_cap_reaches_the_compiler(monkeypatch):
     """``max_regs`` becomes Triton's ``maxnreg`` beside ``num_stages`` when compiling; the
-    interpreter takes neither. The table's capped entries keep three 4-warp programs per SM."""
+    interpreter takes neither. The cap keeps three 4-warp programs per SM; the table caps its three
+    M = 64 dequantized entries from Triton 3.7 on, none under 3.6."""
     capped = gemm.GemmConfig(64, 64, 128, 4, 3, 4, 8, True, False, 2, max_regs=gemm.THREE_PROGRAMS_PER_SM)
     monkeypatch.setattr(gemm, "interpreting", lambda: False)
     assert gemm._compile_options(capped) == {"num_stages": 3, "maxnreg": 168}
@@ -232,8 +233,13 @@ def test_a_register_cap_reaches_the_compiler(monkeypatch):
     monkeypatch.setattr(gemm, "interpreting", lambda: True)
     assert gemm._compile_options(capped) == {}
     assert 3 * 4 * 32 * gemm.THREE_PROGRAMS_PER_SM <= 65536 < 3 * 4 * 32 * (gemm.THREE_PROGRAMS_PER_SM + 8)
-    assert {key for key, cfg in gemm.CONFIG_TABLE.items() if cfg.max_regs} == {
-        (64, 4608, 5120, 32), (64, 5120, 8192, 32), (64, 5120, 2048, 32)}
+    assert gemm.m64_register_cap("3.6.0") is None and gemm.m64_register_cap("3.5.1") is None
+    assert gemm.m64_register_cap("3.8.0") == gemm.m64_register_cap("3.8.1+git1a2b") == 168
+    assert gemm.M64_REGISTER_CAP == gemm.m64_register_cap()
+    capped = {key for key, cfg in gemm.CONFIG_TABLE.items() if cfg.max_regs}
+    assert all(gemm.CONFIG_TABLE[key].max_regs == gemm.M64_REGISTER_CAP for key in capped)
+    assert capped == (set() if gemm.M64_REGISTER_CAP is None else
+                      {(64, 4608, 5120, 32), (64, 5120, 8192, 32), (64, 5120, 2048, 32)})
 
 
 @pytest.mark.cpu
@@ -509,15 +515,15 @@ def test_torch_blockwise_dsv41_shapes_gpu(n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(4608, 5120), (5120, 8192), (5120, 2048)])
 def test_a_register_cap_changes_no_bit_gpu(n, k):
-    """The table's capped M = 64 entries write the same bits as the same config uncapped (the cap
+    """The M = 64 entries write the same bits capped (as from Triton 3.7 on) and uncapped (the cap
     moves registers, not arithmetic), the gate_up with its SiLU*mul epilogue too."""
     torch.manual_seed(0)
     w, s, _ = _gpu_weight(n, k, 32)
     for m in (33, 64):
         pair = quant.quantize(make_activation(m, k, "cuda"), G32)
-        capped = gemm.gemm_config(m, n, k, 32, pair.data.device)
-        assert capped.max_regs == gemm.THREE_PROGRAMS_PER_SM
-        uncapped = capped._replace(max_regs=None)
+        table = gemm.gemm_config(m, n, k, 32, pair.data.device)
+        assert table.max_regs == gemm.M64_REGISTER_CAP
+        capped, uncapped = (table._replace(max_regs=cap) for cap in (gemm.THREE_PROGRAMS_PER_SM, None))
         outs = [gemm.fp8_gemm(pair, w, s, weight_block=32, config=c).view(torch.int16) for c in (capped, uncapped)]
         assert torch.equal(*outs), f"M={m}"
         if n == 4608:
