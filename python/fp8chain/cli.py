@@ -160,14 +160,16 @@ def _cmd_info(args) -> int:
               f"{props.total_memory / 2**30:.0f} GiB")
     else:
         print("GPU: none (kernels run on the Triton CPU interpreter)")
-    from fp8chain_kernel import backends, einsum, launch, mhc
+    from fp8chain_kernel import backends, einsum, gemm, launch, mhc
     from fp8chain_kernel.formats import ActFormat
 
     tested_releases = ((3, 6), (3, 8))  # pyproject's triton pin admits these
     tested = "tested" if launch.triton_release() in tested_releases else "untested"
     names = " and ".join(f"{major}.{minor}" for major, minor in tested_releases)
+    cap = gemm.M64_REGISTER_CAP
     print(f"triton release: {tested} (fp8chain tests {names}; launch tables swept under 3.6), FP8-weight wo_a "
-          f"tiles up to {einsum.FP8_WEIGHT_TILE_ROWS} rows")
+          f"tiles up to {einsum.FP8_WEIGHT_TILE_ROWS} rows, M = 64 GEMM entries "
+          + (f"capped at {cap} registers" if cap else "uncapped"))
     caps = backends.probe()
     print(f"capabilities: {caps}")
     print("programmatic dependent launch: " + ("on" if launch.enabled() else
