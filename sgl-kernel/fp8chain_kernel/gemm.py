@@ -52,8 +52,8 @@ from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_no_o
 from .act import check_limit, silu_mul, swiglu
 from .gemv import GEMV_TABLE, GemvConfig, gemv_token_tile, launch_gemv, select_gemv
 from .fp8_tile import dequantize_tile, e4m3_to_f32_exact, fp8_offsets, interpreting, round_bf16, store_pair_tile
-from .launch import (await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count, split_workspace,
-                     triton_release)
+from .launch import (await_producer, gather_partials, pdl_options, publish_partial, rearm, registers_per_thread,
+                     sm_count, split_workspace, triton_release)
 from .norm import check_rows, launch_args, produced, producer_result, resolve_outputs
 from .quant import check_activation, quantize
 
@@ -364,8 +364,7 @@ DSV41_TP4_SHARDS = {"wq_b_tp4": (8192, 1280), "wo_b_tp4": (5120, 2048), "gate_up
 # 8, 16, 32, 64, 128, 256, 1 << 30 (anything larger). Shapes not listed fall back to
 # ``_heuristic_config``. ``group`` is 32 (DSv4.1 weights) or 128; W8A16 uses the heuristic.
 _C = GemmConfig
-# sm_90's 65536 registers per SM over three 4-warp programs, in ptxas's 8-register steps
-THREE_PROGRAMS_PER_SM = 65536 // (3 * 4 * 32) // 8 * 8
+THREE_PROGRAMS_PER_SM = registers_per_thread(3, 4)  # 168
 
 
 def m64_register_cap(triton_version: str = triton.__version__) -> int | None:
