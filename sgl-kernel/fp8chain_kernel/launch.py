@@ -82,11 +82,11 @@ def triton_release(version: str = triton.__version__) -> tuple[int, int]:
 
 
 def registers_per_thread(programs_per_sm: int, warps: int) -> int:
-    """The most registers a thread may take (ptxas allocates them in steps of 8) for
+    """The most registers a thread may take (ptxas allocates them in steps of 8, at most 255) for
     ``programs_per_sm`` programs of ``warps`` warps to be resident on one SM of sm_90 (65536
     registers): the ``maxnreg`` cap that keeps a launch's occupancy when a compiler release takes
     more registers than the one its table was swept with."""
-    return 65536 // (programs_per_sm * warps * 32) // 8 * 8
+    return min(255, 65536 // (programs_per_sm * warps * 32) // 8 * 8)
 
 
 def sm_count(device: torch.device, interpreter: int) -> int:

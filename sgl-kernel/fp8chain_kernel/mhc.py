@@ -58,8 +58,7 @@ from .formats import (ActFormat, QuantizedActivation, cdiv, check_disjoint, chec
                       is_int)
 from .fp8_tile import add_rn, format_constexprs, fp8_offsets, interpreting, round_bf16, store_pair_tile
 from .launch import (ARRIVAL_SLOTS, H200_SMS, arrival_counters, arrive_last, await_arrivals, await_producer,
-                     compiled_for_gpu, pdl_options, rearm, registers_per_thread, sm_count, triton_release,
-                     zeroed_workspace)
+                     compiled_for_gpu, pdl_options, rearm, sm_count, zeroed_workspace)
 from .norm import check_eps, check_rows, produced
 from .quant import prepare_out
 
@@ -519,11 +518,6 @@ def _row_barrier_slice(rows: int, cols: int, bm: int, device: torch.device) -> i
 # 2.2e-5, where two programs per SM alone would take 2 splits of 80). The tests hold the stats to
 # 1e-5 up to 2048 tokens.
 _MAX_CHUNKS_PER_SPLIT = 32
-# Registers per thread of the stats' partial-sum kernel (Triton's maxnreg) from Triton 3.7 on:
-# 3.8 compiles its decode launches in up to 186 (3.6: 166), two 4-warp programs per SM instead of
-# three while they stream the residual; None under 3.6, whose compile the launch shapes were
-# swept with.
-STATS_PARTIAL_MAX_REGS = None if triton_release() <= (3, 6) else registers_per_thread(3, 4)
 
 
 def _stats_config(rows: int, cols: int, device: torch.device,
@@ -731,7 +725,6 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     _stats_partial_kernel[(cdiv(rows, bt), splits)](
         residual, fn, part, rows, cols, residual.stride(0), residual.stride(1), fn.stride(0),
         per_split, NMIX=NMIX, NP=np_, BT=bt, BK=bk, UPCAST_DOT=interpreting(), num_warps=4, **pdl_options(device),
-        **({} if STATS_PARTIAL_MAX_REGS is None or interpreting() else {"maxnreg": STATS_PARTIAL_MAX_REGS}),
     )
     sp = triton.next_power_of_2(splits)
     bt2 = max(1, min(triton.next_power_of_2(rows), 256 // sp))  # [BT, SP] tiles of <= 256

@@ -259,3 +259,15 @@ def test_interpreting_follows_triton_interpret(monkeypatch):
     assert not interpreting()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert interpreting()
+
+
+@pytest.mark.cpu
+def test_registers_per_thread_keeps_the_programs_resident():
+    """The cap for N programs of W warps on one SM: a multiple of 8, at most 255, N programs fit in
+    65536 registers and N with 8 more registers each would not."""
+    for programs, warps in ((3, 4), (2, 4), (1, 8), (4, 4), (5, 2)):
+        cap = launch.registers_per_thread(programs, warps)
+        threads = programs * warps * 32
+        assert cap % 8 == 0 or cap == 255
+        assert cap * threads <= 65536 and (cap == 255 or (cap + 8) * threads > 65536), (programs, warps)
+    assert launch.registers_per_thread(3, 4) == 168 and launch.registers_per_thread(2, 4) == 255
