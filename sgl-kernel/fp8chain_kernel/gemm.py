@@ -359,12 +359,9 @@ DSV41_TP1_LINEARS = {"wqkv_a": (1792, 5120), "wq_b": (32768, 1280), "wo_b": (512
 DSV41_TP4_SHARDS = {"wq_b_tp4": (8192, 1280), "wo_b_tp4": (5120, 2048), "gate_up_tp4": (1152, 5120),
                     "down_tp4": (5120, 576)}
 
-# Static table, (M bucket, N, K, group) -> config, filled from H200 sweeps (benchmark/gemm.py
-# --sweep, which verifies each candidate against the reference before timing it). M buckets: 4,
-# 8, 16, 32, 64, 128, 256, 1 << 30 (anything larger). Shapes not listed fall back to
-# ``_heuristic_config``. ``group`` is 32 (DSv4.1 weights) or 128; W8A16 uses the heuristic.
-_C = GemmConfig
-THREE_PROGRAMS_PER_SM = registers_per_thread(3, 4)  # 168
+
+# Registers per thread for three 4-warp programs per SM (168)
+THREE_PROGRAMS_PER_SM = registers_per_thread(3, 4)
 
 
 def m64_register_cap(triton_version: str = triton.__version__) -> int | None:
@@ -378,6 +375,13 @@ def m64_register_cap(triton_version: str = triton.__version__) -> int | None:
 
 
 M64_REGISTER_CAP = m64_register_cap()  # for the Triton this process compiles with
+
+
+# Static table, (M bucket, N, K, group) -> config, filled from H200 sweeps (benchmark/gemm.py
+# --sweep, which verifies each candidate against the reference before timing it). M buckets: 4,
+# 8, 16, 32, 64, 128, 256, 1 << 30 (anything larger). Shapes not listed fall back to
+# ``_heuristic_config``. ``group`` is 32 (DSv4.1 weights) or 128; W8A16 uses the heuristic.
+_C, _CAP = GemmConfig, M64_REGISTER_CAP
 CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     # H200 sweep 2026-11-29 11:10 UTC (benchmark/gemm.py --sweep): fastest verified candidate, its
     # CUDA-graph median per call (weights streamed from HBM). The block_diag entries (32-groups at
@@ -390,7 +394,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     # Buckets 4 and 8 from the sweep of 2026-11-30 03:52 UTC (--ms 1,4,8 --modes block_diag): a token
     # tile of 4 or 8 columns per group (a 16- or 32-column block-diagonal operand) shortens every
     # K step's promotion and copies, 0.4-2.7 us per GEMM against the 16-token tile.
-    # The three M = 64 entries capped at M64_REGISTER_CAP registers (see m64_register_cap).
+    # The three M = 64 entries with max_regs=_CAP: M64_REGISTER_CAP (see m64_register_cap).
     # wqkv_a 1792x5120
     (4, 1792, 5120, 32): _C(64, 4, 128, 8, 3, 4, block_diag=True),  # 6.6 us (M = 1), 6.7 (M = 4)
     (8, 1792, 5120, 32): _C(64, 8, 128, 8, 3, 4, block_diag=True),  # 7.0 us
@@ -417,7 +421,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (4, 5120, 8192, 32): _C(64, 4, 128, 8, 3, 4, block_diag=True),  # 14.5 us (M = 1), 15.0 (M = 4)
     (8, 5120, 8192, 32): _C(64, 8, 128, 4, 3, 4, block_diag=True),  # 15.9 us
     (16, 5120, 8192, 32): _C(64, 16, 128, 4, 3, 4, block_diag=True),  # 18.0 us (3 stages, 2026-11-30)
-    (64, 5120, 8192, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2, max_regs=M64_REGISTER_CAP),  # 37.0 us (2026-11-30)
+    (64, 5120, 8192, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2, max_regs=_CAP),  # 37.0 us (2026-11-30)
     (256, 5120, 8192, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 117.7 us
     (1 << 30, 5120, 8192, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 559.3 us
     (16, 5120, 8192, 128): _C(64, 16, 128, 4, 4, 4),  # 16.1 us
@@ -428,7 +432,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (4, 5120, 2048, 32): _C(64, 4, 128, 4, 3, 4, block_diag=True),  # 6.6 us (M = 1), 6.6 (M = 4)
     (8, 5120, 2048, 32): _C(64, 8, 128, 4, 3, 4, block_diag=True),  # 7.1 us
     (16, 5120, 2048, 32): _C(64, 16, 128, 4, 3, 4, block_diag=True),  # 8.2 us (3 stages, 2026-11-30)
-    (64, 5120, 2048, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2, max_regs=M64_REGISTER_CAP),  # 13.5 us (2026-11-30)
+    (64, 5120, 2048, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2, max_regs=_CAP),  # 13.5 us (2026-11-30)
     (256, 5120, 2048, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 33.7 us
     (1 << 30, 5120, 2048, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 152.2 us
     (16, 5120, 2048, 128): _C(64, 16, 128, 4, 4, 4),  # 7.7 us
@@ -439,7 +443,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (4, 4608, 5120, 32): _C(64, 4, 128, 8, 3, 4, block_diag=True),  # 9.9 us (M = 1), 10.0 (M = 4)
     (8, 4608, 5120, 32): _C(64, 8, 128, 5, 3, 4, block_diag=True),  # 10.5 us
     (16, 4608, 5120, 32): _C(64, 16, 128, 5, 3, 4, block_diag=True),  # 11.4 us (3 stages, 2026-11-30)
-    (64, 4608, 5120, 32): _C(64, 64, 128, 4, 3, 4, dequant=True, scale_ahead=2, max_regs=M64_REGISTER_CAP),  # 24.1 us (2026-11-30)
+    (64, 4608, 5120, 32): _C(64, 64, 128, 4, 3, 4, dequant=True, scale_ahead=2, max_regs=_CAP),  # 24.1 us (2026-11-30)
     (256, 4608, 5120, 32): _C(64, 64, 128, 1, 4, 4),  # 72.9 us
     (1 << 30, 4608, 5120, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 359.6 us
     (16, 4608, 5120, 128): _C(64, 16, 128, 5, 4, 4),  # 11.2 us

@@ -4,8 +4,9 @@ Run as a script in a process without TRITON_INTERPRET (the interpreter replaces 
 ``python test/kernels/sm90_compile.py`` calls the public kernel functions on CPU tensors at
 DSv4.1-Flash shapes with launching replaced by recording, compiles every recorded launch for
 sm_90 with Triton's own ptxas, and prints ``kernel REG:.. STACK:.. LOCAL:.. smem .. spill-allowed
-.. max-regs ..`` per launch (max-regs 0: no ``maxnreg`` cap); a compile error exits non-zero. It catches what the CPU interpreter accepts but the compiler
-rejects (branch-local shapes, dot shapes, layouts) and register spills (STACK/LOCAL > 0).
+.. max-regs ..`` per launch (max-regs 0: no ``maxnreg`` cap); a compile error exits non-zero. It
+catches what the CPU interpreter accepts but the compiler rejects (branch-local shapes, dot
+shapes, layouts) and register spills (STACK/LOCAL > 0).
 Kernels whose launch configuration depends on the GPU they run on (the mHC boundary) are
 called with the H200's configuration patched in, and every kernel with programmatic dependent
 launch on, as on sm_90 (``fp8chain_kernel.launch``).
