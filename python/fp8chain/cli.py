@@ -165,9 +165,11 @@ def _cmd_info(args) -> int:
 
     tested_releases = ((3, 6), (3, 8))  # pyproject's triton pin admits these
     tested = "tested" if launch.triton_release() in tested_releases else "untested"
-    names = " and ".join(f"{major}.{minor}" for major, minor in tested_releases)
+    dotted = "{}.{}".format
+    names = " and ".join(dotted(*release) for release in tested_releases)
     cap = gemm.M64_REGISTER_CAP
-    print(f"triton release: {tested} (fp8chain tests {names}; launch tables swept under 3.6), FP8-weight wo_a "
+    print(f"triton release: {tested} (fp8chain tests {names}; launch tables swept under "
+          f"{dotted(*launch.SWEPT_RELEASE)}), FP8-weight wo_a "
           f"tiles up to {einsum.FP8_WEIGHT_TILE_ROWS} rows, M = 64 GEMM entries "
           + (f"capped at {cap} registers" if cap else "uncapped"))
     caps = backends.probe()

@@ -50,7 +50,7 @@ import triton.language as tl
 from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_no_overlap, is_int
 from .fp8_tile import dequantize_tile, dot_bf16, round_bf16, store_pair_tile
 from .launch import (H200_SMS, await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count,
-                     split_workspace, triton_release)
+                     split_workspace, SWEPT_RELEASE, triton_release)
 from .norm import MAX_TILE_ELEMS, check_tensor, launch_args, produced, producer_result, resolve_outputs
 
 __all__ = ["wo_a_einsum"]
@@ -155,7 +155,7 @@ def fp8_weight_tile_rows(triton_version: str = triton.__version__) -> int:
     """The tallest FP8-weight wo_a tile that compiles for sm_90 without spilling: 256 rows under
     Triton <= 3.6; Triton 3.8 spills the 256 x 64 tile (288-328 bytes a thread, 1.5x the time at
     T = 2048 on an H100), so 128 there (docs/benchmarks.md, "Triton 3.8")."""
-    return 256 if triton_release(triton_version) <= (3, 6) else 128
+    return 256 if triton_release(triton_version) <= SWEPT_RELEASE else 128
 
 
 FP8_WEIGHT_TILE_ROWS = fp8_weight_tile_rows()  # for the Triton this process compiles with

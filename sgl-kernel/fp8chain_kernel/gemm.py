@@ -53,7 +53,7 @@ from .act import check_limit, silu_mul, swiglu
 from .gemv import GEMV_TABLE, GemvConfig, gemv_token_tile, launch_gemv, select_gemv
 from .fp8_tile import dequantize_tile, e4m3_to_f32_exact, fp8_offsets, interpreting, round_bf16, store_pair_tile
 from .launch import (await_producer, gather_partials, pdl_options, publish_partial, rearm, registers_per_thread,
-                     sm_count, split_workspace, triton_release)
+                     sm_count, split_workspace, SWEPT_RELEASE, triton_release)
 from .norm import check_rows, launch_args, produced, producer_result, resolve_outputs
 from .quant import check_activation, quantize
 
@@ -371,7 +371,7 @@ def m64_register_cap(triton_version: str = triton.__version__) -> int | None:
     epilogue), two per SM, and their 288-320 programs then run in two waves on 132 SMs (on an
     H100 under 3.8 the gate_up with the epilogue took 40.6 us, capped 25.9: docs/gemm.md), so
     THREE_PROGRAMS_PER_SM from 3.7 on."""
-    return None if triton_release(triton_version) <= (3, 6) else THREE_PROGRAMS_PER_SM
+    return None if triton_release(triton_version) <= SWEPT_RELEASE else THREE_PROGRAMS_PER_SM
 
 
 M64_REGISTER_CAP = m64_register_cap()  # for the Triton this process compiles with

@@ -41,7 +41,8 @@ from .fp8_tile import interpreting
 __all__ = ["ARRIVAL_SLOTS", "H200_SMS", "arrival_counters", "arrive", "arrive_last", "await_arrivals", "await_producer",
            "compiled_for_gpu",
            "enabled", "gather_partials", "on_device", "programmatic_launches", "pdl_options", "publish_partial", "rearm",
-           "sm_count", "split_workspace", "supported", "triton_release", "zeroed_workspace"]
+           "registers_per_thread", "sm_count", "split_workspace", "supported", "SWEPT_RELEASE", "triton_release",
+           "zeroed_workspace"]
 
 _override: list[bool] = []  # innermost programmatic_launches() block last
 
@@ -72,6 +73,11 @@ H200_SMS = 132  # the GPU the launch shapes were tuned on: the stand-in where no
 def compiled_for_gpu(device: torch.device) -> bool:
     """Whether kernels on ``device`` run compiled on a GPU (not on the Triton CPU interpreter)."""
     return device.type == "cuda" and not interpreting()
+
+
+# The Triton release the launch tables were swept with; later releases that compile some launches
+# differently get their own rules (einsum.fp8_weight_tile_rows, gemm.m64_register_cap)
+SWEPT_RELEASE = (3, 6)
 
 
 def triton_release(version: str = triton.__version__) -> tuple[int, int]:
