@@ -46,6 +46,7 @@ for _p in (_ROOT / "python", _ROOT / "sgl-kernel"):
 from fp8chain.argtypes import positive_int  # noqa: E402
 from fp8chain.bench import harness  # noqa: E402
 from fp8chain.models.deepseek_v41 import DeepseekV41Config  # noqa: E402
+from fp8chain.verify import relative_error  # noqa: E402
 from fp8chain_kernel import gemm, quant, reference  # noqa: E402
 from fp8chain_kernel.act import silu_mul  # noqa: E402
 from fp8chain_kernel.formats import ActFormat, empty_pair  # noqa: E402
@@ -354,7 +355,7 @@ def run_sweep(args, device, copy_bw):
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
                 print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 continue
-            err = ((got.double() - want).norm() / want.norm()).item()
+            err = relative_error(got, want)
             if not err < 5e-3:  # NaN-safe: a wrong config is never a candidate
                 print(f"  {cfg}: WRONG, relative error {err:.3g}", flush=True)
                 continue
@@ -394,7 +395,7 @@ def check_blockwise_views(device):
                 got = torch._scaled_mm(pair.data, w.t(), scale_a=pair.scale,
                                        scale_b=TorchBlockwiseBackend._scale_b(padded, k, view, s),
                                        out_dtype=torch.bfloat16)
-                err = ((got.double() - want).norm() / want.norm()).item()
+                err = relative_error(got, want)
                 print(f"blockwise {n}x{k} scale_b view {view}: rel err {err:.3g}", flush=True)
             except Exception as exc:  # noqa: BLE001
                 print(f"blockwise {n}x{k} scale_b view {view}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
