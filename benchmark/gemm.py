@@ -92,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale-ahead", default="default",
                         help="comma-separated scale prefetch depths (0-4, or 'default') of the generated "
                              "candidates (M <= 256)")
+    parser.add_argument("--max-regs", default="none",
+                        help="comma-separated register caps per thread (24-255, or 'none') each GEMM "
+                             "candidate is timed with (GemmConfig.max_regs)")
     parser.add_argument("--modes", default=",".join([*OPERAND_MODES, GEMV_MODE]),
                         help=f"comma-separated operand modes of the candidates ({', '.join(OPERAND_MODES)}; "
                              f"{GEMV_MODE}: the CUDA-core kernel, at M <= {MAX_GEMV_TOKENS})")
@@ -208,11 +211,13 @@ def _items(text: str, parse=str) -> tuple:
 def _candidates(args, m: int, n: int, k: int, group: int) -> list[gemm.GemmConfig | GemvConfig]:
     modes = _items(args.modes)
     ahead = _items(args.scale_ahead, lambda v: None if v == "default" else int(v))
+    caps = _items(args.max_regs, lambda v: None if v == "none" else int(v))
     gemv = gemv_candidates(group) if GEMV_MODE in modes and m <= MAX_GEMV_TOKENS else []
-    return gemv + sweep_candidates(m, n, k, group, _items(args.stages, int),
-                                   tuple(mode for mode in modes if mode != GEMV_MODE), _items(args.block_k, int),
-                                   ahead, _items(args.block_n, int), _items(args.warps, int),
-                                   _items(args.splits, int), _items(args.token_tiles, int))
+    tiles = sweep_candidates(m, n, k, group, _items(args.stages, int),
+                             tuple(mode for mode in modes if mode != GEMV_MODE), _items(args.block_k, int),
+                             ahead, _items(args.block_n, int), _items(args.warps, int),
+                             _items(args.splits, int), _items(args.token_tiles, int))
+    return gemv + [cfg._replace(max_regs=cap) for cfg in tiles for cap in caps]
 
 
 def _sweep_points(args):
@@ -409,7 +414,7 @@ def check_lists(args) -> None:
     """Every comma-separated option (SystemExit naming the option, before any GPU work): known
     shape names and operand modes, positive M values, weight blocks of 32 or 128, and the sweep's
     candidate values (tiles powers of two from 16, warps 1-16 in powers of two, scale prefetch
-    0-4 or 'default')."""
+    0-4 or 'default', register caps 24-255 or 'none')."""
     unknown = [s for s in _items(args.shapes) if s not in SHAPES]
     if unknown:
         raise SystemExit(f"--shapes: unknown {unknown}; known: {', '.join(SHAPES)}")
@@ -425,6 +430,8 @@ def check_lists(args) -> None:
             ("--splits", args.splits, positive),
             ("--scale-ahead", args.scale_ahead, (lambda v: v == "default" or v in "01234" and len(v) == 1,
                                                  "0-4 or 'default'")),
+            ("--max-regs", args.max_regs, (lambda v: v == "none" or v.isdigit() and 24 <= int(v) <= 255,
+                                           "24-255 or 'none'")),
             ("--modes", args.modes, (lambda v: v in (*OPERAND_MODES, GEMV_MODE),
                                      "operand modes (" + ", ".join([*OPERAND_MODES, GEMV_MODE]) + ")"))):
         bad = [v for v in text.split(",") if v and not ok(v)]

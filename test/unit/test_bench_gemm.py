@@ -55,6 +55,7 @@ def test_default_candidates_and_group_128():
     (["--splits", "0"], r"--splits: \['0'\] are not positive integers"),
     (["--token-tiles", "-4"], r"--token-tiles: \['-4'\] are not positive integers"),
     (["--scale-ahead", "5"], r"--scale-ahead: \['5'\] are not 0-4 or 'default'"),
+    (["--max-regs", "none,16,256,x"], r"--max-regs: \['16', '256', 'x'\] are not 24-255 or 'none'"),
     (["--precompile", "-1"], r"--precompile must be >= 0"),
     (["--silu", "--shapes", "gate_up,wq_b"], r"--silu: the SiLU\*mul epilogue runs on gate_up, gate_up_tp4 only"),
 ])
@@ -65,6 +66,20 @@ def test_list_options_are_checked_before_any_gpu_work(argv, match):
     with pytest.raises(SystemExit, match=match):  # run() checks them first, before its GPU check
         bench.run(args)
     bench.check_lists(_sweep_args("--ms", "1,16", "--groups", "128")[1])  # valid lists pass
+
+
+def test_register_caps_multiply_the_gemm_candidates_not_the_gemv():
+    bench, plain = _sweep_args("--ms", "4,64")
+    _, capped = _sweep_args("--ms", "4,64", "--max-regs", "none,168")
+    for m in (4, 64):
+        tiles = [c for c in bench._candidates(plain, m, 5120, 8192, 128) if not isinstance(c, bench.GemvConfig)]
+        got = bench._candidates(capped, m, 5120, 8192, 128)
+        assert {c.max_regs for c in tiles} == {None}
+        assert [c for c in got if not isinstance(c, bench.GemvConfig)] == [
+            c._replace(max_regs=cap) for c in tiles for cap in (None, 168)]
+        assert [c for c in got if isinstance(c, bench.GemvConfig)] == [
+            c for c in bench._candidates(plain, m, 5120, 8192, 128) if isinstance(c, bench.GemvConfig)]
+    assert any(isinstance(c, bench.GemvConfig) for c in bench._candidates(capped, 4, 5120, 8192, 128))
 
 
 def test_block_diagonal_token_tiles_narrow_at_small_m():
