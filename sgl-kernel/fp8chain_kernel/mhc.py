@@ -543,6 +543,12 @@ def _stats_config(rows: int, cols: int, device: torch.device,
     return bt, bk, per_split, cdiv(chunks, per_split)
 
 
+def _finish_tokens(rows: int, split_tile: int) -> int:
+    """Tokens per program of the stats finish launch: ``[BT, SP]`` split-sum tiles of at most
+    256 values (``split_tile`` = SP, the split count rounded up to a power of two)."""
+    return max(1, min(triton.next_power_of_2(rows), 256 // split_tile))
+
+
 def _check_tensor(t, name: str, dtypes, shape, device=None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -727,7 +733,7 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
         per_split, NMIX=NMIX, NP=np_, BT=bt, BK=bk, UPCAST_DOT=interpreting(), num_warps=4, **pdl_options(device),
     )
     sp = triton.next_power_of_2(splits)
-    bt2 = max(1, min(triton.next_power_of_2(rows), 256 // sp))  # [BT, SP] tiles of <= 256
+    bt2 = _finish_tokens(rows, sp)
     _stats_finish_kernel[(cdiv(rows, bt2),)](
         part, scale, base, pre, post, comb, rows, HC * cols, float(rms_eps), float(hc_eps),
         NSPLIT=splits, SP=sp, SINKHORN_ITERS=sinkhorn_iters, NMIX=NMIX, NP=np_, BT=bt2, num_warps=4,
