@@ -72,13 +72,13 @@ def test_register_caps_multiply_the_gemm_candidates_not_the_gemv():
     bench, plain = _sweep_args("--ms", "4,64")
     _, capped = _sweep_args("--ms", "4,64", "--max-regs", "none,168")
     for m in (4, 64):
-        tiles = [c for c in bench._candidates(plain, m, 5120, 8192, 128) if not isinstance(c, bench.GemvConfig)]
+        want = bench._candidates(plain, m, 5120, 8192, 128)
         got = bench._candidates(capped, m, 5120, 8192, 128)
+        tiles = [c for c in want if not isinstance(c, bench.GemvConfig)]
         assert {c.max_regs for c in tiles} == {None}
         assert [c for c in got if not isinstance(c, bench.GemvConfig)] == [
             c._replace(max_regs=cap) for c in tiles for cap in (None, 168)]
-        assert [c for c in got if isinstance(c, bench.GemvConfig)] == [
-            c for c in bench._candidates(plain, m, 5120, 8192, 128) if isinstance(c, bench.GemvConfig)]
+        assert [c for c in got if isinstance(c, bench.GemvConfig)] == [c for c in want if isinstance(c, bench.GemvConfig)]
     assert any(isinstance(c, bench.GemvConfig) for c in bench._candidates(capped, 4, 5120, 8192, 128))
 
 
