@@ -58,7 +58,8 @@ from .formats import (ActFormat, QuantizedActivation, cdiv, check_disjoint, chec
                       is_int)
 from .fp8_tile import add_rn, format_constexprs, fp8_offsets, interpreting, round_bf16, store_pair_tile
 from .launch import (ARRIVAL_SLOTS, H200_SMS, arrival_counters, arrive_last, await_arrivals, await_producer,
-                     compiled_for_gpu, pdl_options, rearm, sm_count, zeroed_workspace)
+                     SWEPT_RELEASE, compiled_for_gpu, pdl_options, rearm, sm_count, triton_release,
+                     zeroed_workspace)
 from .norm import check_eps, check_rows, produced
 from .quant import prepare_out
 
@@ -543,9 +544,14 @@ def _stats_config(rows: int, cols: int, device: torch.device,
     return bt, bk, per_split, cdiv(chunks, per_split)
 
 
-def _finish_tokens(rows: int, split_tile: int) -> int:
-    """Tokens per program of the stats finish launch: ``[BT, SP]`` split-sum tiles of at most
-    256 values (``split_tile`` = SP, the split count rounded up to a power of two)."""
+def stats_finish_tokens(rows: int, split_tile: int, triton_version: str = triton.__version__) -> int:
+    """Tokens per program of the stats finish launch. Under Triton <= 3.6, ``[BT, SP]`` split-sum
+    tiles of at most 256 values (``split_tile`` = SP, the split count rounded up to a power of
+    two). Triton 3.8 lays a several-token Sinkhorn tile out with each token's rows across lanes,
+    so every column sum becomes lane shuffles: one token a program there (docs/benchmarks.md,
+    "Triton 3.8": at T = 64 the finish launch 8.9 -> 5.0 us on an H100)."""
+    if triton_release(triton_version) > SWEPT_RELEASE:
+        return 1
     return max(1, min(triton.next_power_of_2(rows), 256 // split_tile))
 
 
@@ -733,7 +739,7 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
         per_split, NMIX=NMIX, NP=np_, BT=bt, BK=bk, UPCAST_DOT=interpreting(), num_warps=4, **pdl_options(device),
     )
     sp = triton.next_power_of_2(splits)
-    bt2 = _finish_tokens(rows, sp)
+    bt2 = stats_finish_tokens(rows, sp)
     _stats_finish_kernel[(cdiv(rows, bt2),)](
         part, scale, base, pre, post, comb, rows, HC * cols, float(rms_eps), float(hc_eps),
         NSPLIT=splits, SP=sp, SINKHORN_ITERS=sinkhorn_iters, NMIX=NMIX, NP=np_, BT=bt2, num_warps=4,

@@ -150,6 +150,30 @@ def test_stats_matches_reference(kind, t):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
+@pytest.mark.parametrize("kind,t", _suite([3, 16, 127], [16, 64, 127, 2048]))
+@pytest.mark.parametrize("tokens", ["one", "tile"])
+def test_stats_finish_tokens_either_way(kind, t, tokens, monkeypatch):
+    """Both finish launches ``stats_finish_tokens`` picks between, one token a program (Triton
+    3.8) and the split-sum tile (3.6), stay within the reference's bound, whichever Triton runs."""
+    rule = mhc.stats_finish_tokens
+    monkeypatch.setattr(mhc, "stats_finish_tokens", lambda rows, split_tile: rule(
+        rows, split_tile, "3.8.0" if tokens == "one" else "3.6.0"))
+    device = _dev(kind)
+    h = _hidden(kind)
+    residual = torch.randn(t, 4, h, device=device).bfloat16()
+    residual[1] = 0
+    params = make_stats_params(h, device)
+    check_stats(mhc.mhc_stats(residual, *params), reference.mhc_stats(residual, *params), residual)
+
+
+@cpu
+@pytest.mark.parametrize("version, rows, split_tile, tokens", [
+    ("3.6.0", 1, 256, 1), ("3.6.0", 3, 8, 4), ("3.6.0", 64, 64, 4), ("3.6.0", 2048, 16, 16), ("3.5.1", 64, 4, 64),
+    ("3.8.0", 64, 64, 1), ("3.8.0", 2048, 16, 1), ("4.0.0+git1a2b", 64, 4, 1)])
+def test_stats_finish_tokens_by_triton(version, rows, split_tile, tokens):
+    assert mhc.stats_finish_tokens(rows, split_tile, version) == tokens
+
+
 @cpu
 def test_reference_stats_in_fp32():
     """``dtype=float32`` (the compiled peer's stats) stays within the kernels' bound of the fp64
