@@ -548,10 +548,10 @@ def stats_finish_tokens(rows: int, split_tile: int, triton_version: str = triton
     """Tokens per program of the stats finish launch. Under Triton <= 3.6, ``[BT, SP]`` split-sum
     tiles of at most 256 values (``split_tile`` = SP, the split count rounded up to a power of
     two). Triton 3.8 lays a several-token Sinkhorn tile out with each token's rows across lanes,
-    so every column sum becomes lane shuffles: one token a program there at decode, T <= 64, where
-    it was timed (docs/benchmarks.md, "Triton 3.8": at T = 64 the finish launch 8.9 -> 5.0 us on
-    an H100)."""
-    if triton_release(triton_version) > SWEPT_RELEASE and rows <= 64:
+    so every column sum becomes lane shuffles: one token a program there, at every T
+    (docs/benchmarks.md, "Triton 3.8": at T = 64 the finish launch 9.0 -> 5.0 us on an H100,
+    at T = 2048 15.8 -> 12.6)."""
+    if triton_release(triton_version) > SWEPT_RELEASE:
         return 1
     return max(1, min(triton.next_power_of_2(rows), 256 // split_tile))
 
