@@ -188,9 +188,11 @@ def test_info_lists_backends(capsys):
     assert "programmatic dependent launch: off (needs sm_90+" in out  # CPU
     assert "mHC boundary row barrier at decode: off (the Triton interpreter" in out
     assert "triton release: tested (fp8chain tests 3.6 and 3.8; launch tables swept under 3.6)" in out
-    from fp8chain_kernel import gemm
+    from fp8chain_kernel import gemm, launch
     cap = f"capped at {gemm.M64_REGISTER_CAP} registers" if gemm.M64_REGISTER_CAP else "uncapped"
     assert f"M = 64 GEMM entries {cap}" in out
+    finish = "one token" if launch.triton_release() > launch.SWEPT_RELEASE else "up to 256 tokens"
+    assert f"mHC stats finish: {finish} a program" in out
     assert "SGLang plugin: sglang.srt.plugins entry point registered (fp8chain.integrations.sglang:install)" in out
 
 
