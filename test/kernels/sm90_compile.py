@@ -123,13 +123,15 @@ def record_boundary_launches() -> None:
     """The mHC stats and boundary as configured on an H200 (132 SMs, one row per program): T = 1
     and 16 (row barrier: slices of 128 and 1024 columns), 128 (the last program of a row
     normalizes it) and 2048 (whole 5120-column rows), writing x and the packed pair; the post
-    alone (``mhc_post``) at the same T."""
+    alone (``mhc_post``) at the same T; the stats also at T = 64 (16-token tiles of three chunks
+    a split, loaded without a pipeline)."""
     gpu_config = dict(_target_programs=lambda device: 2 * 132, _max_rows_per_program=lambda device: 1,
                       compiled_for_gpu=lambda device: True)
     saved = {name: getattr(mhc, name) for name in gpu_config}
     for name, value in gpu_config.items():
         setattr(mhc, name, value)
     try:
+        mhc.mhc_stats(torch.randn(64, 4, 5120).bfloat16(), torch.randn(24, 4 * 5120), torch.rand(3), torch.randn(24))
         for rows in (1, 16, 128, 2048):
             mhc.mhc_stats(torch.randn(rows, 4, 5120).bfloat16(), torch.randn(24, 4 * 5120), torch.rand(3),
                           torch.randn(24))
