@@ -55,7 +55,7 @@ def test_graphs_capture_whole_turns_from_the_first_item(monkeypatch):
         CUDAGraph=lambda: types.SimpleNamespace(replay=lambda: None), graph=lambda g: contextlib.nullcontext())
     monkeypatch.setattr(harness.torch, "cuda", fake_cuda)
     for _ in range(2):  # two arms' graphs over the same copies
-        harness.capture_graph(call, 6)
+        assert harness.capture_graph(call, 6).calls == 6
     assert seen == [0, 1, 2] + [0, 1, 2] * 2 + [0, 1, 2] + [0, 1, 2] * 2  # warm-up, then whole turns from 0
     with pytest.raises(ValueError, match="20 calls of a rotation of 3 items"):
         harness.capture_graph(call, 20)
@@ -153,6 +153,18 @@ def test_replay_times_are_the_median_per_call_of_alternated_rounds(monkeypatch):
     times = harness.replay_times_us(graphs, iters=10, rounds=7)
     assert times == {"a": pytest.approx(100.0), "b": pytest.approx(200.0)}
     assert replays == ["a", "b"] * 7
+
+
+def test_replay_times_refuse_a_graph_of_another_call_count(monkeypatch):
+    """A graph that ``capture_graph`` made holds its call count; timing it as another count would
+    scale every per-call time by their ratio, so ``replay_times_us`` refuses before replaying."""
+    replays = []
+    graphs = {"a": types.SimpleNamespace(replay=lambda: replays.append("a"), calls=48)}
+    _fake_cuda_events(monkeypatch, [1.0] * 7)
+    with pytest.raises(ValueError, match="graph 'a' holds 48 calls, timed as 50"):
+        harness.replay_times_us(graphs, iters=50)
+    assert replays == []
+    assert harness.replay_times_us(graphs, iters=48) == {"a": pytest.approx(1e3 / 48)}
 
 
 def test_copy_bandwidth_counts_bytes_read_and_written(monkeypatch):

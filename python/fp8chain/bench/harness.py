@@ -40,7 +40,8 @@ def capture_graph(fn: Callable[[], object], iters: int = 100) -> torch.cuda.CUDA
     long as the graph is replayed. A ``rotating`` ``fn`` is captured from its first item on, over
     whole turns (``iters`` a multiple of its ``period``: ``graph_calls``), so that graphs replayed
     in turn meet at the rotation's usual distance: one graph's last call never reads the copy the
-    next graph's first call reads.
+    next graph's first call reads. The graph keeps its call count as ``calls``
+    (``replay_times_us`` checks it).
     """
     if not torch.cuda.is_available():
         raise RuntimeError("timing CUDA graphs needs a CUDA device")
@@ -62,6 +63,7 @@ def capture_graph(fn: Callable[[], object], iters: int = 100) -> torch.cuda.CUDA
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    graph.calls = iters
     return graph
 
 
@@ -76,10 +78,16 @@ def replay_times_us(graphs: dict[str, torch.cuda.CUDAGraph], iters: int, rounds:
     """Median microseconds per call of each graph of ``iters`` calls over ``rounds`` rounds, each
     round replaying every graph once in turn: drifts of clocks or temperature weigh on every arm
     alike, where timing one arm after the other would charge them to whichever ran second.
-    Raises ``ProfiledProcessError`` after ``kernel_profile`` (see the module docstring)."""
+    Raises ``ProfiledProcessError`` after ``kernel_profile`` (see the module docstring), and
+    ``ValueError`` for a graph of ``capture_graph`` captured with another call count than ``iters``
+    (its per-call time would be off by their ratio)."""
     if _profiler_used:
         raise ProfiledProcessError("torch.profiler already ran in this process; CUPTI stays attached and "
                                    "slows every kernel of later replays: time first, profile last")
+    for name, graph in graphs.items():
+        calls = getattr(graph, "calls", iters)
+        if calls != iters:
+            raise ValueError(f"graph {name!r} holds {calls} calls, timed as {iters}: pass the count it was captured with")
     samples: dict[str, list[float]] = {name: [] for name in graphs}
     for _ in range(rounds):
         for name, graph in graphs.items():
