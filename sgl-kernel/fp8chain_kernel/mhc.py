@@ -520,6 +520,10 @@ def _row_barrier_slice(rows: int, cols: int, bm: int, device: torch.device) -> i
 # 1e-5 up to 2048 tokens.
 _MAX_CHUNKS_PER_SPLIT = 32
 
+# Tokens per program of the stats partial-sum launch at decode (T <= 64): ``_stats_config``
+# picks it, ``_stats_partial_stages`` keys its launch options on it.
+_DECODE_STATS_TILE = 16
+
 
 def _stats_config(rows: int, cols: int, device: torch.device,
                   max_splits: int | None = None) -> tuple[int, int, int, int]:
@@ -534,7 +538,7 @@ def _stats_config(rows: int, cols: int, device: torch.device,
     chained layer step at T = 32 / 64: 196 -> 186 / 256 -> 249 us, though the stats alone take
     longer (10.5 -> 14.0 us at T = 64: each 16-token block re-reads fn)."""
     bk = 128
-    bt = 16 if rows <= 64 else 64
+    bt = _DECODE_STATS_TILE if rows <= 64 else 64
     chunks = HC * cdiv(cols // HC, bk)
     want = max(1, min(chunks, cdiv(_target_programs(device), cdiv(rows, bt))))
     if max_splits is not None:
@@ -551,7 +555,7 @@ def _stats_partial_stages(bt: int) -> dict:
     measured faster than the default stages under both (an H100, T = 32 / 64: 5.7 -> 4.9 / 7.4 ->
     6.1 us under 3.6, 7.4 -> 4.9 / 10.0 -> 6.0 under 3.8; the same sums, docs/benchmarks.md "Triton
     3.8"). Prefill tiles keep Triton's default."""
-    return {"num_stages": 1} if bt == 16 else {}
+    return {"num_stages": 1} if bt == _DECODE_STATS_TILE else {}
 
 
 def stats_finish_tokens(rows: int, split_tile: int, triton_version: str = triton.__version__) -> int:
