@@ -548,14 +548,18 @@ def _stats_config(rows: int, cols: int, device: torch.device,
     return bt, bk, per_split, cdiv(chunks, per_split)
 
 
-def _stats_partial_stages(bt: int) -> dict:
-    """Launch options of the stats partial-sum launch: decode's 16-token tiles load their few
-    chunks a split without a cp.async pipeline (``num_stages=1``): the program keeps T = 1's
-    shared memory (16 KB under Triton 3.6, 20 under 3.8; pipelined, 40 / 56 KB at T = 64) and
-    measured faster than the default stages under both (an H100, T = 32 / 64: 5.7 -> 4.9 / 7.4 ->
-    6.1 us under 3.6, 7.4 -> 4.9 / 10.0 -> 6.0 under 3.8; the same sums, docs/benchmarks.md "Triton
-    3.8"). Prefill tiles keep Triton's default."""
-    return {"num_stages": 1} if bt == _DECODE_STATS_TILE else {}
+def _stats_partial_stages(bt: int, triton_version: str = triton.__version__) -> dict:
+    """Launch options of the stats partial-sum launch. Under Triton >= 3.7 decode's 16-token tiles
+    load their chunks without a cp.async pipeline (``num_stages=1``): 3.8's pipelined program takes
+    56 KB of shared memory at T = 64 (20 KB unpipelined) and the launch alone measured 7.4 -> 4.9 /
+    10.0 -> 6.0 us at T = 32 / 64 (an H100). Under 3.6 every tile keeps Triton's default: unpipelined
+    the launch is at most 0.9 us faster alone, and in the layer step (the stats on the side stream)
+    the chained step measured no faster at T <= 32 and 1-3 us slower at TP4 T = 48 / 64
+    (docs/benchmarks.md, "Triton 3.8"). The prefill's 64-token tiles keep the default under both
+    (one stage: 116 against 66 us at T = 2048 under 3.6). The same sums either way."""
+    if bt == _DECODE_STATS_TILE and triton_release(triton_version) > SWEPT_RELEASE:
+        return {"num_stages": 1}
+    return {}
 
 
 def stats_finish_tokens(rows: int, split_tile: int, triton_version: str = triton.__version__) -> int:

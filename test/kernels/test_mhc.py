@@ -769,14 +769,15 @@ def test_boundary_with_no_columns():
 
 @cpu
 def test_stats_config_tiles_and_splits(monkeypatch):
-    """Decode batches up to 64 rows take 16-token tiles (loaded unpipelined), larger ones 64; for
-    every cap the split count is what the chunks per split give: every split sums at least one
-    chunk, none is empty."""
+    """Decode batches up to 64 rows take 16-token tiles (loaded unpipelined under Triton >= 3.7),
+    larger ones 64 (Triton's default stages); for every cap the split count is what the chunks
+    per split give: every split sums at least one chunk, none is empty."""
     monkeypatch.setattr(mhc, "_target_programs", lambda device: 264)
     cpu_dev = torch.device("cpu")
     assert mhc._stats_config(64, 4 * GPU_H, cpu_dev)[0] == 16
     assert mhc._stats_config(65, 4 * GPU_H, cpu_dev)[0] == 64
-    assert mhc._stats_partial_stages(16) == {"num_stages": 1} and mhc._stats_partial_stages(64) == {}
+    assert mhc._stats_partial_stages(16, "3.8.0") == {"num_stages": 1}
+    assert mhc._stats_partial_stages(16, "3.6.0") == {} and mhc._stats_partial_stages(64, "3.8.0") == {}
     chunks = 4 * GPU_H // 128
     for rows in (1, 2, 64, 65, 2048):
         for cap in (None, *range(1, chunks + 2)):
