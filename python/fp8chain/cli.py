@@ -170,10 +170,12 @@ def _cmd_info(args) -> int:
     cap = gemm.M64_REGISTER_CAP
     finish_tokens = mhc.stats_finish_tokens(rows=256, split_tile=1)
     finish = "one token a program" if finish_tokens == 1 else f"up to {finish_tokens} tokens a program"
+    pipelined = "unpipelined" if mhc.stats_partial_stages(mhc.DECODE_STATS_TILE) else "pipelined"
     print(f"triton release: {tested} (fp8chain tests {names}; launch tables swept under "
           f"{dotted(*launch.SWEPT_RELEASE)}), FP8-weight wo_a "
           f"tiles up to {einsum.FP8_WEIGHT_TILE_ROWS} rows, M = 64 GEMM entries "
-          + (f"capped at {cap} registers" if cap else "uncapped") + f", mHC stats finish: {finish}")
+          + (f"capped at {cap} registers" if cap else "uncapped") + f", mHC stats finish: {finish}, "
+          f"mHC stats partial sums at decode: {pipelined}")
     caps = backends.probe()
     print(f"capabilities: {caps}")
     print("programmatic dependent launch: " + ("on" if launch.enabled() else

@@ -521,8 +521,8 @@ def _row_barrier_slice(rows: int, cols: int, bm: int, device: torch.device) -> i
 _MAX_CHUNKS_PER_SPLIT = 32
 
 # Tokens per program of the stats partial-sum launch at decode (T <= 64): ``_stats_config``
-# picks it, ``_stats_partial_stages`` keys its launch options on it.
-_DECODE_STATS_TILE = 16
+# picks it, ``stats_partial_stages`` keys its launch options on it.
+DECODE_STATS_TILE = 16
 
 
 def _stats_config(rows: int, cols: int, device: torch.device,
@@ -538,7 +538,7 @@ def _stats_config(rows: int, cols: int, device: torch.device,
     chained layer step at T = 32 / 64: 196 -> 186 / 256 -> 249 us, though the stats alone take
     longer (10.5 -> 14.0 us at T = 64: each 16-token block re-reads fn)."""
     bk = 128
-    bt = _DECODE_STATS_TILE if rows <= 64 else 64
+    bt = DECODE_STATS_TILE if rows <= 64 else 64
     chunks = HC * cdiv(cols // HC, bk)
     want = max(1, min(chunks, cdiv(_target_programs(device), cdiv(rows, bt))))
     if max_splits is not None:
@@ -548,7 +548,7 @@ def _stats_config(rows: int, cols: int, device: torch.device,
     return bt, bk, per_split, cdiv(chunks, per_split)
 
 
-def _stats_partial_stages(bt: int, triton_version: str = triton.__version__) -> dict:
+def stats_partial_stages(bt: int, triton_version: str = triton.__version__) -> dict:
     """Launch options of the stats partial-sum launch. Under Triton >= 3.7 decode's 16-token tiles
     load their chunks without a cp.async pipeline (``num_stages=1``): 3.8's pipelined program takes
     56 KB of shared memory at T = 64 (20 KB unpipelined) and the launch alone measured 7.4 -> 4.9 /
@@ -557,7 +557,7 @@ def _stats_partial_stages(bt: int, triton_version: str = triton.__version__) -> 
     the chained step measured no faster at T <= 32 and 1-3 us slower at TP4 T = 48 / 64
     (docs/benchmarks.md, "Triton 3.8"). The prefill's 64-token tiles keep the default under both
     (one stage: 116 against 66 us at T = 2048 under 3.6). The same sums either way."""
-    if bt == _DECODE_STATS_TILE and triton_release(triton_version) > SWEPT_RELEASE:
+    if bt == DECODE_STATS_TILE and triton_release(triton_version) > SWEPT_RELEASE:
         return {"num_stages": 1}
     return {}
 
@@ -756,7 +756,7 @@ def mhc_stats(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     _stats_partial_kernel[(cdiv(rows, bt), splits)](
         residual, fn, part, rows, cols, residual.stride(0), residual.stride(1), fn.stride(0),
         per_split, NMIX=NMIX, NP=np_, BT=bt, BK=bk, UPCAST_DOT=interpreting(), num_warps=4,
-        **_stats_partial_stages(bt), **pdl_options(device),
+        **stats_partial_stages(bt), **pdl_options(device),
     )
     sp = triton.next_power_of_2(splits)
     bt2 = stats_finish_tokens(rows, sp)

@@ -776,8 +776,9 @@ def test_stats_config_tiles_and_splits(monkeypatch):
     cpu_dev = torch.device("cpu")
     assert mhc._stats_config(64, 4 * GPU_H, cpu_dev)[0] == 16
     assert mhc._stats_config(65, 4 * GPU_H, cpu_dev)[0] == 64
-    assert mhc._stats_partial_stages(16, "3.8.0") == {"num_stages": 1}
-    assert mhc._stats_partial_stages(16, "3.6.0") == {} and mhc._stats_partial_stages(64, "3.8.0") == {}
+    decode_tile = mhc.DECODE_STATS_TILE
+    assert mhc.stats_partial_stages(decode_tile, "3.8.0") == {"num_stages": 1}
+    assert mhc.stats_partial_stages(decode_tile, "3.6.0") == {} and mhc.stats_partial_stages(64, "3.8.0") == {}
     chunks = 4 * GPU_H // 128
     for rows in (1, 2, 64, 65, 2048):
         for cap in (None, *range(1, chunks + 2)):

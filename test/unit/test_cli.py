@@ -193,6 +193,8 @@ def test_info_lists_backends(capsys):
     assert f"M = 64 GEMM entries {cap}" in out
     finish = "one token" if launch.triton_release() > launch.SWEPT_RELEASE else "up to 256 tokens"
     assert f"mHC stats finish: {finish} a program" in out
+    pipelined = "unpipelined" if launch.triton_release() > launch.SWEPT_RELEASE else "pipelined"
+    assert f"mHC stats partial sums at decode: {pipelined}" in out
     assert "SGLang plugin: sglang.srt.plugins entry point registered (fp8chain.integrations.sglang:install)" in out
 
 
