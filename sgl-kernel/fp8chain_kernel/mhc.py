@@ -552,11 +552,12 @@ def stats_partial_stages(bt: int, triton_version: str = triton.__version__) -> d
     """Launch options of the stats partial-sum launch. Under Triton >= 3.7 decode's 16-token tiles
     load their chunks without a cp.async pipeline (``num_stages=1``): 3.8's pipelined program takes
     56 KB of shared memory at T = 64 (20 KB unpipelined) and the launch alone measured 7.4 -> 4.9 /
-    10.0 -> 6.0 us at T = 32 / 64 (an H100). Under 3.6 every tile keeps Triton's default: unpipelined
-    the launch is at most 0.9 us faster alone, and in the layer step (the stats on the side stream)
-    the chained step measured no faster at T <= 32 and 1-3 us slower at TP4 T = 48 / 64
-    (docs/benchmarks.md, "Triton 3.8"). The prefill's 64-token tiles keep the default under both
-    (one stage: 116 against 66 us at T = 2048 under 3.6). The same sums either way."""
+    10.0 -> 6.0 us at T = 32 / 64 (an H100). Under 3.6 every tile keeps Triton's default: unpipelined,
+    the stats (both launches) measured no faster alone at T <= 32 and 0.9 us faster at T = 64, and
+    in the layer step (the stats on the side stream) the chained step no faster at T <= 32 and 1-3
+    us slower at TP4 T = 48 / 64 (docs/benchmarks.md, "Triton 3.8"). The prefill's 64-token tiles
+    keep the default under both (one stage, the stats at T = 2048 under 3.6: 116 against 66 us).
+    The same sums either way."""
     if bt == DECODE_STATS_TILE and triton_release(triton_version) > SWEPT_RELEASE:
         return {"num_stages": 1}
     return {}
