@@ -166,6 +166,25 @@ def test_stats_finish_tokens_either_way(kind, t, tokens, monkeypatch):
     check_stats(mhc.mhc_stats(residual, *params), reference.mhc_stats(residual, *params), residual)
 
 
+@gpu
+@pytest.mark.parametrize("t", [16, 33, 64])
+def test_stats_partial_stages_either_way(t, monkeypatch):
+    """The partial-sum launch at decode tiles as each Triton gets it (``stats_partial_stages``:
+    unpipelined from 3.7 on, Triton's default stages under 3.6) gives the same bits, within the
+    reference's bound, whichever Triton compiles it (the interpreter ignores stages: GPU only)."""
+    rule = mhc.stats_partial_stages
+    residual = torch.randn(t, 4, GPU_H, device="cuda").bfloat16()
+    residual[1] = 0
+    params = make_stats_params(GPU_H, "cuda")
+    results = []
+    for version in ("3.6.0", "3.8.0"):
+        monkeypatch.setattr(mhc, "stats_partial_stages", lambda bt, v=version: rule(bt, v))
+        results.append(mhc.mhc_stats(residual, *params))
+        check_stats(results[-1], reference.mhc_stats(residual, *params), residual)
+    for a, b in zip(*results):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
 @cpu
 @pytest.mark.parametrize("version, rows, split_tile, tokens", [
     ("3.6.0", 1, 256, 1), ("3.6.0", 3, 8, 4), ("3.6.0", 64, 64, 4), ("3.6.0", 2048, 16, 16), ("3.5.1", 64, 4, 64),
