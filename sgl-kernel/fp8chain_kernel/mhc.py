@@ -556,9 +556,9 @@ def stats_partial_stages(bt: int, triton_version: str = triton.__version__) -> d
     the stats (both launches, H = 4096) measured no faster alone at T <= 32 and 0.9 us faster at
     T = 64, and in the layer step (the stats on the side stream) the chained step moved by at most
     0.5 us at TP1 and at T <= 16, was 0.5-1.1 us faster at TP4 T = 32 and 1-4 us slower at TP4
-    T = 48 / 64 (docs/benchmarks.md, "Triton 3.8"). The prefill's
-    64-token tiles keep the default under both (one stage, the stats at T = 2048 under 3.6: 116
-    against 66 us). The same sums either way."""
+    T = 48 / 64 (docs/benchmarks.md, "Triton 3.8"). The prefill's 64-token tiles keep the default
+    under both (one stage, the stats at T = 2048 under 3.6: 116 against 66 us). The same sums
+    either way."""
     if bt == DECODE_STATS_TILE and triton_release(triton_version) > SWEPT_RELEASE:
         return {"num_stages": 1}
     return {}

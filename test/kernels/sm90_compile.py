@@ -124,17 +124,17 @@ def record_boundary_launches() -> None:
     and 16 (row barrier: slices of 128 and 1024 columns), 128 (the last program of a row
     normalizes it) and 2048 (whole 5120-column rows), writing x and the packed pair; the post
     alone (``mhc_post``) at the same T; the stats also at T = 64 (16-token tiles of three chunks
-    a split, loaded without a pipeline)."""
+    a split, loaded without a pipeline under Triton >= 3.7)."""
     gpu_config = dict(_target_programs=lambda device: 2 * 132, _max_rows_per_program=lambda device: 1,
                       compiled_for_gpu=lambda device: True)
     saved = {name: getattr(mhc, name) for name in gpu_config}
     for name, value in gpu_config.items():
         setattr(mhc, name, value)
     try:
-        mhc.mhc_stats(torch.randn(64, 4, 5120).bfloat16(), torch.randn(24, 4 * 5120), torch.rand(3), torch.randn(24))
-        for rows in (1, 16, 128, 2048):
+        for rows in (1, 16, 64, 128, 2048):
             mhc.mhc_stats(torch.randn(rows, 4, 5120).bfloat16(), torch.randn(24, 4 * 5120), torch.rand(3),
                           torch.randn(24))
+        for rows in (1, 16, 128, 2048):
             mixes = torch.rand(rows, 4), torch.rand(rows, 4), torch.rand(rows, 4, 4)
             mhc.mhc_mega_boundary(torch.randn(rows, 5120).bfloat16(), torch.randn(rows, 4, 5120).bfloat16(),
                                   *mixes, torch.randn(5120).bfloat16(), 1e-6,

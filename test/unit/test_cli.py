@@ -191,10 +191,9 @@ def test_info_lists_backends(capsys):
     from fp8chain_kernel import gemm, launch
     cap = f"capped at {gemm.M64_REGISTER_CAP} registers" if gemm.M64_REGISTER_CAP else "uncapped"
     assert f"M = 64 GEMM entries {cap}" in out
-    finish = "one token" if launch.triton_release() > launch.SWEPT_RELEASE else "up to 256 tokens"
-    assert f"mHC stats finish: {finish} a program" in out
-    pipelined = "unpipelined" if launch.triton_release() > launch.SWEPT_RELEASE else "pipelined"
-    assert f"mHC stats partial sums at decode: {pipelined}" in out
+    past_swept = launch.triton_release() > launch.SWEPT_RELEASE
+    assert f"mHC stats finish: {'one token' if past_swept else 'up to 256 tokens'} a program" in out
+    assert f"mHC stats partial sums at decode: {'unpipelined' if past_swept else 'pipelined'}" in out
     assert "SGLang plugin: sglang.srt.plugins entry point registered (fp8chain.integrations.sglang:install)" in out
 
 
