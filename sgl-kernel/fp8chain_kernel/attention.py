@@ -72,6 +72,11 @@ _BLOCK_L = 64  # keys per step
 # ``tile=`` overrides.
 _WIDE_TILE = (64, 64)
 _WIDE_TILE_PAIRS = 1 << 16  # (token, key) pairs from which the wide tile pays
+# Below those pairs 64 heads still take the wide tile where the 32 x 64 tile's
+# split programs (two head blocks a token, at least two key splits) would not fit in one wave of
+# one program per SM: from 34 tokens on 132 SMs. There the 32 x 64 launch runs a second, partly
+# empty wave: 64 heads, context 1024, an H100 (layer step, 38eaacf): split kernel 31.0 us at M = 32,
+# 59.7 / 60.4 / 60.9 at M = 40 / 48 / 56, 48.6 with the wide tile at M = 64.
 _ROWS_TILES = ((1024, (32, 64)), (0, (_BLOCK_H, _BLOCK_L)))  # (least token x head rows, tile)
 _SMEM_BYTES = 227 << 10  # an H200 program's shared memory
 # columns per merge program: 16 at every batch. From H200 sweeps of 16-256 columns, 16-64 heads
@@ -313,14 +318,20 @@ def _splits(tokens: int, heads: int, block_h: int, key_steps: int, sms: int) -> 
     return min(most, max(2, sms // programs))
 
 
-def _split_tile(tile: tuple[int, int] | None, tokens: int, heads: int, length: int) -> tuple[int, int]:
+def _split_tile(tile: tuple[int, int] | None, tokens: int, heads: int, length: int, sms: int) -> tuple[int, int]:
     """``tile`` checked, or the default for ``tokens`` x ``heads`` query rows over ``length`` keys
-    (``_WIDE_TILE``, ``_ROWS_TILES``)."""
+    on a GPU of ``sms`` SMs (``_WIDE_TILE``, ``_ROWS_TILES``)."""
     if tile is None:
-        if heads >= _WIDE_TILE[0] and tokens * length >= _WIDE_TILE_PAIRS:
+        wide = heads >= _WIDE_TILE[0]
+        if wide and tokens * length >= _WIDE_TILE_PAIRS:
             return _WIDE_TILE
         # never more heads per program than there are heads: the rest would be masked
-        return next(t for least, t in _ROWS_TILES if tokens * heads >= least and t[0] <= max(heads, _BLOCK_H))
+        block_h, block_l = next(t for least, t in _ROWS_TILES
+                                if tokens * heads >= least and t[0] <= max(heads, _BLOCK_H))
+        programs = tokens * triton.cdiv(heads, block_h)
+        if wide and programs * _splits(tokens, heads, block_h, triton.cdiv(length, block_l), sms) > sms:
+            return _WIDE_TILE  # the narrower tile would need a second wave (see _WIDE_TILE_PAIRS)
+        return block_h, block_l
     block_h, block_l = tile
     if any(v < 16 or v & (v - 1) for v in (block_h, block_l)):
         raise ValueError(f"tile must be two powers of two >= 16, got {tile}")
@@ -340,7 +351,7 @@ def key_splits(tokens: int, heads: int, length: int, tile: tuple[int, int] | Non
     if not all(is_int(v) and v >= 1 for v in (tokens, heads, length)):
         raise ValueError(f"tokens, heads and length must be positive ints, got {(tokens, heads, length)}")
     sms = H200_SMS if device is None else sm_count(device, interpreter=H200_SMS)
-    block_h, block_l = _split_tile(tile, tokens, heads, length)
+    block_h, block_l = _split_tile(tile, tokens, heads, length, sms)
     return _splits(tokens, heads, block_h, triton.cdiv(length, block_l), sms)
 
 
@@ -447,7 +458,7 @@ def mqa_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, 
     tokens, heads, dim = q.shape
     _check_cache(kv_cache, dim, tokens)
     sms = sm_count(q.device, interpreter=H200_SMS)
-    block_h, block_l = _split_tile(tile, tokens, heads, kv_cache.shape[1])
+    block_h, block_l = _split_tile(tile, tokens, heads, kv_cache.shape[1], sms)
     _check_index(slots, "slots", tokens)
     _check_index(positions, "positions", tokens)
     if sink.dtype != torch.float32 or tuple(sink.shape) != (heads,):

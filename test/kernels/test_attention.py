@@ -6,6 +6,7 @@ import torch
 from fp8chain.verify import rotated_rows_error
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.attention import _pipeline_stages, _split_tile, key_splits, mqa_attention, rope_qkv
+from fp8chain_kernel.launch import H200_SMS
 
 ROPE_DIM = 64
 THETA = 10000.0
@@ -83,7 +84,7 @@ def test_attention_matches_reference_cpu(tokens, heads, dim, length):
 @pytest.mark.cpu
 def test_many_tokens_merge_in_column_chunks():
     """48 tokens x 4 merge head blocks fill 132 SMs: the keys still split in two (48 x 2 split
-    programs of 32 heads), and the merge runs 16-column programs (168 columns: the last chunk is
+    programs of 64 heads), and the merge runs 16-column programs (168 columns: the last chunk is
     partly masked)."""
     assert key_splits(48, 64, 256) == 2
     _check_attention(_problem(48, 64, 168, 256, 4, "cpu"))
@@ -117,13 +118,16 @@ def test_one_split_writes_the_output_itself():
     (64, 64, 1024, (64, 64)), (16, 64, 4096, (64, 64)), (256, 64, 1024, (64, 64)), (264, 64, 1024, (64, 64)),
     (265, 64, 1024, (64, 64)), (2048, 64, 2048, (64, 64)), (2048, 16, 2048, (16, 64)), (64, 16, 1024, (16, 64)),
     (256, 32, 1024, (32, 64)), (3, 8, 64, (16, 64)),
+    (33, 64, 1024, (32, 64)), (34, 64, 1024, (64, 64)), (40, 64, 512, (64, 64)), (48, 64, 256, (64, 64)),
+    (56, 64, 1024, (64, 64)), (66, 64, 64, (32, 64)), (67, 64, 64, (64, 64)),
 ])
 def test_default_split_tile_by_query_rows(tokens, heads, length, tile):
     """16 heads x 64 keys per program below 1024 (token, head) rows, 32 x 64 from there, 64 x 64
     from 64K (token, key) pairs of 64 heads (split or not: prefill too), as measured on the H200
-    (docs/benchmarks.md); never more heads per program than the layer has (a TP4 shard's 16 heads
-    keep 16 x 64)."""
-    assert _split_tile(None, tokens, heads, length) == tile
+    (docs/benchmarks.md), and below 64K pairs wherever the 32 x 64 tile's split programs would not
+    fit in one wave of the 132 SMs (34 tokens with two key splits; 67 with one step of keys);
+    never more heads per program than the layer has (a TP4 shard's 16 heads keep 16 x 64)."""
+    assert _split_tile(None, tokens, heads, length, H200_SMS) == tile
 
 
 @pytest.mark.cpu
@@ -171,7 +175,7 @@ def test_default_launch_is_the_tile_and_splits_key_splits_reports(tokens, heads,
     monkeypatch.setattr(attention, "_mqa_merge_kernel", merge)
     dim = 64
     mqa_attention(*_problem(tokens, heads, dim, length, 1, "cpu"))
-    block_h, block_l = _split_tile(None, tokens, heads, length)
+    block_h, block_l = _split_tile(None, tokens, heads, length, H200_SMS)
     splits = key_splits(tokens, heads, length)
     assert split.grids == [(tokens, -(-heads // block_h), splits)]
     assert (split.consts[0]["BLOCK_H"], split.consts[0]["BLOCK_L"], split.consts[0]["SPLITS"]) == \
