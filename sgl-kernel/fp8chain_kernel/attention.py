@@ -72,11 +72,12 @@ _BLOCK_L = 64  # keys per step
 # ``tile=`` overrides.
 _WIDE_TILE = (64, 64)
 _WIDE_TILE_PAIRS = 1 << 16  # (token, key) pairs from which the wide tile pays
-# Below those pairs 64 heads still take the wide tile where the 32 x 64 tile's
-# split programs (two head blocks a token, at least two key splits) would not fit in one wave of
-# one program per SM: from 34 tokens on 132 SMs. There the 32 x 64 launch runs a second, partly
-# empty wave: 64 heads, context 1024, an H100 (layer step, 38eaacf): split kernel 31.0 us at M = 32,
-# 59.7 / 60.4 / 60.9 at M = 40 / 48 / 56, 48.6 with the wide tile at M = 64.
+# Below those pairs 64 heads still take the wide tile where the 32 x 64 tile's split programs (two
+# head blocks a token, at least two key splits) would not fit in one wave of one program per SM:
+# from 34 tokens on 132 SMs, where the 32 x 64 launch runs a second, mostly empty wave. Measured
+# on an H100 (docs/benchmarks.md, attention, ffa8c04), 64 heads, M = 40 / 48 / 56: context 512
+# 40.9 / 46.0 / 49.4 against 49.6 / 52.8 / 55.8 us, context 1024 56.1 / 64.7 / 68.1 against
+# 74.5 / 77.4 / 80.8 (and M = 96, context 512: 83.7 against 88.9); M = 24 / 32 keep 32 x 64.
 _ROWS_TILES = ((1024, (32, 64)), (0, (_BLOCK_H, _BLOCK_L)))  # (least token x head rows, tile)
 _SMEM_BYTES = 227 << 10  # an H200 program's shared memory
 # columns per merge program: 16 at every batch. From H200 sweeps of 16-256 columns, 16-64 heads
