@@ -167,14 +167,15 @@ def _cmd_info(args) -> int:
     tested = "tested" if launch.triton_release() in tested_releases else "untested"
     dotted = "{}.{}".format
     names = " and ".join(dotted(*release) for release in tested_releases)
-    cap = gemm.M64_REGISTER_CAP
+    # where the M = 64 GEMM entries cap registers: at every token-scale stride from Triton 3.7 on
+    cap_where = "" if gemm.m64_register_cap(16) else " where the token scales' stride is not a multiple of 16"
     finish_tokens = mhc.stats_finish_tokens(rows=256, split_tile=1)
     finish = "one token a program" if finish_tokens == 1 else f"up to {finish_tokens} tokens a program"
     pipelined = "unpipelined" if mhc.stats_partial_stages(mhc.DECODE_STATS_TILE) else "pipelined"
     print(f"triton release: {tested} (fp8chain tests {names}; launch tables swept under "
           f"{dotted(*launch.SWEPT_RELEASE)}), FP8-weight wo_a "
-          f"tiles up to {einsum.FP8_WEIGHT_TILE_ROWS} rows, M = 64 GEMM entries "
-          + (f"capped at {cap} registers" if cap else "uncapped") + f", mHC stats finish: {finish}, "
+          f"tiles up to {einsum.FP8_WEIGHT_TILE_ROWS} rows, M = 64 GEMM entries capped at "
+          f"{gemm.THREE_PROGRAMS_PER_SM} registers{cap_where}, mHC stats finish: {finish}, "
           f"mHC stats partial sums at decode: {pipelined}")
     caps = backends.probe()
     print(f"capabilities: {caps}")

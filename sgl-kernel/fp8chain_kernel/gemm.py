@@ -341,9 +341,11 @@ class GemmConfig(NamedTuple):
     # K iterations the scales are read ahead in those two modes, 0..4 (None: 1 block-diagonal,
     # 0 dequantized); the per-group FP8 dot reads them at use
     scale_ahead: int | None = None
-    # registers per thread ptxas may use (Triton's maxnreg; None: its own choice): a cap keeps as
-    # many programs resident per SM under every Triton release (the table's capped entries)
+    # registers per thread ptxas may use (Triton's maxnreg; None: its own choice)
     max_regs: int | None = None
+    # keep three 4-warp programs resident per SM: without max_regs, each launch is capped where
+    # ``m64_register_cap`` says its compile would pass that line (the table's M = 64 entries)
+    residency_cap: bool = False
 
     def scale_prefetch(self) -> int:
         """The kernel's SCALE_AHEAD for this config."""
@@ -364,24 +366,26 @@ DSV41_TP4_SHARDS = {"wq_b_tp4": (8192, 1280), "wo_b_tp4": (5120, 2048), "gate_up
 THREE_PROGRAMS_PER_SM = registers_per_thread(3, 4)
 
 
-def m64_register_cap(triton_version: str = triton.__version__) -> int | None:
-    """The register cap of the 32-group M = 64 entries with bf16-dequantized 64 x 64 tiles (gate_up,
-    wo_b, its TP4 shard): Triton 3.6 compiles them in 167 registers, three programs per SM, as
-    swept, so none there (a cap changes its schedule); 3.8 takes 173 (183 with the SiLU*mul
-    epilogue), two per SM, and their 288-320 programs then run in two waves on 132 SMs (on an
-    H100 under 3.8 the gate_up with the epilogue took 40.6 us, capped 25.9: docs/gemm.md), so
-    THREE_PROGRAMS_PER_SM from 3.7 on."""
-    return None if triton_release(triton_version) <= SWEPT_RELEASE else THREE_PROGRAMS_PER_SM
-
-
-M64_REGISTER_CAP = m64_register_cap()  # for the Triton this process compiles with
+def m64_register_cap(scale_stride: int, triton_version: str = triton.__version__) -> int | None:
+    """The register cap of a launch of a ``residency_cap`` entry (the 32-group M = 64 entries with
+    bf16-dequantized 64 x 64 tiles: gate_up, wo_b, its TP4 shard; M = 33-64 runs them) whose token
+    scales have column stride ``scale_stride``. Their 288-320 programs run in one wave on 132 SMs
+    at three programs per SM, in two at two (docs/gemm.md, "Register caps"). Triton 3.6 compiles
+    wo_b in 168 registers where the stride is a multiple of 16 (the launcher then knows the scale
+    loads' alignment: M = 48 and 64, as swept), so none there (a cap changes the schedule), and in
+    171 where it is not (every other M from 33: wo_b alone 64.0 / 66.0 us at M = 40 / 56 against
+    38.7 / 39.4 at 48 / 64 on an H100), so THREE_PROGRAMS_PER_SM there; 3.8 takes 173 (183 with the
+    SiLU*mul epilogue) at any stride, so THREE_PROGRAMS_PER_SM from 3.7 on."""
+    if triton_release(triton_version) > SWEPT_RELEASE or scale_stride % 16:
+        return THREE_PROGRAMS_PER_SM
+    return None
 
 
 # Static table, (M bucket, N, K, group) -> config, filled from H200 sweeps (benchmark/gemm.py
 # --sweep, which verifies each candidate against the reference before timing it). M buckets: 4,
 # 8, 16, 32, 64, 128, 256, 1 << 30 (anything larger). Shapes not listed fall back to
 # ``_heuristic_config``. ``group`` is 32 (DSv4.1 weights) or 128; W8A16 uses the heuristic.
-_C, _CAP = GemmConfig, M64_REGISTER_CAP
+_C = GemmConfig
 CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     # H200 sweep 2026-11-29 11:10 UTC (benchmark/gemm.py --sweep): fastest verified candidate, its
     # CUDA-graph median per call (weights streamed from HBM). The block_diag entries (32-groups at
@@ -394,7 +398,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     # Buckets 4 and 8 from the sweep of 2026-11-30 03:52 UTC (--ms 1,4,8 --modes block_diag): a token
     # tile of 4 or 8 columns per group (a 16- or 32-column block-diagonal operand) shortens every
     # K step's promotion and copies, 0.4-2.7 us per GEMM against the 16-token tile.
-    # The three M = 64 entries with max_regs=_CAP: M64_REGISTER_CAP (see m64_register_cap).
+    # The three M = 64 entries with residency_cap=True: capped per launch (see m64_register_cap).
     # wqkv_a 1792x5120
     (4, 1792, 5120, 32): _C(64, 4, 128, 8, 3, 4, block_diag=True),  # 6.6 us (M = 1), 6.7 (M = 4)
     (8, 1792, 5120, 32): _C(64, 8, 128, 8, 3, 4, block_diag=True),  # 7.0 us
@@ -421,7 +425,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (4, 5120, 8192, 32): _C(64, 4, 128, 8, 3, 4, block_diag=True),  # 14.5 us (M = 1), 15.0 (M = 4)
     (8, 5120, 8192, 32): _C(64, 8, 128, 4, 3, 4, block_diag=True),  # 15.9 us
     (16, 5120, 8192, 32): _C(64, 16, 128, 4, 3, 4, block_diag=True),  # 18.0 us (3 stages, 2026-11-30)
-    (64, 5120, 8192, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2, max_regs=_CAP),  # 37.0 us (2026-11-30)
+    (64, 5120, 8192, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2, residency_cap=True),  # 37.0 us (2026-11-30)
     (256, 5120, 8192, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 117.7 us
     (1 << 30, 5120, 8192, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 559.3 us
     (16, 5120, 8192, 128): _C(64, 16, 128, 4, 4, 4),  # 16.1 us
@@ -432,7 +436,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (4, 5120, 2048, 32): _C(64, 4, 128, 4, 3, 4, block_diag=True),  # 6.6 us (M = 1), 6.6 (M = 4)
     (8, 5120, 2048, 32): _C(64, 8, 128, 4, 3, 4, block_diag=True),  # 7.1 us
     (16, 5120, 2048, 32): _C(64, 16, 128, 4, 3, 4, block_diag=True),  # 8.2 us (3 stages, 2026-11-30)
-    (64, 5120, 2048, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2, max_regs=_CAP),  # 13.5 us (2026-11-30)
+    (64, 5120, 2048, 32): _C(64, 64, 128, 4, 4, 4, dequant=True, scale_ahead=2, residency_cap=True),  # 13.5 us (2026-11-30)
     (256, 5120, 2048, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 33.7 us
     (1 << 30, 5120, 2048, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 152.2 us
     (16, 5120, 2048, 128): _C(64, 16, 128, 4, 4, 4),  # 7.7 us
@@ -443,7 +447,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (4, 4608, 5120, 32): _C(64, 4, 128, 8, 3, 4, block_diag=True),  # 9.9 us (M = 1), 10.0 (M = 4)
     (8, 4608, 5120, 32): _C(64, 8, 128, 5, 3, 4, block_diag=True),  # 10.5 us
     (16, 4608, 5120, 32): _C(64, 16, 128, 5, 3, 4, block_diag=True),  # 11.4 us (3 stages, 2026-11-30)
-    (64, 4608, 5120, 32): _C(64, 64, 128, 4, 3, 4, dequant=True, scale_ahead=2, max_regs=_CAP),  # 24.1 us (2026-11-30)
+    (64, 4608, 5120, 32): _C(64, 64, 128, 4, 3, 4, dequant=True, scale_ahead=2, residency_cap=True),  # 24.1 us (2026-11-30)
     (256, 4608, 5120, 32): _C(64, 64, 128, 1, 4, 4),  # 72.9 us
     (1 << 30, 4608, 5120, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 359.6 us
     (16, 4608, 5120, 128): _C(64, 16, 128, 5, 4, 4),  # 11.2 us
@@ -537,7 +541,10 @@ def select_config(m: int, n: int, k: int, group: int, device: torch.device, a_fp
         if hit is None and bucket in _BORROWED:
             hit = CONFIG_TABLE.get((_BORROWED[bucket], n, k, group))
             if hit is not None:
-                hit = hit._replace(block_m=min(hit.block_m, max(bucket, 16)))
+                # the narrowed tile takes the entry's cap at an aligned stride, whatever its stride
+                # (none under Triton 3.6: 137 registers at 32 rows, far from the residency line)
+                cap = m64_register_cap(16) if hit.residency_cap else hit.max_regs
+                hit = hit._replace(block_m=min(hit.block_m, max(bucket, 16)), max_regs=cap, residency_cap=False)
         if hit is not None and k % hit.block_k == 0:
             return hit
     return _heuristic_config(m, n, k, group, sm_count(device, interpreter=4), a_fp8)  # CPU tests: split-K
@@ -628,8 +635,8 @@ def _check_config(cfg: GemmConfig, k: int, group: int, a_fp8: bool) -> None:
     if any(not is_int(v) or v < 1 for v in counts) or any(v & (v - 1) for v in powers):
         raise ValueError(f"GemmConfig needs positive ints for block_n .. tile_group, with block_n, block_m, "
                          f"block_k and warps powers of two, got {cfg}")
-    if not isinstance(cfg.dequant, bool) or not isinstance(cfg.block_diag, bool):
-        raise ValueError(f"GemmConfig dequant and block_diag must be bools, got {cfg}")
+    if not all(isinstance(flag, bool) for flag in (cfg.dequant, cfg.block_diag, cfg.residency_cap)):
+        raise ValueError(f"GemmConfig dequant, block_diag and residency_cap must be bools, got {cfg}")
     if k % cfg.block_k or cfg.block_k % group:
         raise ValueError(f"config block_k={cfg.block_k} must divide K={k} and be a multiple of {group}")
     if cfg.block_diag and (cfg.dequant or not a_fp8):
@@ -640,11 +647,15 @@ def _check_config(cfg: GemmConfig, k: int, group: int, a_fp8: bool) -> None:
         raise ValueError(f"config max_regs must be None or 24..255 registers per thread, got {cfg.max_regs}")
 
 
-def _compile_options(cfg: GemmConfig) -> dict:
-    """The launch options a config sets beyond its warps (none under the interpreter)."""
+def _compile_options(cfg: GemmConfig, scale_stride: int) -> dict:
+    """The launch options a config sets beyond its warps (none under the interpreter), for token
+    scales of column stride ``scale_stride`` (``m64_register_cap``)."""
     if interpreting():
         return {}
-    return {"num_stages": cfg.stages, **({} if cfg.max_regs is None else {"maxnreg": cfg.max_regs})}
+    cap = cfg.max_regs
+    if cap is None and cfg.residency_cap:
+        cap = m64_register_cap(scale_stride)
+    return {"num_stages": cfg.stages, **({} if cap is None else {"maxnreg": cap})}
 
 
 def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, config: GemmConfig | None):
@@ -660,7 +671,7 @@ def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, conf
         a_scale, stride_asm, stride_asg = a, 0, 0
     else:
         stride_asm, stride_asg = a_scale.stride(0), a_scale.stride(1)
-    extra = _compile_options(cfg)
+    extra = _compile_options(cfg, stride_asg)
     _block_scaled_gemm_kernel[(tiles, split)](
         a, a_scale, weight, weight_scale, out, out if part is None else part, out if counters is None else counters,
         m, n, k,
@@ -803,7 +814,7 @@ def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale
     tiles = cdiv(inter, cfg.block_n // 2) * cdiv(m, cfg.block_m)
     split, iters_per_split, part, counters = _split_plan(tiles, k, cfg, weight.device)
     args = launch_args(fmt, out_pair, y, pair.data)
-    extra = _compile_options(cfg)
+    extra = _compile_options(cfg, pair.scale.stride(1))
     consts = args["consts"]
     _gemm_silu_mul_kernel[(tiles, split)](
         pair.data, pair.scale, weight, weight_scale, args["y"], args["data"], args["scale"],

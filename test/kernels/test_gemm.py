@@ -8,7 +8,7 @@ bf16 rounding is done on the bits there). GPU: DSv4.1 shapes, both formats, many
 import pytest
 import torch
 
-from fp8chain_kernel import act, gemm, quant
+from fp8chain_kernel import act, gemm, launch, quant
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import ActFormat, empty_pair
 from helpers import assert_pairs_equal, poisoned_pair, rel_error
@@ -224,22 +224,43 @@ def test_configs_the_kernel_cannot_run_are_refused(device):
 @pytest.mark.cpu
 def test_a_register_cap_reaches_the_compiler(monkeypatch):
     """``max_regs`` becomes Triton's ``maxnreg`` beside ``num_stages`` when compiling; the
-    interpreter takes neither. The cap keeps three 4-warp programs per SM; the table caps its three
-    M = 64 dequantized entries from Triton 3.7 on, none under 3.6."""
+    interpreter takes neither. The cap keeps three 4-warp programs per SM. The table's three M = 64
+    dequantized entries hold that residency (``residency_cap``): capped from Triton 3.7 on, and
+    under 3.6 where the token scales' column stride is not a multiple of 16 (M = 40: 171 registers
+    uncapped, two programs per SM), not at M = 48 / 64 (168, as swept). An explicit ``max_regs``
+    wins."""
     capped = gemm.GemmConfig(64, 64, 128, 4, 3, 4, 8, True, False, 2, max_regs=gemm.THREE_PROGRAMS_PER_SM)
     monkeypatch.setattr(gemm, "interpreting", lambda: False)
-    assert gemm._compile_options(capped) == {"num_stages": 3, "maxnreg": 168}
-    assert gemm._compile_options(capped._replace(max_regs=None)) == {"num_stages": 3}
+    assert gemm._compile_options(capped, 64) == {"num_stages": 3, "maxnreg": 168}
+    assert gemm._compile_options(capped._replace(max_regs=None), 40) == {"num_stages": 3}
+    resident = capped._replace(max_regs=None, residency_cap=True)
+    assert gemm._compile_options(resident, 40) == {"num_stages": 3, "maxnreg": 168}
+    aligned = gemm._compile_options(resident, 64)
+    assert aligned == ({"num_stages": 3, "maxnreg": 168} if gemm.m64_register_cap(64) else {"num_stages": 3})
+    assert gemm._compile_options(resident._replace(max_regs=200), 40) == {"num_stages": 3, "maxnreg": 200}
     monkeypatch.setattr(gemm, "interpreting", lambda: True)
-    assert gemm._compile_options(capped) == {}
+    assert gemm._compile_options(capped, 64) == {}
     assert 3 * 4 * 32 * gemm.THREE_PROGRAMS_PER_SM <= 65536 < 3 * 4 * 32 * (gemm.THREE_PROGRAMS_PER_SM + 8)
-    assert gemm.m64_register_cap("3.6.0") is None and gemm.m64_register_cap("3.5.1") is None
-    assert gemm.m64_register_cap("3.8.0") == gemm.m64_register_cap("3.8.1+git1a2b") == 168
-    assert gemm.M64_REGISTER_CAP == gemm.m64_register_cap()
-    capped = {key for key, cfg in gemm.CONFIG_TABLE.items() if cfg.max_regs}
-    assert all(gemm.CONFIG_TABLE[key].max_regs == gemm.M64_REGISTER_CAP for key in capped)
-    assert capped == (set() if gemm.M64_REGISTER_CAP is None else
-                      {(64, 4608, 5120, 32), (64, 5120, 8192, 32), (64, 5120, 2048, 32)})
+    for version in ("3.6.0", "3.5.1"):
+        assert gemm.m64_register_cap(48, version) is None and gemm.m64_register_cap(64, version) is None
+        assert gemm.m64_register_cap(40, version) == gemm.m64_register_cap(36, version) == 168
+    for version in ("3.8.0", "3.8.1+git1a2b"):
+        assert gemm.m64_register_cap(64, version) == gemm.m64_register_cap(40, version) == 168
+    capped = {key for key, cfg in gemm.CONFIG_TABLE.items() if cfg.residency_cap}
+    assert capped == {(64, 4608, 5120, 32), (64, 5120, 8192, 32), (64, 5120, 2048, 32)}
+    assert not any(cfg.max_regs for cfg in gemm.CONFIG_TABLE.values())
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("version,cap", [("3.6.0", None), ("3.8.0", 168)])
+def test_a_borrowed_m64_entry_keeps_the_aligned_cap(monkeypatch, version, cap):
+    """M = 17-32 borrow the M = 64 entries with 32-row tiles, which stay far below the residency
+    line: they take the cap the entry has at an aligned stride, at any stride."""
+    monkeypatch.setattr(gemm, "triton_release", lambda v=None: launch.triton_release(version))
+    for m in (20, 24, 32):
+        cfg = gemm.select_config(m, 5120, 8192, 32, torch.device("cpu"))
+        assert (cfg.block_m, cfg.max_regs, cfg.residency_cap) == (32, cap, False)
+    assert gemm.select_config(40, 5120, 8192, 32, torch.device("cpu")).residency_cap
 
 
 @pytest.mark.cpu
@@ -522,7 +543,7 @@ def test_a_register_cap_changes_no_bit_gpu(n, k):
     for m in (33, 64):
         pair = quant.quantize(make_activation(m, k, "cuda"), G32)
         table = gemm.gemm_config(m, n, k, 32, pair.data.device)
-        assert table.max_regs == gemm.M64_REGISTER_CAP
+        assert table.residency_cap and table.max_regs is None
         capped, uncapped = (table._replace(max_regs=cap) for cap in (gemm.THREE_PROGRAMS_PER_SM, None))
         outs = [gemm.fp8_gemm(pair, w, s, weight_block=32, config=c).view(torch.int16) for c in (capped, uncapped)]
         assert torch.equal(*outs), f"M={m}"
@@ -604,12 +625,14 @@ def test_config_choice_by_group_and_m(device):
 
 @pytest.mark.cpu
 def test_buckets_without_entries_borrow_the_larger_buckets(device, monkeypatch):
-    """M = 17..32 (bucket 32) runs bucket 64's entry on a 32-token tile, M = 65..128 bucket 256's
-    (its tile is no wider than 128); a table entry whose block_k does not divide K is skipped."""
+    """M = 17..32 (bucket 32) runs bucket 64's entry on a 32-token tile (with the entry's register
+    cap at an aligned stride), M = 65..128 bucket 256's (its tile is no wider than 128); a table
+    entry whose block_k does not divide K is skipped."""
     dev = torch.device(device)
     entry64 = gemm.CONFIG_TABLE[(64, 5120, 8192, 32)]
+    narrowed = entry64._replace(block_m=32, max_regs=gemm.m64_register_cap(16), residency_cap=False)
     for m in (17, 32):
-        assert gemm.select_config(m, 5120, 8192, 32, dev) == entry64._replace(block_m=32), m
+        assert gemm.select_config(m, 5120, 8192, 32, dev) == narrowed, m
     assert gemm.select_config(33, 5120, 8192, 32, dev) == entry64
     for m in (65, 128):
         assert gemm.select_config(m, 5120, 8192, 32, dev) == gemm.CONFIG_TABLE[(256, 5120, 8192, 32)], m
