@@ -372,10 +372,11 @@ def m64_register_cap(scale_stride: int, triton_version: str = triton.__version__
     scales have column stride ``scale_stride``. Their 288-320 programs run in one wave on 132 SMs
     at three programs per SM, in two at two (docs/gemm.md, "Register caps"). Triton 3.6 compiles
     wo_b in 168 registers where the stride is a multiple of 16 (the launcher then knows the scale
-    loads' alignment: M = 48 and 64, as swept), so none there (a cap changes the schedule), and in
-    171 where it is not (every other M from 33: wo_b alone 64.0 / 66.0 us at M = 40 / 56 against
-    38.7 / 39.4 at 48 / 64 on an H100), so THREE_PROGRAMS_PER_SM there; 3.8 takes 173 (183 with the
-    SiLU*mul epilogue) at any stride, so THREE_PROGRAMS_PER_SM from 3.7 on."""
+    loads' alignment: M = 45-48 and 61-64 from fp8chain's producers, as swept), so none there (a cap
+    changes the schedule), and in 171 where it is not (the other M from 33: wo_b alone 64.0 / 66.0
+    us at M = 40 / 56 against 38.7 / 39.4 at 48 / 64 on an H100), so THREE_PROGRAMS_PER_SM there;
+    3.8 takes 173 (183 with the SiLU*mul epilogue) at any stride, so THREE_PROGRAMS_PER_SM from 3.7
+    on."""
     if triton_release(triton_version) > SWEPT_RELEASE or scale_stride % 16:
         return THREE_PROGRAMS_PER_SM
     return None
