@@ -536,15 +536,17 @@ def test_torch_blockwise_dsv41_shapes_gpu(n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(4608, 5120), (5120, 8192), (5120, 2048)])
 def test_a_register_cap_changes_no_bit_gpu(n, k):
-    """The M = 64 entries write the same bits capped (as from Triton 3.7 on) and uncapped (the cap
-    moves registers, not arithmetic), the gate_up with its SiLU*mul epilogue too."""
+    """The M = 64 entries write the same bits capped (as at M = 33 under every Triton, at M = 64
+    from 3.7 on) and uncapped (the cap moves registers, not arithmetic), the gate_up with its
+    SiLU*mul epilogue too."""
     torch.manual_seed(0)
     w, s, _ = _gpu_weight(n, k, 32)
     for m in (33, 64):
         pair = quant.quantize(make_activation(m, k, "cuda"), G32)
         table = gemm.gemm_config(m, n, k, 32, pair.data.device)
         assert table.residency_cap and table.max_regs is None
-        capped, uncapped = (table._replace(max_regs=cap) for cap in (gemm.THREE_PROGRAMS_PER_SM, None))
+        capped = table._replace(max_regs=gemm.THREE_PROGRAMS_PER_SM)
+        uncapped = table._replace(residency_cap=False)
         outs = [gemm.fp8_gemm(pair, w, s, weight_block=32, config=c).view(torch.int16) for c in (capped, uncapped)]
         assert torch.equal(*outs), f"M={m}"
         if n == 4608:
