@@ -189,10 +189,9 @@ def test_info_lists_backends(capsys):
     assert "mHC boundary row barrier at decode: off (the Triton interpreter" in out
     assert "triton release: tested (fp8chain tests 3.6 and 3.8; launch tables swept under 3.6)" in out
     from fp8chain_kernel import launch
-    where = "" if launch.triton_release() > launch.SWEPT_RELEASE else \
-        " where the token scales' stride is not a multiple of 16"
-    assert f"M = 64 GEMM entries capped at 168 registers{where}," in out
     past_swept = launch.triton_release() > launch.SWEPT_RELEASE
+    where = "" if past_swept else " where the token scales' stride is not a multiple of 16"
+    assert f"M = 64 GEMM entries capped at 168 registers{where}," in out
     assert f"mHC stats finish: {'one token' if past_swept else 'up to 256 tokens'} a program" in out
     assert f"mHC stats partial sums at decode: {'unpipelined' if past_swept else 'pipelined'}" in out
     assert "SGLang plugin: sglang.srt.plugins entry point registered (fp8chain.integrations.sglang:install)" in out
