@@ -47,6 +47,15 @@ def align4(rows: int) -> int:
     return cdiv(rows, 4) * 4
 
 
+def holds_padded_scale_rows(scale: torch.Tensor) -> bool:
+    """Whether an MN-major scale tensor's storage reaches align4(rows) rows in every column (a
+    buffer ``empty_pair`` allocates does; one made by ``torch.empty_strided`` may end at the last
+    row), so a consumer may read those padding rows."""
+    rows, cols = scale.shape
+    spans = (cols - 1) * scale.stride(1) + align4(rows)
+    return scale.untyped_storage().nbytes() // scale.element_size() - scale.storage_offset() >= spans
+
+
 class ActFormat(str, enum.Enum):
     """One activation format: group size along K, scale encoding and scale layout."""
 

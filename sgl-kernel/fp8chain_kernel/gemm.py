@@ -48,7 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_no_overlap, check_pair, is_int, pair_parts
+from .formats import (FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_no_overlap, check_pair,
+                      holds_padded_scale_rows, is_int, pair_parts)
 from .act import check_limit, silu_mul, swiglu
 from .gemv import GEMV_TABLE, GemvConfig, gemv_token_tile, launch_gemv, select_gemv
 from .fp8_tile import dequantize_tile, e4m3_to_f32_exact, fp8_offsets, interpreting, round_bf16, store_pair_tile
@@ -123,14 +124,23 @@ def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, n_ok, m0, M, i
                   stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsk,
                   GROUP: tl.constexpr, A_FP8: tl.constexpr, ITERS: tl.constexpr, DEQUANT: tl.constexpr,
                   BLOCK_DIAG: tl.constexpr, SCALE_AHEAD: tl.constexpr, FP32_DOT: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PADDED_SCALE_ROWS: tl.constexpr):
     """fp32 ``[BLOCK_N, BLOCK_M]``: weight rows ``offs_n`` (any rows; ``n_ok`` masks them) times
     tokens ``m0 .. m0 + BLOCK_M`` over the ITERS K iterations from ``it_begin``, scaled per group:
     ``sum_g (sum_{k in g} a[m, k] w[n, k]) * a_scale[m, g] * w_scale[n // GROUP, g]``. The
     dequantized and block-diagonal modes read each iteration's scales SCALE_AHEAD iterations
-    ahead (``_next_scales``); the result does not depend on it."""
+    ahead (``_next_scales``); the result does not depend on it. PADDED_SCALE_ROWS reads the token
+    scales of rows up to align4(M) (``_launch_residency``); rows from M on are never stored."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
+    scale_ok = m_ok
+    if PADDED_SCALE_ROWS:
+        # A scale column holds align4(M) addressable rows and S % 4 == 0 (formats): masked at
+        # align4(M), with S known a multiple of 4, the scales load in whole 4-row pieces, where a
+        # mask at an M the launcher does not know to be a multiple of 16 splits them (registers)
+        scale_ok = offs_m < (M + 3) // 4 * 4
+        stride_asg = stride_asg // 4 * 4
     rows_n = offs_n.to(tl.int64)
     rows_m = offs_m.to(tl.int64)
     ws_rows = w_scale_ptr + (offs_n // GROUP).to(tl.int64) * stride_wsn
@@ -149,7 +159,7 @@ def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, n_ok, m0, M, i
     for j in tl.static_range(SCALE_AHEAD):  # push iterations it_begin + j: advancing from it_begin - AHEAD + j
         _, _, w0, a0, w1, a1, w2, a2, w3, a3 = _next_scales(
             w0, a0, w1, a1, w2, a2, w3, a3, ws_rows, as_rows, it_begin - SCALE_AHEAD + j, it_last, stride_wsk,
-            stride_asg, n_ok, m_ok, SUB, A_FP8, SCALE_AHEAD)
+            stride_asg, n_ok, scale_ok, SUB, A_FP8, SCALE_AHEAD)
     if DEQUANT:
         # Dequantize both operands to bf16 in registers (exact for power-of-two scales: an e4m3
         # value times 2^e is a bf16 value), then one bf16 dot over BLOCK_K with fp32
@@ -159,7 +169,7 @@ def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, n_ok, m0, M, i
             w = tl.load(w_tile + it * BLOCK_K, mask=n_ok[:, None], other=0.0)
             a = tl.load(a_tile + it * BLOCK_K, mask=m_ok[:, None], other=0.0)
             w_s, a_s, w0, a0, w1, a1, w2, a2, w3, a3 = _next_scales(
-                w0, a0, w1, a1, w2, a2, w3, a3, ws_rows, as_rows, it, it_last, stride_wsk, stride_asg, n_ok, m_ok,
+                w0, a0, w1, a1, w2, a2, w3, a3, ws_rows, as_rows, it, it_last, stride_wsk, stride_asg, n_ok, scale_ok,
                 SUB, A_FP8, SCALE_AHEAD)
             wd = dequantize_tile(w, w_s, BLOCK_N, SUB, GROUP, FP32_DOT)
             if A_FP8:
@@ -183,7 +193,7 @@ def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, n_ok, m0, M, i
         for i in range(ITERS):
             it = it_begin + i
             w_s, a_s, w0, a0, w1, a1, w2, a2, w3, a3 = _next_scales(
-                w0, a0, w1, a1, w2, a2, w3, a3, ws_rows, as_rows, it, it_last, stride_wsk, stride_asg, n_ok, m_ok,
+                w0, a0, w1, a1, w2, a2, w3, a3, ws_rows, as_rows, it, it_last, stride_wsk, stride_asg, n_ok, scale_ok,
                 SUB, A_FP8, SCALE_AHEAD)
             w = tl.load(w_tile + it * BLOCK_K, mask=n_ok[:, None], other=0.0)
             b = tl.load(b_tile + it * BLOCK_K, mask=b_mask, other=0.0)
@@ -206,7 +216,7 @@ def _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, n_ok, m0, M, i
                 a = tl.load(a_rows + k0, mask=m_ok[:, None], other=0.0)
                 w_s = tl.load(ws_rows + g * stride_wsk, mask=n_ok, other=0.0)
                 if A_FP8:
-                    a_s = tl.load(as_rows + g * stride_asg, mask=m_ok, other=0.0)
+                    a_s = tl.load(as_rows + g * stride_asg, mask=scale_ok, other=0.0)
                     if FP32_DOT:
                         part = tl.dot(e4m3_to_f32_exact(w), tl.trans(e4m3_to_f32_exact(a)),
                                       input_precision="ieee")
@@ -230,7 +240,8 @@ def _block_scaled_gemm_kernel(
     GROUP: tl.constexpr, A_FP8: tl.constexpr, SPLIT: tl.constexpr, ITERS: tl.constexpr,
     DEQUANT: tl.constexpr, BLOCK_DIAG: tl.constexpr, SCALE_AHEAD: tl.constexpr,
     FP32_DOT: tl.constexpr,  # the CPU interpreter: fp32 dots and bit-exact bf16 rounding
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE_GROUP: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE_GROUP: tl.constexpr,
+    PADDED_SCALE_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[m, n] = sum_g (sum_{k in g} a[m, k] w[n, k]) * a_scale[m, g] * w_scale[n // GROUP, g].
 
@@ -248,7 +259,8 @@ def _block_scaled_gemm_kernel(
     out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     acc = _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, offs_n, offs_n < N, pid_m * BLOCK_M, M,
                         pid_k * ITERS, stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsk,
-                        GROUP, A_FP8, ITERS, DEQUANT, BLOCK_DIAG, SCALE_AHEAD, FP32_DOT, BLOCK_N, BLOCK_M, BLOCK_K)
+                        GROUP, A_FP8, ITERS, DEQUANT, BLOCK_DIAG, SCALE_AHEAD, FP32_DOT, BLOCK_N, BLOCK_M, BLOCK_K,
+                        PADDED_SCALE_ROWS)
     if SPLIT == 1:
         tl.store(out_ptrs, round_bf16(acc, FP32_DOT), mask=out_mask)
     else:
@@ -292,7 +304,8 @@ def _gemm_silu_mul_kernel(
     GROUP: tl.constexpr, SPLIT: tl.constexpr, ITERS: tl.constexpr, DEQUANT: tl.constexpr, BLOCK_DIAG: tl.constexpr,
     SCALE_AHEAD: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     TILE_GROUP: tl.constexpr, HAS_LIMIT: tl.constexpr, STORE_BF16: tl.constexpr, QUANT: tl.constexpr,
-    QGROUP: tl.constexpr, POW2: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr,
+    QGROUP: tl.constexpr, POW2: tl.constexpr, PACKED: tl.constexpr, PADDED_SCALE_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``y = swiglu(gate_up)`` of ``gate_up = a @ w^T`` (``w = [gate; up]``, ``[2I, K]``), one launch:
     a tile's first BLOCK_N / 2 weight rows are gate rows, its last the up rows of the same output
@@ -307,7 +320,7 @@ def _gemm_silu_mul_kernel(
     acc = _tile_product(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, cols + (local // HALF) * I, cols < I,
                         pid_m * BLOCK_M, M, pid_k * ITERS, stride_am, stride_asm, stride_asg, stride_wn,
                         stride_wsn, stride_wsk, GROUP, True, ITERS, DEQUANT, BLOCK_DIAG, SCALE_AHEAD, FP32_DOT,
-                        BLOCK_N, BLOCK_M, BLOCK_K)
+                        BLOCK_N, BLOCK_M, BLOCK_K, PADDED_SCALE_ROWS)
     if SPLIT == 1:
         _silu_mul_epilogue(acc, y_ptr, data_ptr, scale_ptr, pid_m, pid_n, M, I, limit, stride_ym, stride_dm,
                            stride_sm, stride_sg, HAS_LIMIT, STORE_BF16, QUANT, QGROUP, POW2, PACKED, FP32_DOT,
@@ -343,8 +356,8 @@ class GemmConfig(NamedTuple):
     scale_ahead: int | None = None
     # registers per thread ptxas may use (Triton's maxnreg; None: its own choice)
     max_regs: int | None = None
-    # keep three 4-warp programs resident per SM: without max_regs, each launch is capped where
-    # ``m64_register_cap`` says its compile would pass that line (the table's M = 64 entries)
+    # keep three 4-warp programs resident per SM where a launch's compile would pass that line and
+    # cost a wave (``_launch_residency``: the table's M = 64 and M-bucket-256 32-group entries)
     residency_cap: bool = False
 
     def scale_prefetch(self) -> int:
@@ -399,7 +412,8 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     # Buckets 4 and 8 from the sweep of 2026-11-30 03:52 UTC (--ms 1,4,8 --modes block_diag): a token
     # tile of 4 or 8 columns per group (a 16- or 32-column block-diagonal operand) shortens every
     # K step's promotion and copies, 0.4-2.7 us per GEMM against the 16-token tile.
-    # The three M = 64 entries with residency_cap=True: capped per launch (see m64_register_cap).
+    # The three M = 64 entries and the two per-group M-bucket-256 32-group entries with
+    # residency_cap=True: capped per launch (_launch_residency).
     # wqkv_a 1792x5120
     (4, 1792, 5120, 32): _C(64, 4, 128, 8, 3, 4, block_diag=True),  # 6.6 us (M = 1), 6.7 (M = 4)
     (8, 1792, 5120, 32): _C(64, 8, 128, 8, 3, 4, block_diag=True),  # 7.0 us
@@ -449,7 +463,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (8, 4608, 5120, 32): _C(64, 8, 128, 5, 3, 4, block_diag=True),  # 10.5 us
     (16, 4608, 5120, 32): _C(64, 16, 128, 5, 3, 4, block_diag=True),  # 11.4 us (3 stages, 2026-11-30)
     (64, 4608, 5120, 32): _C(64, 64, 128, 4, 3, 4, dequant=True, scale_ahead=2, residency_cap=True),  # 24.1 us (2026-11-30)
-    (256, 4608, 5120, 32): _C(64, 64, 128, 1, 4, 4),  # 72.9 us
+    (256, 4608, 5120, 32): _C(64, 64, 128, 1, 4, 4, residency_cap=True),  # 72.9 us
     (1 << 30, 4608, 5120, 32): _C(128, 128, 128, 1, 3, 8, dequant=True),  # 359.6 us
     (16, 4608, 5120, 128): _C(64, 16, 128, 5, 4, 4),  # 11.2 us
     (64, 4608, 5120, 128): _C(64, 64, 128, 4, 4, 4),  # 15.1 us
@@ -460,7 +474,7 @@ CONFIG_TABLE: dict[tuple[int, int, int, int], GemmConfig] = {
     (8, 5120, 2304, 32): _C(64, 8, 128, 3, 3, 4, block_diag=True),  # 7.8 us
     (16, 5120, 2304, 32): _C(64, 16, 128, 3, 3, 4, block_diag=True),  # 8.2 us (3 stages, 2026-11-30)
     (64, 5120, 2304, 32): _C(64, 64, 128, 3, 3, 4, dequant=True, scale_ahead=1),  # 13.5 us (2026-11-30)
-    (256, 5120, 2304, 32): _C(64, 64, 128, 1, 4, 4),  # 36.1 us
+    (256, 5120, 2304, 32): _C(64, 64, 128, 1, 4, 4, residency_cap=True),  # 36.1 us
     (1 << 30, 5120, 2304, 32): _C(128, 256, 64, 1, 3, 8, dequant=True),  # 166.9 us
     (16, 5120, 2304, 128): _C(64, 16, 128, 3, 4, 4),  # 7.9 us
     (64, 5120, 2304, 128): _C(64, 64, 128, 3, 4, 4),  # 10.4 us
@@ -543,8 +557,9 @@ def select_config(m: int, n: int, k: int, group: int, device: torch.device, a_fp
             hit = CONFIG_TABLE.get((_BORROWED[bucket], n, k, group))
             if hit is not None:
                 # the narrowed tile takes the entry's cap at an aligned stride, whatever its stride
-                # (none under Triton 3.6: 137 registers at 32 rows, far from the residency line)
-                cap = m64_register_cap(16) if hit.residency_cap else hit.max_regs
+                # (none under Triton 3.6: 137 registers at 32 rows, far from the residency line);
+                # a per-group entry's two row tiles at M <= 128 fit one wave at two programs per SM
+                cap = m64_register_cap(16) if hit.residency_cap and hit.dequant else hit.max_regs
                 hit = hit._replace(block_m=min(hit.block_m, max(bucket, 16)), max_regs=cap, residency_cap=False)
         if hit is not None and k % hit.block_k == 0:
             return hit
@@ -648,15 +663,25 @@ def _check_config(cfg: GemmConfig, k: int, group: int, a_fp8: bool) -> None:
         raise ValueError(f"config max_regs must be None or 24..255 registers per thread, got {cfg.max_regs}")
 
 
-def _compile_options(cfg: GemmConfig, scale_stride: int) -> dict:
-    """The launch options a config sets beyond its warps (none under the interpreter), for token
-    scales of column stride ``scale_stride`` (``m64_register_cap``)."""
+def _launch_residency(cfg: GemmConfig, a_scale: torch.Tensor, programs: int) -> tuple[dict, bool]:
+    """The compile options a config sets beyond its warps (none under the interpreter) and the
+    kernel's PADDED_SCALE_ROWS, for a launch of ``programs`` programs over the token scales
+    ``a_scale`` ``[M, groups]``. A ``residency_cap`` entry keeps three 4-warp programs per SM
+    (docs/gemm.md, "Register caps"): a bf16-dequantized one (the M = 64 entries) where
+    ``m64_register_cap`` caps it; a per-group FP8 one (the M-bucket-256 entries) where M is not a
+    multiple of 16 and its programs would need a second wave at two per SM (M = 193-255): there it
+    compiles in 182-255 registers unless it reads the scales padded to align4(M) (where their
+    storage holds those rows), and capped at THREE_PROGRAMS_PER_SM after that (no spill)."""
+    m, scale_stride = a_scale.shape[0], a_scale.stride(1)
+    per_group = cfg.residency_cap and not (cfg.dequant or cfg.block_diag)
+    padded = (per_group and m % 16 != 0 and programs > 2 * sm_count(a_scale.device, interpreter=4)
+              and holds_padded_scale_rows(a_scale))
     if interpreting():
-        return {}
+        return {}, padded
     cap = cfg.max_regs
     if cap is None and cfg.residency_cap:
-        cap = m64_register_cap(scale_stride)
-    return {"num_stages": cfg.stages, **({} if cap is None else {"maxnreg": cap})}
+        cap = m64_register_cap(scale_stride) if cfg.dequant else THREE_PROGRAMS_PER_SM if padded else None
+    return {"num_stages": cfg.stages, **({} if cap is None else {"maxnreg": cap})}, padded
 
 
 def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, config: GemmConfig | None):
@@ -672,7 +697,7 @@ def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, conf
         a_scale, stride_asm, stride_asg = a, 0, 0
     else:
         stride_asm, stride_asg = a_scale.stride(0), a_scale.stride(1)
-    extra = _compile_options(cfg, stride_asg)
+    extra, padded = _launch_residency(cfg, a_scale, tiles * split) if a_fp8 else ({}, False)
     _block_scaled_gemm_kernel[(tiles, split)](
         a, a_scale, weight, weight_scale, out, out if part is None else part, out if counters is None else counters,
         m, n, k,
@@ -681,7 +706,7 @@ def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, conf
         GROUP=group, A_FP8=a_fp8, SPLIT=split, ITERS=iters_per_split, DEQUANT=cfg.dequant,
         BLOCK_DIAG=cfg.block_diag, SCALE_AHEAD=cfg.scale_prefetch(), FP32_DOT=interpreting(),
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, TILE_GROUP=cfg.tile_group,
-        num_warps=cfg.warps, **extra, **pdl_options(a.device),
+        PADDED_SCALE_ROWS=padded, num_warps=cfg.warps, **extra, **pdl_options(a.device),
     )
     return out
 
@@ -815,7 +840,7 @@ def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale
     tiles = cdiv(inter, cfg.block_n // 2) * cdiv(m, cfg.block_m)
     split, iters_per_split, part, counters = _split_plan(tiles, k, cfg, weight.device)
     args = launch_args(fmt, out_pair, y, pair.data)
-    extra = _compile_options(cfg, pair.scale.stride(1))
+    extra, padded = _launch_residency(cfg, pair.scale, tiles * split)
     consts = args["consts"]
     _gemm_silu_mul_kernel[(tiles, split)](
         pair.data, pair.scale, weight, weight_scale, args["y"], args["data"], args["scale"],
@@ -827,7 +852,7 @@ def fp8_gemm_silu_mul(a: QuantizedActivation, weight: torch.Tensor, weight_scale
         SCALE_AHEAD=cfg.scale_prefetch(), FP32_DOT=interpreting(), BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         TILE_GROUP=cfg.tile_group, HAS_LIMIT=limit is not None, STORE_BF16=args["STORE_BF16"],
         QUANT=args["QUANT"], QGROUP=consts["GROUP"], POW2=consts["POW2"], PACKED=consts["PACKED"],
-        num_warps=cfg.warps, **extra, **pdl_options(weight.device),
+        PADDED_SCALE_ROWS=padded, num_warps=cfg.warps, **extra, **pdl_options(weight.device),
     )
     return producer_result(y, out_pair)
 

@@ -100,11 +100,11 @@ def record_launches() -> None:
         table_launch(tokens, n, k, group, cfg)
     for (bucket, n, k, group), cfg in gemm.CONFIG_TABLE.items():  # every GEMM table launch
         table_launch(min(bucket, 2048), n, k, group, cfg)
-        if cfg.residency_cap:  # token scales of a stride not a multiple of 16: capped under every Triton
-            table_launch(40, n, k, group, cfg)
+        if cfg.residency_cap:  # capped under every Triton: M = 40 (a scale stride not a multiple of 16)
+            table_launch(40 if cfg.dequant else 200, n, k, group, cfg)  # and M = 200 (padded scale rows)
     gate_up = torch.zeros(4608, 5120, dtype=FP8_DTYPE)
     for fmt in (ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN):
-        for rows in (1, 64, 2048):
+        for rows in (1, 64, 200, 2048):  # 200: the M-bucket-256 entry on padded scale rows, capped
             gemm.fp8_gemm_silu_mul(quant.quantize(bf16(rows, 5120), ActFormat.SM90_G32_FP32_MN), gate_up,
                                    torch.ones(4608 // 32, 5120 // 32), weight_block=32, limit=10.0, out_format=fmt,
                                    return_bf16=False)

@@ -227,28 +227,66 @@ def test_a_register_cap_reaches_the_compiler(monkeypatch):
     interpreter takes neither. The cap keeps three 4-warp programs per SM. The table's three M = 64
     dequantized entries hold that residency (``residency_cap``): capped from Triton 3.7 on, and
     under 3.6 where the token scales' column stride is not a multiple of 16 (M = 40: 171 registers
-    uncapped, two programs per SM), not at M = 48 / 64 (168, as swept). An explicit ``max_regs``
-    wins."""
+    uncapped, two programs per SM), not at M = 48 / 64 (168, as swept). The two per-group M-bucket-256
+    entries read the scales padded to align4(M) and are capped where M is not a multiple of 16 and
+    their programs pass two per SM (M = 200 on 132 SMs, not M = 150 or 208, nor where the scales'
+    storage ends before align4(M)). An explicit ``max_regs`` wins."""
+    monkeypatch.setattr(gemm, "sm_count", lambda device, interpreter: 132)
+    scales = {m: quant.quantize(torch.randn(m, 2304, dtype=torch.bfloat16), G32).scale for m in (40, 64, 150, 200, 201, 208)}
     capped = gemm.GemmConfig(64, 64, 128, 4, 3, 4, 8, True, False, 2, max_regs=gemm.THREE_PROGRAMS_PER_SM)
     monkeypatch.setattr(gemm, "interpreting", lambda: False)
-    assert gemm._compile_options(capped, 64) == {"num_stages": 3, "maxnreg": 168}
-    assert gemm._compile_options(capped._replace(max_regs=None), 40) == {"num_stages": 3}
+    assert gemm._launch_residency(capped, scales[64], 320) == ({"num_stages": 3, "maxnreg": 168}, False)
+    assert gemm._launch_residency(capped._replace(max_regs=None), scales[40], 320) == ({"num_stages": 3}, False)
     resident = capped._replace(max_regs=None, residency_cap=True)
-    assert gemm._compile_options(resident, 40) == {"num_stages": 3, "maxnreg": 168}
-    aligned = gemm._compile_options(resident, 64)
-    assert aligned == ({"num_stages": 3, "maxnreg": 168} if gemm.m64_register_cap(64) else {"num_stages": 3})
-    assert gemm._compile_options(resident._replace(max_regs=200), 40) == {"num_stages": 3, "maxnreg": 200}
+    assert gemm._launch_residency(resident, scales[40], 320) == ({"num_stages": 3, "maxnreg": 168}, False)
+    aligned = gemm._launch_residency(resident, scales[64], 320)
+    assert aligned == ({"num_stages": 3, "maxnreg": 168} if gemm.m64_register_cap(64) else {"num_stages": 3}, False)
+    assert gemm._launch_residency(resident._replace(max_regs=200), scales[40], 320) == \
+        ({"num_stages": 3, "maxnreg": 200}, False)
+    per_group = gemm.CONFIG_TABLE[(256, 5120, 2304, 32)]
+    assert gemm._launch_residency(per_group, scales[200], 320) == ({"num_stages": 4, "maxnreg": 168}, True)
+    for m, programs in ((208, 320), (150, 240)):
+        assert gemm._launch_residency(per_group, scales[m], programs) == ({"num_stages": 4}, False), m
+    assert gemm._launch_residency(per_group, scales[201], 320)[1]
+    tight = torch.empty_strided(scales[201].shape, scales[201].stride())  # storage ends at row 200 of 204
+    assert gemm._launch_residency(per_group, tight, 320) == ({"num_stages": 4}, False)
     monkeypatch.setattr(gemm, "interpreting", lambda: True)
-    assert gemm._compile_options(capped, 64) == {}
+    assert gemm._launch_residency(capped, scales[64], 320) == ({}, False)
+    assert gemm._launch_residency(per_group, scales[200], 320) == ({}, True)
     assert 3 * 4 * 32 * gemm.THREE_PROGRAMS_PER_SM <= 65536 < 3 * 4 * 32 * (gemm.THREE_PROGRAMS_PER_SM + 8)
     for version in ("3.6.0", "3.5.1"):
         assert gemm.m64_register_cap(48, version) is None and gemm.m64_register_cap(64, version) is None
         assert gemm.m64_register_cap(40, version) == gemm.m64_register_cap(36, version) == 168
     for version in ("3.8.0", "3.8.1+git1a2b"):
         assert gemm.m64_register_cap(64, version) == gemm.m64_register_cap(40, version) == 168
-    capped = {key for key, cfg in gemm.CONFIG_TABLE.items() if cfg.residency_cap}
-    assert capped == {(64, 4608, 5120, 32), (64, 5120, 8192, 32), (64, 5120, 2048, 32)}
+    resident = {key for key, cfg in gemm.CONFIG_TABLE.items() if cfg.residency_cap}
+    assert resident == {(64, 4608, 5120, 32), (64, 5120, 8192, 32), (64, 5120, 2048, 32),
+                        (256, 4608, 5120, 32), (256, 5120, 2304, 32)}
     assert not any(cfg.max_regs for cfg in gemm.CONFIG_TABLE.values())
+
+
+@pytest.mark.cpu
+def test_padded_scale_rows_change_no_bit(device):
+    """A per-group residency launch reading the token scales padded to align4(M) (M = 37: rows 37-39
+    of each scale column, NaN here) writes the bits of the same launch masking them at M, the GEMM
+    and the gate_up with its SiLU*mul epilogue: the padding rows' products are never stored."""
+    torch.manual_seed(0)
+    m, n, k = 37, 256, 256
+    w, s = ref.random_fp8_weight(n, k, 32, device)
+    x = make_activation(m, k, device)
+    x[5] = float("nan")
+    pair = quant.quantize(x, G32)
+    groups, stride = pair.scale.shape[1], pair.scale.stride(1)
+    pair.scale.as_strided((groups, stride), (stride, 1))[:, m:].fill_(float("nan"))
+    padded = gemm.GemmConfig(64, 16, 128, 1, 4, 4, residency_cap=True)
+    masked = padded._replace(residency_cap=False)
+    assert gemm._launch_residency(padded, pair.scale, 4 * 3)[1] and not gemm._launch_residency(masked, pair.scale, 12)[1]
+    outs = [gemm.fp8_gemm(pair, w, s, weight_block=32, config=c) for c in (padded, masked)]
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    assert outs[0][5].isnan().all() and not outs[0][torch.arange(m) != 5].isnan().any()
+    pairs = [gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, limit=10.0, out_format=G32, return_bf16=False,
+                                    config=c) for c in (padded, masked)]
+    assert_pairs_equal(*pairs)
 
 
 @pytest.mark.cpu
@@ -541,6 +579,26 @@ def test_a_register_cap_changes_no_bit_gpu(n, k):
             pairs = [gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, limit=10.0, out_format=G32,
                                             return_bf16=False, config=c) for c in (capped, uncapped)]
             assert_pairs_equal(*pairs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4608, 5120), (5120, 2304)])
+def test_padded_scale_rows_change_no_bit_gpu(n, k):
+    """The M-bucket-256 per-group entries at M = 200 (scales read padded to align4(M), capped at
+    168 registers) write the bits of the same entry masking at M uncapped, the gate_up with its
+    SiLU*mul epilogue too."""
+    torch.manual_seed(0)
+    w, s, _ = _gpu_weight(n, k, 32)
+    pair = quant.quantize(make_activation(200, k, "cuda"), G32)
+    table = gemm.gemm_config(200, n, k, 32, pair.data.device)
+    assert table.residency_cap and gemm._launch_residency(table, pair.scale, 320 if n == 5120 else 288)[1]
+    plain = table._replace(residency_cap=False)
+    outs = [gemm.fp8_gemm(pair, w, s, weight_block=32, config=c).view(torch.int16) for c in (table, plain)]
+    assert torch.equal(*outs)
+    if n == 4608:
+        pairs = [gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, limit=10.0, out_format=G32,
+                                        return_bf16=False, config=c) for c in (table, plain)]
+        assert_pairs_equal(*pairs)
 
 
 @pytest.mark.gpu
