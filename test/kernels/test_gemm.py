@@ -675,8 +675,9 @@ def test_config_choice_by_group_and_m(device):
 def test_buckets_without_entries_borrow_the_larger_buckets(device, monkeypatch):
     """M = 17..32 (bucket 32) runs bucket 64's entry on a 32-token tile, which stays far below the
     residency line: with the cap the entry has at an aligned stride (none under Triton 3.6, 168
-    from 3.7 on), at any stride. M = 65..128 bucket 256's (its tile is no wider than 128); a table
-    entry whose block_k does not divide K is skipped."""
+    from 3.7 on), at any stride. M = 65..128 bucket 256's (its tile is no wider than 128; the
+    per-group entries without their residency rule); a table entry whose block_k does not divide K
+    is skipped."""
     dev = torch.device(device)
     entry64 = gemm.CONFIG_TABLE[(64, 5120, 8192, 32)]
     for version, cap in (("3.6.0", None), ("3.8.0", 168)):
@@ -687,6 +688,9 @@ def test_buckets_without_entries_borrow_the_larger_buckets(device, monkeypatch):
     assert gemm.select_config(33, 5120, 8192, 32, dev) == entry64
     for m in (65, 128):
         assert gemm.select_config(m, 5120, 8192, 32, dev) == gemm.CONFIG_TABLE[(256, 5120, 8192, 32)], m
+        # the per-group residency entries' two row tiles fit one wave: no cap, no padded rows
+        down = gemm.CONFIG_TABLE[(256, 5120, 2304, 32)]
+        assert gemm.select_config(m, 5120, 2304, 32, dev) == down._replace(residency_cap=False), m
     bad = gemm.GemmConfig(64, 16, 256, 1, 2, 4, 8)
     monkeypatch.setitem(gemm.CONFIG_TABLE, (16, 192, 384, 32), bad)
     picked = gemm.select_config(16, 192, 384, 32, dev)
