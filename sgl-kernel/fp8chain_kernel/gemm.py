@@ -663,18 +663,18 @@ def _check_config(cfg: GemmConfig, k: int, group: int, a_fp8: bool) -> None:
         raise ValueError(f"config max_regs must be None or 24..255 registers per thread, got {cfg.max_regs}")
 
 
-def _launch_residency(cfg: GemmConfig, a_scale: torch.Tensor, programs: int) -> tuple[dict, bool]:
+def _launch_residency(cfg: GemmConfig, a_scale: torch.Tensor | None, programs: int) -> tuple[dict, bool]:
     """The compile options a config sets beyond its warps (none under the interpreter) and the
     kernel's PADDED_SCALE_ROWS, for a launch of ``programs`` programs over the token scales
-    ``a_scale`` ``[M, groups]``. A ``residency_cap`` entry keeps three 4-warp programs per SM
+    ``a_scale`` ``[M, groups]`` (None: W8A16, no token scales). A ``residency_cap`` entry keeps three 4-warp programs per SM
     (docs/gemm.md, "Register caps"): a bf16-dequantized one (the M = 64 entries) where
     ``m64_register_cap`` caps it; a per-group FP8 one (the M-bucket-256 entries) where M is not a
     multiple of 16 and its programs would need a second wave at two per SM (M = 193-255): there it
     compiles in 182-255 registers unless it reads the scales padded to align4(M) (where their
     storage holds those rows), and capped at THREE_PROGRAMS_PER_SM after that (no spill)."""
-    m, scale_stride = a_scale.shape[0], a_scale.stride(1)
-    per_group = cfg.residency_cap and not (cfg.dequant or cfg.block_diag)
-    padded = (per_group and m % 16 != 0 and programs > 2 * sm_count(a_scale.device, interpreter=4)
+    scale_stride = 0 if a_scale is None else a_scale.stride(1)
+    per_group = a_scale is not None and cfg.residency_cap and not (cfg.dequant or cfg.block_diag)
+    padded = (per_group and a_scale.shape[0] % 16 != 0 and programs > 2 * sm_count(a_scale.device, interpreter=4)
               and holds_padded_scale_rows(a_scale))
     if interpreting():
         return {}, padded
@@ -693,11 +693,11 @@ def _launch(a, a_scale, weight, weight_scale, out, group: int, a_fp8: bool, conf
     _check_config(cfg, k, group, a_fp8)
     tiles = cdiv(n, cfg.block_n) * cdiv(m, cfg.block_m)
     split, iters_per_split, part, counters = _split_plan(tiles, k, cfg, a.device)
+    extra, padded = _launch_residency(cfg, a_scale, tiles * split)
     if a_scale is None:
         a_scale, stride_asm, stride_asg = a, 0, 0
     else:
         stride_asm, stride_asg = a_scale.stride(0), a_scale.stride(1)
-    extra, padded = _launch_residency(cfg, a_scale, tiles * split) if a_fp8 else ({}, False)
     _block_scaled_gemm_kernel[(tiles, split)](
         a, a_scale, weight, weight_scale, out, out if part is None else part, out if counters is None else counters,
         m, n, k,

@@ -253,6 +253,9 @@ def test_a_register_cap_reaches_the_compiler(monkeypatch):
     monkeypatch.setattr(gemm, "interpreting", lambda: True)
     assert gemm._launch_residency(capped, scales[64], 320) == ({}, False)
     assert gemm._launch_residency(per_group, scales[200], 320) == ({}, True)
+    monkeypatch.setattr(gemm, "interpreting", lambda: False)  # W8A16 (no token scales): the config's options
+    assert gemm._launch_residency(capped, None, 320) == ({"num_stages": 3, "maxnreg": 168}, False)
+    assert gemm._launch_residency(per_group, None, 320) == ({"num_stages": 4}, False)
     assert 3 * 4 * 32 * gemm.THREE_PROGRAMS_PER_SM <= 65536 < 3 * 4 * 32 * (gemm.THREE_PROGRAMS_PER_SM + 8)
     for version in ("3.6.0", "3.5.1"):
         assert gemm.m64_register_cap(48, version) is None and gemm.m64_register_cap(64, version) is None
@@ -686,10 +689,10 @@ def test_buckets_without_entries_borrow_the_larger_buckets(device, monkeypatch):
         for m in (17, 24, 32):
             assert gemm.select_config(m, 5120, 8192, 32, dev) == narrowed, (version, m)
     assert gemm.select_config(33, 5120, 8192, 32, dev) == entry64
+    # the per-group residency entries' two row tiles fit one wave: no cap, no padded rows
+    down = gemm.CONFIG_TABLE[(256, 5120, 2304, 32)]
     for m in (65, 128):
         assert gemm.select_config(m, 5120, 8192, 32, dev) == gemm.CONFIG_TABLE[(256, 5120, 8192, 32)], m
-        # the per-group residency entries' two row tiles fit one wave: no cap, no padded rows
-        down = gemm.CONFIG_TABLE[(256, 5120, 2304, 32)]
         assert gemm.select_config(m, 5120, 2304, 32, dev) == down._replace(residency_cap=False), m
     bad = gemm.GemmConfig(64, 16, 256, 1, 2, 4, 8)
     monkeypatch.setitem(gemm.CONFIG_TABLE, (16, 192, 384, 32), bad)

@@ -52,5 +52,6 @@ def test_kernels_compile_for_sm90():
         if name in SHARED_LAYOUT:
             shared = int(re.search(r"smem (\d+)", resources).group(1))
             assert shared <= SHARED_LAYOUT_MAX_BYTES, f"{name} shuffles its tile through shared memory: {resources}"
-    # the three residency-capped table entries at M = 40 under every Triton (at M = 64 too from 3.7 on)
-    assert capped >= 3, result.stdout
+    # under every Triton the three dequantized residency entries at M = 40, the two per-group ones at
+    # M = 200 and the gate_up's SiLU*mul launch there in both output formats (at M = 64 too from 3.7 on)
+    assert capped >= 7, result.stdout
