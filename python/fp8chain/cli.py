@@ -168,7 +168,8 @@ def _cmd_info(args) -> int:
     dotted = "{}.{}".format
     names = " and ".join(dotted(*release) for release in tested_releases)
     # where the M = 64 GEMM entries cap registers: at every token-scale stride from Triton 3.7 on
-    cap_where = "" if gemm.m64_register_cap(16) else " where the token scales' stride is not a multiple of 16"
+    aligned = gemm.ALIGNED_SCALE_STRIDE
+    cap_where = "" if gemm.m64_register_cap(aligned) else f" where the token scales' stride is not a multiple of {aligned}"
     finish_tokens = mhc.stats_finish_tokens(rows=256, split_tile=1)
     finish = "one token a program" if finish_tokens == 1 else f"up to {finish_tokens} tokens a program"
     pipelined = "unpipelined" if mhc.stats_partial_stages(mhc.DECODE_STATS_TILE) else "pipelined"

@@ -377,6 +377,9 @@ DSV41_TP4_SHARDS = {"wq_b_tp4": (8192, 1280), "wo_b_tp4": (5120, 2048), "gate_up
 
 # Registers per thread for three 4-warp programs per SM (168)
 THREE_PROGRAMS_PER_SM = registers_per_thread(3, 4)
+# A token-scale column stride the launcher knows to be aligned (its multiples), so the scale
+# loads compile as it specializes them
+ALIGNED_SCALE_STRIDE = 16
 
 
 def m64_register_cap(scale_stride: int, triton_version: str = triton.__version__) -> int | None:
@@ -390,7 +393,7 @@ def m64_register_cap(scale_stride: int, triton_version: str = triton.__version__
     us at M = 40 / 56 against 38.7 / 39.4 at 48 / 64 on an H100), so THREE_PROGRAMS_PER_SM there;
     3.8 takes 173 (183 with the SiLU*mul epilogue) at any stride, so THREE_PROGRAMS_PER_SM from 3.7
     on."""
-    if triton_release(triton_version) > SWEPT_RELEASE or scale_stride % 16:
+    if triton_release(triton_version) > SWEPT_RELEASE or scale_stride % ALIGNED_SCALE_STRIDE:
         return THREE_PROGRAMS_PER_SM
     return None
 
@@ -559,7 +562,7 @@ def select_config(m: int, n: int, k: int, group: int, device: torch.device, a_fp
                 # the narrowed tile takes the entry's cap at an aligned stride, whatever its stride
                 # (none under Triton 3.6: 137 registers at 32 rows, far from the residency line);
                 # a per-group entry's two row tiles at M <= 128 fit one wave at two programs per SM
-                cap = m64_register_cap(16) if hit.residency_cap and hit.dequant else hit.max_regs
+                cap = m64_register_cap(ALIGNED_SCALE_STRIDE) if hit.residency_cap and hit.dequant else hit.max_regs
                 hit = hit._replace(block_m=min(hit.block_m, max(bucket, 16)), max_regs=cap, residency_cap=False)
         if hit is not None and k % hit.block_k == 0:
             return hit
