@@ -377,8 +377,8 @@ DSV41_TP4_SHARDS = {"wq_b_tp4": (8192, 1280), "wo_b_tp4": (5120, 2048), "gate_up
 
 # Registers per thread for three 4-warp programs per SM (168)
 THREE_PROGRAMS_PER_SM = registers_per_thread(3, 4)
-# A token-scale column stride the launcher knows to be aligned (its multiples), so the scale
-# loads compile as it specializes them
+# Triton's launcher specializes an integer argument divisible by 16 as aligned: token-scale
+# column strides that are multiples of this compile with aligned scale loads
 ALIGNED_SCALE_STRIDE = 16
 
 
