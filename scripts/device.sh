@@ -4,8 +4,9 @@
 #   scripts/device.sh OUTDIR [all|tests|bench|bench:NAME[,NAME...]] [--quick] [--jobs N] [-- PYTEST_ARGS...]
 #
 # bench:NAME,... runs only those benchmarks (quant, producers, gemm, attention, layer), e.g. bench:layer,gemm.
-# --jobs N runs the test files in N pytest processes at once on the one GPU (files dealt by size,
-# largest first); PYTEST_ARGS that are not paths (options) go to every process.
+# --jobs N runs the selected gpu tests in N pytest processes at once on the one GPU (the tests dealt
+# in turn, each file's spread over the processes); PYTEST_ARGS that are not paths (options) go to
+# every process and to the collection.
 #
 # Writes under OUTDIR: gpu-tests.xml (junit) and gpu-tests.log (gpu-tests-K.* per process with
 # --jobs), bench.log, results.tar.gz (the JSON, PNG and markdown this run's benchmarks wrote under
@@ -13,10 +14,11 @@
 # the source tree with the machine's python3 (torch, triton, numpy, safetensors, pytest, rich,
 # tqdm, matplotlib).
 #
-# On an H200 the whole gpu suite takes ~12 minutes in one process (Triton compilation dominates);
-# split over three processes its files took 82-144 s each (2026-11-29). The full benchmark sweeps
+# On an H200 the whole gpu suite takes ~12 minutes in one process (Triton compilation dominates).
+# On an H100 (2026-12-07, 16 CPU cores) it took at most 125 s a process over twelve processes
+# (eight taking whole files, test_gemm.py's tests over the other four). The full benchmark sweeps
 # take longer. Where one call is limited to 10 minutes, split the work, e.g.
-#   scripts/device.sh $OUT tests --jobs 3
+#   scripts/device.sh $OUT tests --jobs 8
 #   scripts/device.sh $OUT bench:layer,producers
 # The tree travels without its own git metadata (what git reports there can be an older commit):
 # pass FP8CHAIN_COMMIT=<hash> so results name the commit they measured. Under another Triton than
@@ -73,31 +75,26 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
       if [ -e "$arg" ]; then paths+=("$arg"); else options+=("$arg"); fi
     done
     [ "${#paths[@]}" -eq 0 ] && paths=(test)
-    # test files, largest first, each to the process with the fewest bytes so far
-    declare -a groups loads
-    for ((k = 0; k < jobs; k++)); do groups[k]=""; loads[k]=0; done
-    found=0
-    while read -r size f; do
-      least=0
-      for ((k = 1; k < jobs; k++)); do [ "${loads[k]}" -lt "${loads[least]}" ] && least=$k; done
-      groups[least]+="$f "
-      loads[least]=$((loads[least] + size))
-      found=$((found + 1))
-    done < <(find "${paths[@]}" -name 'test_*.py' -printf '%s %p\n' | sort -rn)
-    if [ "$found" -eq 0 ]; then
-      echo "no test_*.py files under: ${paths[*]}" >&2
+    # the selected tests, dealt one by one in turn: a file's tests spread over the processes, so
+    # no file with many slow tests (test_gemm.py) holds one process past the others
+    python3 -m pytest -q -m gpu --collect-only -p no:cacheprovider "${options[@]}" "${paths[@]}" \
+      > "$out/gpu-tests-collected.txt" 2>&1
+    mapfile -t ids < <(grep '::' "$out/gpu-tests-collected.txt")
+    if [ "${#ids[@]}" -eq 0 ]; then
+      echo "no gpu test collected under: ${paths[*]}" >&2
+      tail -n 20 "$out/gpu-tests-collected.txt" >&2
       status=1
     fi
     pids=()
-    for ((k = 0; k < jobs; k++)); do
-      [ -z "${groups[k]}" ] && continue
-      # shellcheck disable=SC2086
-      run_gpu_tests "gpu-tests-$k" "${options[@]}" ${groups[k]} &
+    for ((k = 0; k < jobs && k < ${#ids[@]}; k++)); do
+      share=()
+      for ((i = k; i < ${#ids[@]}; i += jobs)); do share+=("${ids[i]}"); done
+      run_gpu_tests "gpu-tests-$k" "${options[@]}" "${share[@]}" &
       pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid" || status=1; done
     for ((k = 0; k < jobs; k++)); do
-      [ -f "$out/gpu-tests-$k.log" ] && { echo "== process $k: ${groups[k]}"; tail -n 3 "$out/gpu-tests-$k.log"; }
+      [ -f "$out/gpu-tests-$k.log" ] && { echo "== process $k"; tail -n 3 "$out/gpu-tests-$k.log"; }
     done
   fi
 fi

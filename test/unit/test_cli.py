@@ -350,6 +350,29 @@ def test_device_script_takes_options_without_a_mode(tmp_path):
     assert done.returncode == 2 and "--jobs takes a positive integer, got 'x'" in done.stderr  # parsed as options
 
 
+def test_device_script_deals_each_gpu_test_to_one_process(tmp_path):
+    """``--jobs`` spreads a file's gpu tests over the processes, each test run exactly once (on a
+    machine without a GPU they run as skips), and says so when the paths hold no gpu test."""
+    import subprocess
+    import xml.etree.ElementTree as ET
+    from pathlib import Path
+
+    script = Path(cli.REPO_ROOT) / "scripts" / "device.sh"
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(script), str(out), "tests", "--jobs", "3", "--", "test/kernels/test_act.py"],
+                          cwd=cli.REPO_ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    collected = [line for line in (out / "gpu-tests-collected.txt").read_text().splitlines() if "::" in line]
+    ran = [[case.get("name") for case in ET.parse(out / f"gpu-tests-{k}.xml").iter("testcase")] for k in range(3)]
+    assert all(len(share) >= len(collected) // 3 for share in ran)  # dealt in turn, not a file a process
+    names = [name for share in ran for name in share]
+    assert sorted(names) == sorted(line.split("::", 1)[1] for line in collected) and len(set(names)) == len(names)
+
+    empty = subprocess.run(["bash", str(script), str(tmp_path / "none"), "tests", "--jobs", "2", "--",
+                            "test/unit/test_cli.py"], cwd=cli.REPO_ROOT, capture_output=True, text=True)
+    assert empty.returncode == 1 and "no gpu test collected under: test/unit/test_cli.py" in empty.stderr
+
+
 def test_documented_maximums_are_accepted():
     from fp8chain import argtypes
 
