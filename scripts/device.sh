@@ -81,10 +81,15 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     # no file with many slow tests (test_gemm.py) holds one process past the others
     python3 -m pytest -q -m gpu --collect-only -p no:cacheprovider "${options[@]}" "${paths[@]}" \
       > "$out/gpu-tests-collected.txt" 2>&1
-    mapfile -t ids < <(grep '::' "$out/gpu-tests-collected.txt")
-    if [ "${#ids[@]}" -eq 0 ]; then
-      echo "no gpu test collected under: ${paths[*]}" >&2
+    collected=$?
+    # the ids come first, one a line, up to the first blank line (the summary and warnings follow)
+    mapfile -t ids < <(sed '/^$/q' "$out/gpu-tests-collected.txt" | grep '::')
+    if [ "$collected" -ne 0 ] && [ "$collected" -ne 5 ]; then
+      echo "collecting the gpu tests failed (pytest exit $collected); running the ${#ids[@]} collected" >&2
       tail -n 20 "$out/gpu-tests-collected.txt" >&2
+      status=1
+    elif [ "${#ids[@]}" -eq 0 ]; then
+      echo "no gpu test collected under: ${paths[*]}" >&2
       status=1
     fi
     pids=()

@@ -352,7 +352,8 @@ def test_device_script_takes_options_without_a_mode(tmp_path):
 
 def test_device_script_deals_each_gpu_test_to_one_process(tmp_path):
     """``--jobs`` spreads a file's gpu tests over the processes, each test run exactly once (on a
-    machine without a GPU they run as skips), and says so when the paths hold no gpu test."""
+    machine without a GPU they run as skips); a file that fails to import, or paths without a gpu
+    test, fail the run."""
     import subprocess
     import xml.etree.ElementTree as ET
     from pathlib import Path
@@ -371,6 +372,14 @@ def test_device_script_deals_each_gpu_test_to_one_process(tmp_path):
     empty = subprocess.run(["bash", str(script), str(tmp_path / "none"), "tests", "--jobs", "2", "--",
                             "test/unit/test_cli.py"], cwd=cli.REPO_ROOT, capture_output=True, text=True)
     assert empty.returncode == 1 and "no gpu test collected under: test/unit/test_cli.py" in empty.stderr
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "test_broken.py").write_text("import a_module_that_does_not_exist\n")
+    partly = subprocess.run(["bash", str(script), str(tmp_path / "partly"), "tests", "--jobs", "2", "--", str(broken),
+                             "test/kernels/test_act.py"], cwd=cli.REPO_ROOT, capture_output=True, text=True)
+    assert partly.returncode == 1 and "collecting the gpu tests failed" in partly.stderr
+    assert (tmp_path / "partly" / "gpu-tests-1.xml").exists()  # what was collected still ran
 
 
 def test_documented_maximums_are_accepted():
