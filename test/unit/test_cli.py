@@ -327,26 +327,26 @@ def test_a_hand_set_triton_interpret_0_does_not_stop_the_cpu(monkeypatch):
     assert os.environ["TRITON_INTERPRET"] == "1"
 
 
-@pytest.mark.parametrize("mode", ["bnech", "bench:", "tests,bench"])
-def test_device_script_refuses_an_unknown_mode_before_any_work(mode, tmp_path):
-    """A misspelt or missing mode ran nothing and exited 0."""
+def _device_script(out, *args):
+    """``scripts/device.sh OUT ARGS...`` run from the repository root."""
     import subprocess
     from pathlib import Path
 
     script = Path(cli.REPO_ROOT) / "scripts" / "device.sh"
-    done = subprocess.run(["bash", str(script), str(tmp_path / "out"), mode], capture_output=True, text=True)
+    return subprocess.run(["bash", str(script), str(out), *args], cwd=cli.REPO_ROOT, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("mode", ["bnech", "bench:", "tests,bench"])
+def test_device_script_refuses_an_unknown_mode_before_any_work(mode, tmp_path):
+    """A misspelt or missing mode ran nothing and exited 0."""
+    done = _device_script(tmp_path / "out", mode)
     assert done.returncode == 2 and f"unknown mode '{mode}'" in done.stderr and "usage:" in done.stderr
     assert not (tmp_path / "out").exists()
 
 
 def test_device_script_takes_options_without_a_mode(tmp_path):
     """``OUTDIR --quick`` is the default mode with that option, not an unknown mode '--quick'."""
-    import subprocess
-    from pathlib import Path
-
-    script = Path(cli.REPO_ROOT) / "scripts" / "device.sh"
-    done = subprocess.run(["bash", str(script), str(tmp_path / "out"), "--quick", "--jobs", "x"],
-                          capture_output=True, text=True)
+    done = _device_script(tmp_path / "out", "--quick", "--jobs", "x")
     assert done.returncode == 2 and "--jobs takes a positive integer, got 'x'" in done.stderr  # parsed as options
 
 
@@ -354,14 +354,10 @@ def test_device_script_deals_each_gpu_test_to_one_process(tmp_path):
     """``--jobs`` spreads a file's gpu tests over the processes, each test run exactly once (on a
     machine without a GPU they run as skips); a file that fails to import, or paths without a gpu
     test, fail the run."""
-    import subprocess
     import xml.etree.ElementTree as ET
-    from pathlib import Path
 
-    script = Path(cli.REPO_ROOT) / "scripts" / "device.sh"
     out = tmp_path / "out"
-    done = subprocess.run(["bash", str(script), str(out), "tests", "--jobs", "3", "--", "test/kernels/test_act.py"],
-                          cwd=cli.REPO_ROOT, capture_output=True, text=True)
+    done = _device_script(out, "tests", "--jobs", "3", "--", "test/kernels/test_act.py")
     assert done.returncode == 0, done.stdout + done.stderr
     collected = [line for line in (out / "gpu-tests-collected.txt").read_text().splitlines() if "::" in line]
     ran = [[case.get("name") for case in ET.parse(out / f"gpu-tests-{k}.xml").iter("testcase")] for k in range(3)]
@@ -369,15 +365,13 @@ def test_device_script_deals_each_gpu_test_to_one_process(tmp_path):
     names = [name for share in ran for name in share]
     assert sorted(names) == sorted(line.split("::", 1)[1] for line in collected) and len(set(names)) == len(names)
 
-    empty = subprocess.run(["bash", str(script), str(tmp_path / "none"), "tests", "--jobs", "2", "--",
-                            "test/unit/test_cli.py"], cwd=cli.REPO_ROOT, capture_output=True, text=True)
+    empty = _device_script(tmp_path / "none", "tests", "--jobs", "2", "--", "test/unit/test_cli.py")
     assert empty.returncode == 1 and "no gpu test collected under: test/unit/test_cli.py" in empty.stderr
 
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "test_broken.py").write_text("import a_module_that_does_not_exist\n")
-    partly = subprocess.run(["bash", str(script), str(tmp_path / "partly"), "tests", "--jobs", "2", "--", str(broken),
-                             "test/kernels/test_act.py"], cwd=cli.REPO_ROOT, capture_output=True, text=True)
+    partly = _device_script(tmp_path / "partly", "tests", "--jobs", "2", "--", str(broken), "test/kernels/test_act.py")
     assert partly.returncode == 1 and "collecting the gpu tests failed" in partly.stderr
     assert (tmp_path / "partly" / "gpu-tests-1.xml").exists()  # what was collected still ran
 
