@@ -15,12 +15,12 @@
 # tqdm, matplotlib).
 #
 # On an H200 the whole gpu suite takes ~12 minutes in one process (Triton compilation dominates).
-# On an H100 (2026-12-07, 16 CPU cores) it took at most 125 s a process over twelve processes
-# (eight taking whole files, test_gemm.py's tests over the other four). The full benchmark sweeps
+# On an H100 (2026-12-07, 16 CPU cores) `tests --jobs 12` took 98-188 s a process (662 tests, 55-56
+# each) and 211 s for the whole call with `fp8chain verify` beside it. The full benchmark sweeps
 # take longer: `fp8chain bench layer --rows 1 2 4 8 16 64 --prefill 0 --no-routed` (both shapes,
 # the compiled peer compiled afresh per M) ran past 300 s on a fresh H100. Where one call is
 # limited to 10 minutes, split the work, e.g.
-#   scripts/device.sh $OUT tests --jobs 8
+#   scripts/device.sh $OUT tests --jobs 12
 #   scripts/device.sh $OUT bench:layer,producers
 # The tree travels without its own git metadata (what git reports there can be an older commit):
 # pass FP8CHAIN_COMMIT=<hash> so results name the commit they measured. Under another Triton than
