@@ -353,12 +353,15 @@ def test_device_script_takes_options_without_a_mode(tmp_path):
 def test_device_script_deals_each_gpu_test_to_one_process(tmp_path):
     """``--jobs`` spreads a file's gpu tests over the processes, each test run exactly once (on a
     machine without a GPU they run as skips); a file that fails to import, or paths without a gpu
-    test, fail the run."""
+    test, fail the run. device.txt names the torch and Triton the run imports."""
     import xml.etree.ElementTree as ET
 
     out = tmp_path / "out"
     done = _device_script(out, "tests", "--jobs", "3", "--", "test/kernels/test_act.py")
     assert done.returncode == 0, done.stdout + done.stderr
+    import triton
+
+    assert f"torch {torch.__version__}, triton {triton.__version__} from " in (out / "device.txt").read_text()
     collected = [line for line in (out / "gpu-tests-collected.txt").read_text().splitlines() if "::" in line]
     ran = [[case.get("name") for case in ET.parse(out / f"gpu-tests-{k}.xml").iter("testcase")] for k in range(3)]
     assert all(len(share) >= len(collected) // 3 for share in ran)  # dealt in turn, not a file a process
