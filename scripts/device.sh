@@ -11,8 +11,8 @@
 # Writes under OUTDIR: device.txt (the GPU, and the torch and Triton the run imports), gpu-tests.xml
 # (junit) and gpu-tests.log (gpu-tests-K.* per process with --jobs), bench.log, results.tar.gz (the
 # JSON, PNG and markdown this run's benchmarks wrote under benchmark/results). Installs nothing: it
-# runs from the source tree with the machine's python3 (torch, triton, numpy, safetensors, pytest, rich,
-# tqdm, matplotlib).
+# runs from the source tree with the machine's python3 (torch, triton, numpy, safetensors, pytest,
+# rich, tqdm, matplotlib).
 #
 # On an H200 the whole gpu suite takes ~12 minutes in one process (Triton compilation dominates).
 # On an H100 (2026-12-07, 16 CPU cores) `tests --jobs 12` took 98-188 s a process (662 tests, 55-56
