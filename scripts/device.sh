@@ -8,11 +8,11 @@
 # in turn, each file's spread over the processes); PYTEST_ARGS that are not paths (options) go to
 # every process and to the collection.
 #
-# Writes under OUTDIR: device.txt (the GPU, and the torch and Triton the run imports), gpu-tests.xml
-# (junit) and gpu-tests.log (gpu-tests-K.* per process with --jobs), bench.log, results.tar.gz (the
-# JSON, PNG and markdown this run's benchmarks wrote under benchmark/results). Installs nothing: it
-# runs from the source tree with the machine's python3 (torch, triton, numpy, safetensors, pytest,
-# rich, tqdm, matplotlib).
+# Writes under OUTDIR: device.txt (the GPU, and `fp8chain info`: the torch and Triton the run
+# imports), gpu-tests.xml (junit) and gpu-tests.log (gpu-tests-K.* per process with --jobs),
+# bench.log, results.tar.gz (the JSON, PNG and markdown this run's benchmarks wrote under
+# benchmark/results). Installs nothing: it runs from the source tree with the machine's python3
+# (torch, triton, numpy, safetensors, pytest, rich, tqdm, matplotlib).
 #
 # On an H200 the whole gpu suite takes ~12 minutes in one process (Triton compilation dominates).
 # On an H100 (2026-12-07, 16 CPU cores) `tests --jobs 12` took 98-188 s a process (662 tests, 55-56
@@ -55,8 +55,9 @@ export PYTHONUNBUFFERED=1
 status=0
 [ -z "${FP8CHAIN_COMMIT:-}" ] && echo "note: FP8CHAIN_COMMIT is not set; results name whatever commit git reports here" >&2
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$out/device.txt"
-# the torch and Triton this run imports (PYTHONPATH may put another Triton first)
-python3 -c "import sys, torch, triton; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__} from {triton.__file__}')" 2>&1 | tee -a "$out/device.txt"
+# the torch and Triton this run imports (PYTHONPATH may put another Triton first) and the launch
+# choices that depend on them
+python3 -m fp8chain info 2>&1 | tee -a "$out/device.txt"
 
 # pytest -m gpu over the given files; exit status 5 (no test selected) counts as success.
 run_gpu_tests() {

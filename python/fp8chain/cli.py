@@ -153,7 +153,9 @@ def _cmd_info(args) -> int:
     import torch
     import triton
 
-    print(f"torch {torch.__version__}, triton {triton.__version__}, python {sys.version.split()[0]}")
+    # where Triton comes from: a PYTHONPATH can put another release before the installed one
+    print(f"torch {torch.__version__}, triton {triton.__version__} from {triton.__file__}, "
+          f"python {sys.version.split()[0]}")
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         print(f"GPU: {props.name}, sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "

@@ -356,11 +356,11 @@ def test_device_script_deals_each_gpu_test_to_one_process(tmp_path):
     test, fail the run. device.txt names the torch and Triton the run imports."""
     import xml.etree.ElementTree as ET
 
+    import triton
+
     out = tmp_path / "out"
     done = _device_script(out, "tests", "--jobs", "3", "--", "test/kernels/test_act.py")
     assert done.returncode == 0, done.stdout + done.stderr
-    import triton
-
     assert f"torch {torch.__version__}, triton {triton.__version__} from " in (out / "device.txt").read_text()
     collected = [line for line in (out / "gpu-tests-collected.txt").read_text().splitlines() if "::" in line]
     ran = [[case.get("name") for case in ET.parse(out / f"gpu-tests-{k}.xml").iter("testcase")] for k in range(3)]
