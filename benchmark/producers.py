@@ -55,7 +55,6 @@ from fp8chain import verify  # noqa: E402
 from fp8chain.bench import harness  # noqa: E402
 from fp8chain_kernel import act, einsum, norm, quant, reference  # noqa: E402
 from fp8chain_kernel.formats import ActFormat, empty_pair  # noqa: E402
-from fp8chain_kernel.gemv import MAX_GEMV_TOKENS  # noqa: E402
 from fp8chain_kernel.reference.einsum import wo_a_einsum_fp  # noqa: E402
 
 ROWS = [1, 4, 16, 64, 256, 2048]
@@ -82,8 +81,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time candidate wo_a_einsum launch configs (FP8 out) instead of the four arms")
     parser.add_argument("--splits", nargs="+", type=positive_int, default=None,
                         help="with --sweep-wo-a: these K splits only (and at T <= 64 one-scale-group tiles only)")
-    parser.add_argument("--gemv-only", action="store_true",
-                        help="with --sweep-wo-a: only the CUDA-core configs (bf16 wo_a, T <= 4)")
     sweeps.add_argument("--sweep-launch", action="store_true",
                         help="time candidate program shapes of RMSNorm, q_norm and SiLU*mul instead of the four arms")
 
@@ -244,20 +241,6 @@ def wo_a_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -
     return out
 
 
-def wo_a_gemv_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -> list[dict]:
-    """CUDA-core configs (``GEMV: 1``) for one to four tokens on a bf16 wo_a: one 32-column scale
-    group of weight rows per program, K steps of 256 (2 or 4 warps), 512 (4) or 1024 (4 or 8),
-    unpipelined or 3 stages, D in 1-16 slices (``splits``) of at least one K step."""
-    out = []
-    for block_k, warps in ((256, 2), (256, 4), (512, 4), (1024, 4), (1024, 8)):
-        for stages in (1, 3):
-            for split in (1, 2, 4, 8, 16) if splits is None else splits:
-                if d // block_k >= split:
-                    out.append(dict(GEMV=1, BLOCK_N=32, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-                                    SPLIT=split))
-    return out
-
-
 def wo_a_compute_candidates(rows: int, d: int = 4096, splits: list[int] | None = None) -> list[dict]:
     """Compute tiles for ``rows`` > 64 (wgmma): M tiles of 64, 128 or 256 rows (no taller than
     ``rows`` needs; a taller tile converts an FP8 wo_a's weights fewer times), 64 or 128 columns
@@ -324,10 +307,7 @@ def run_wo_a_sweep(args) -> tuple[dict, list[dict]]:
                     / (meta["copy_bandwidth_TBps"] * 1e12) * 1e6)
         want = wo_a_reference_fp64(o, *weights[0])
         mine = []
-        gemv = (wo_a_gemv_candidates(rows, d, args.splits)
-                if rows <= MAX_GEMV_TOKENS and not fp8_weights else [])
-        candidates = gemv if args.gemv_only else wo_a_candidates(rows, d, args.splits) + gemv
-        for config in [None] + candidates:
+        for config in [None] + wo_a_candidates(rows, d, args.splits):
             call = harness.rotating(lambda w, ws, c=config: einsum.wo_a_einsum(
                 o, w, weight_scale=ws, out_format=fmt, out=pair, return_bf16=False, config=c), weights)
             try:
@@ -411,8 +391,6 @@ def run(args) -> tuple[dict, list[dict]]:
         raise SystemExit("--sweep-wo-a and --sweep-launch time one format; pass one --formats value")
     if args.splits is not None and not args.sweep_wo_a:
         raise SystemExit("--splits narrows the --sweep-wo-a candidates; pass --sweep-wo-a too")
-    if args.gemv_only and not args.sweep_wo_a:
-        raise SystemExit("--gemv-only narrows the --sweep-wo-a candidates; pass --sweep-wo-a too")
     if args.sweep_wo_a and not wo_a_sweep_cases(args):
         raise SystemExit("--sweep-wo-a: --producers names no wo_a producer")
     if args.sweep_launch and not launch_sweep_cases(args):

@@ -49,7 +49,6 @@ import triton.language as tl
 
 from .formats import FP8_DTYPE, ActFormat, QuantizedActivation, cdiv, check_no_overlap, is_int
 from .fp8_tile import dequantize_tile, dot_bf16, round_bf16, store_pair_tile
-from .gemv import CHUNK, MAX_GEMV_TOKENS, gemv_token_tile, token_exists
 from .launch import (H200_SMS, await_producer, gather_partials, pdl_options, publish_partial, rearm, sm_count,
                      split_workspace, SWEPT_RELEASE, triton_release)
 from .norm import MAX_TILE_ELEMS, check_tensor, launch_args, produced, producer_result, resolve_outputs
@@ -144,73 +143,6 @@ def _wo_a_kernel(o_ptr, w_ptr, ws_ptr, y_ptr, data_ptr, scale_ptr, part_ptr, cou
             _wo_a_epilogue(total, y_ptr, data_ptr, scale_ptr, offs_m, offs_n, m_ok, n_ok, g, pid_n, M, G, R,
                            stride_ym, stride_dm, stride_sm, stride_sg, STORE_BF16, QUANT, GROUP, POW2, PACKED,
                            EXACT_CAST, BLOCK_M, BLOCK_N)
-            rearm(count_ptr, tile)
-
-
-@triton.jit
-def _gemv_token_step(acc, w, o_row, t: tl.constexpr, M, stride_om, offs_k, k_ok, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    """``acc [BLOCK_N, BLOCK_K / CHUNK]`` plus token ``t``'s K step (nothing past M): each lane's
-    ``CHUNK`` products ``w * o`` (exact in fp32: two bf16 values) summed, then added."""
-    o = tl.load(o_row + t * stride_om + offs_k, mask=k_ok & token_exists(t, M), other=0.0).to(tl.float32)
-    return acc + tl.sum(tl.reshape(w * o[None, :], (BLOCK_N, BLOCK_K // CHUNK, CHUNK)), axis=2)
-
-
-@triton.jit
-def _wo_a_gemv_kernel(o_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, part_ptr, count_ptr, M, G, R, D,
-                      stride_om, stride_og, stride_wg, stride_wr, stride_ym, stride_dm, stride_sm, stride_sg,
-                      STORE_BF16: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, POW2: tl.constexpr,
-                      PACKED: tl.constexpr, EXACT_CAST: tl.constexpr, SPLIT: tl.constexpr, K_TILES: tl.constexpr,
-                      TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                      PDL: tl.constexpr):
-    # One to four tokens on the CUDA cores: axis 0 walks the BLOCK_N-row weight tiles of group
-    # axis 1, axis 2 the K slice. One accumulator per token (as gemv._gemv_kernel: a token axis on
-    # the weight tile costs a layout change per step).
-    await_producer(PDL)
-    pid_n = tl.program_id(0)
-    g = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < R
-    w_rows = w_ptr + g.to(tl.int64) * stride_wg + offs_n.to(tl.int64)[:, None] * stride_wr
-    o_row = o_ptr + g.to(tl.int64) * stride_og
-    k_start = pid_k * (K_TILES * BLOCK_K)
-    acc0 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
-    acc3 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
-    for kt in tl.range(0, K_TILES, num_stages=STAGES):
-        offs_k = k_start + kt * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < D
-        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc0 = _gemv_token_step(acc0, w, o_row, 0, M, stride_om, offs_k, k_ok, BLOCK_N, BLOCK_K)
-        if TOKENS > 1:
-            acc1 = _gemv_token_step(acc1, w, o_row, 1, M, stride_om, offs_k, k_ok, BLOCK_N, BLOCK_K)
-        if TOKENS > 2:
-            acc2 = _gemv_token_step(acc2, w, o_row, 2, M, stride_om, offs_k, k_ok, BLOCK_N, BLOCK_K)
-            acc3 = _gemv_token_step(acc3, w, o_row, 3, M, stride_om, offs_k, k_ok, BLOCK_N, BLOCK_K)
-    # the tokens' sums as one [TOKENS, BLOCK_N] tile (a select per token: no arithmetic)
-    token = tl.arange(0, TOKENS)[:, None]
-    acc = tl.where(token == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
-    if TOKENS > 1:
-        acc = tl.where(token == 1, tl.sum(acc1, axis=1)[None, :], acc)
-    if TOKENS > 2:
-        acc = tl.where(token == 2, tl.sum(acc2, axis=1)[None, :], acc)
-        acc = tl.where(token == 3, tl.sum(acc3, axis=1)[None, :], acc)
-    offs_m = tl.arange(0, TOKENS)
-    m_ok = offs_m < M
-    if SPLIT == 1:
-        _wo_a_epilogue(acc, y_ptr, data_ptr, scale_ptr, offs_m, offs_n, m_ok, n_ok, g, pid_n, M, G, R,
-                       stride_ym, stride_dm, stride_sm, stride_sg, STORE_BF16, QUANT, GROUP, POW2, PACKED,
-                       EXACT_CAST, TOKENS, BLOCK_N)
-    else:
-        tiles = tl.num_programs(0) * tl.num_programs(1)
-        tile = g * tl.num_programs(0) + pid_n
-        if publish_partial(acc, part_ptr, count_ptr, tile, tiles, pid_k, SPLIT, TOKENS, BLOCK_N):
-            total = gather_partials(part_ptr, tile, tiles, SPLIT, TOKENS, BLOCK_N)
-            _wo_a_epilogue(total, y_ptr, data_ptr, scale_ptr, offs_m, offs_n, m_ok, n_ok, g, pid_n, M, G, R,
-                           stride_ym, stride_dm, stride_sm, stride_sg, STORE_BF16, QUANT, GROUP, POW2, PACKED,
-                           EXACT_CAST, TOKENS, BLOCK_N)
             rearm(count_ptr, tile)
 
 
@@ -315,36 +247,21 @@ def _narrow_split(tiles: int, k_tiles: int, resident: int) -> int:
 
 
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")  # and optionally SPLIT (default 1)
-# the CUDA-core launch for one to four tokens (``GEMV: 1``): the token tile is T up to a power of two
-GEMV_CONFIG_KEYS = ("GEMV", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")  # and optionally SPLIT
 
 
-def _check_config(config: dict, rows: int, r: int, min_n: int, w_fp8: bool) -> dict:
-    gemv = isinstance(config, dict) and "GEMV" in config
-    keys = GEMV_CONFIG_KEYS if gemv else CONFIG_KEYS
-    if not isinstance(config, dict) or not set(keys) <= set(config) <= set(keys) | {"SPLIT"}:
-        raise ValueError(f"config must be a dict with keys {CONFIG_KEYS} (or {GEMV_CONFIG_KEYS}) and optionally "
-                         f"SPLIT, got {config!r}")
+def _check_config(config: dict, r: int, min_n: int) -> dict:
+    if not isinstance(config, dict) or not set(CONFIG_KEYS) <= set(config) <= set(CONFIG_KEYS) | {"SPLIT"}:
+        raise ValueError(f"config must be a dict with keys {CONFIG_KEYS} and optionally SPLIT, got {config!r}")
     if any(not is_int(v) or v < 1 for v in config.values()):
         raise ValueError(f"config values must be positive ints, got {config!r}")
     if config["num_warps"] & (config["num_warps"] - 1) or config["num_warps"] > 16:
         raise ValueError(f"num_warps must be a power of two <= 16, got {config!r}")
-    dims = ("BLOCK_N", "BLOCK_K") if gemv else ("BLOCK_M", "BLOCK_N", "BLOCK_K")
-    if any(config[k] < 16 or config[k] & (config[k] - 1) for k in dims):
-        raise ValueError(f"{'/'.join(dims)} must be powers of two >= 16, got {config!r}")
-    if gemv:
-        if config["GEMV"] != 1:
-            raise ValueError(f"GEMV must be 1 (the CUDA-core launch), got {config!r}")
-        if w_fp8 or rows > MAX_GEMV_TOKENS:
-            raise ValueError(f"a GEMV config runs a bf16 wo_a for 1 to {MAX_GEMV_TOKENS} tokens, got T={rows}"
-                             f"{' and an FP8 wo_a' if w_fp8 else ''}")
-        if config["BLOCK_N"] * config["BLOCK_K"] > MAX_TILE_ELEMS:
-            raise ValueError(f"a tile of BLOCK_N*BLOCK_K holds at most {MAX_TILE_ELEMS} values, got {config!r}")
-    else:
-        m, n, k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-        if max(m * k, n * k, m * n) > MAX_TILE_ELEMS:  # Triton's limit on one tensor
-            raise ValueError(f"a tile of BLOCK_M*BLOCK_K, BLOCK_N*BLOCK_K or BLOCK_M*BLOCK_N holds at most "
-                             f"{MAX_TILE_ELEMS} values, got {config!r}")
+    m, n, k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if max(m * k, n * k, m * n) > MAX_TILE_ELEMS:  # Triton's limit on one tensor
+        raise ValueError(f"a tile of BLOCK_M*BLOCK_K, BLOCK_N*BLOCK_K or BLOCK_M*BLOCK_N holds at most "
+                         f"{MAX_TILE_ELEMS} values, got {config!r}")
+    if any(config[k] < 16 or config[k] & (config[k] - 1) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")):
+        raise ValueError(f"BLOCK_M/N/K must be powers of two >= 16, got {config!r}")
     if config["BLOCK_N"] % min_n or (min_n > 16 and r % config["BLOCK_N"]):
         raise ValueError(f"BLOCK_N={config['BLOCK_N']} must be a multiple of {min_n} that divides R={r} "
                          "(a scale group may not straddle two tiles or two einsum groups)")
@@ -431,35 +348,26 @@ def wo_a_einsum(o: torch.Tensor, wo_a: torch.Tensor, *, weight_scale: torch.Tens
     # an FP8 wo_a's K steps hold whole scale blocks
     min_k = weight_block if w_fp8 else 16
     if config is not None:
-        cfg = _check_config(config, rows, r, min_n, w_fp8)
+        cfg = _check_config(config, r, min_n)
         if cfg["BLOCK_K"] < min_k:
             raise ValueError(f"an FP8 wo_a needs BLOCK_K >= {min_k} (whole scale blocks), got {config!r}")
         cfg["BLOCK_K"] = _clamp_block_k(cfg["BLOCK_K"], d, min_k)
     else:
         cfg = _launch_config(rows, groups, r, d, min_n, sm_count(o.device, interpreter=H200_SMS), min_k, w_fp8)
-    gemv = cfg.pop("GEMV", 0)
-    block_m = gemv_token_tile(rows) if gemv else cfg["BLOCK_M"]
     block_n = cfg["BLOCK_N"]
-    tiles = triton.cdiv(rows, block_m) * triton.cdiv(r, block_n)
+    tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(r, block_n)
     k_tiles = triton.cdiv(d, cfg["BLOCK_K"])
     split, part, counters = split_workspace("wo_a", min(cfg.pop("SPLIT"), k_tiles), tiles * groups,
-                                            block_m * block_n, o.device)
+                                            cfg["BLOCK_M"] * block_n, o.device)
     slice_tiles = triton.cdiv(k_tiles, split)
-    outputs = (a["y"], a["data"], a["scale"], o if part is None else part, o if counters is None else counters,
-               rows, groups, r, d)
-    epilogue = dict(STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"], SPLIT=split, K_TILES=slice_tiles, **a["consts"],
-                    **pdl_options(o.device))
-    if gemv:
-        _wo_a_gemv_kernel[(tiles, groups, split)](
-            o, wo_a, *outputs, o.stride(0), o.stride(1), wo_a.stride(0), wo_a.stride(1), a["y_stride"],
-            *a["strides"], TOKENS=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["num_stages"],
-            num_warps=cfg["num_warps"], **epilogue)
-        return producer_result(y, pair)
     ws = weight_scale if w_fp8 else o
     _wo_a_kernel[(tiles, groups, split)](
-        o, wo_a, ws, *outputs, o.stride(0), o.stride(1), o.stride(2), wo_a.stride(0), wo_a.stride(1), wo_a.stride(2),
+        o, wo_a, ws, a["y"], a["data"], a["scale"], o if part is None else part,
+        o if counters is None else counters, rows, groups, r, d,
+        o.stride(0), o.stride(1), o.stride(2), wo_a.stride(0), wo_a.stride(1), wo_a.stride(2),
         *(ws.stride() if w_fp8 else (0, 0, 0)), a["y_stride"], *a["strides"],
-        W_FP8=w_fp8, WEIGHT_BLOCK=weight_block if w_fp8 else 0, EVEN_K=d % (cfg["BLOCK_K"] * split) == 0,
-        EVEN_N=r % block_n == 0, **cfg, **epilogue,
+        W_FP8=w_fp8, WEIGHT_BLOCK=weight_block if w_fp8 else 0,
+        STORE_BF16=a["STORE_BF16"], QUANT=a["QUANT"], EVEN_K=d % (cfg["BLOCK_K"] * split) == 0, SPLIT=split,
+        K_TILES=slice_tiles, EVEN_N=r % block_n == 0, **cfg, **a["consts"], **pdl_options(o.device),
     )
     return producer_result(y, pair)

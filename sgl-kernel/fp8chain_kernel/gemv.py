@@ -109,7 +109,7 @@ CHUNK = tl.constexpr(16)
 
 
 @triton.jit
-def token_exists(t: tl.constexpr, M):
+def _token_exists(t: tl.constexpr, M):
     """Whether token ``t`` is one of the M rows (token 0 always is: no predicate for it)."""
     return (t == 0) or (t < M)
 
@@ -120,7 +120,7 @@ def _token_fma(acc, w, w_scale, a_ptr, a_scale_ptr, t: tl.constexpr, M, stride_a
                EXACT_CAST: tl.constexpr):
     """``acc [BLOCK_N, BLOCK_K / CHUNK]`` plus token ``t``'s step (nothing past M): each ``CHUNK``
     of ``w * a`` summed (exact products of two e4m3 values), times its column group's ``s_a * s_w``."""
-    row_ok = token_exists(t, M)
+    row_ok = _token_exists(t, M)
     a = tl.load(a_ptr + t * stride_am + offs_k, mask=k_ok & row_ok, other=0.0)
     scale = tl.load(a_scale_ptr + t * stride_asm + offs_g * stride_asg, mask=g_ok & row_ok, other=0.0) * w_scale
     a = e4m3_to_f32_exact(a) if EXACT_CAST else a.to(tl.float32)
@@ -132,7 +132,7 @@ def _token_fma(acc, w, w_scale, a_ptr, a_scale_ptr, t: tl.constexpr, M, stride_a
 @triton.jit
 def _store_token(y_ptr, acc, t: tl.constexpr, M, stride_ym, offs_n, n_ok, EXACT_CAST: tl.constexpr):
     """Token ``t``'s outputs (the sum over the accumulator's lanes, rounded to bf16) if ``t < M``."""
-    row_ok = token_exists(t, M)
+    row_ok = _token_exists(t, M)
     tl.store(y_ptr + t * stride_ym + offs_n, round_bf16(tl.sum(acc, axis=1), EXACT_CAST), mask=n_ok & row_ok)
 
 

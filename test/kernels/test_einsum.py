@@ -234,65 +234,6 @@ def test_wo_a_split_k_cpu(split, d, block_k, fmt, device):
     assert not launch.arrival_counters("wo_a", device, 1).any()
 
 
-@pytest.mark.cpu
-@pytest.mark.parametrize("rows, split, d, block_n", [(1, 1, 256, 32), (1, 4, 256, 64), (2, 2, 80, 32),
-                                                     (3, 3, 96, 32), (4, 2, 256, 32)])
-@pytest.mark.parametrize("fmt", [ActFormat.SM90_G32_FP32_MN, ActFormat.SM100_G32_UE8M0_PACKED_MN])
-def test_wo_a_gemv_cpu(rows, split, d, block_n, fmt, device):
-    """The CUDA-core launch for one to four tokens (``GEMV: 1``), D whole or split (evenly, and past
-    D in the last slice), M = 3 on a four-token tile: the pair equals ``reference.quantize`` of its
-    own bf16 output, which is within the bound; the bf16-only call with the same tiles gives the
-    same bits, a second call the same bytes; the arrival counters are re-armed."""
-    groups, r = 2, 96 if block_n == 32 else 128
-    config = dict(GEMV=1, BLOCK_N=block_n, BLOCK_K=32, num_warps=2, num_stages=2, SPLIT=split)
-    o, w = _inputs(rows, groups, r, d, device)
-    cols = groups * r
-    y, pair = einsum.wo_a_einsum(o, w, out_format=fmt, out=poisoned_pair(rows, cols, fmt, device),
-                                 out_bf16=_nan_bf16(rows, cols, device), config=config)
-    assert rel_error(y, wo_a_einsum_fp(o, w, torch.float64)) < REL_BOUND
-    assert_pairs_equal(pair, ref.quantize(y, fmt))
-    assert torch.equal(einsum.wo_a_einsum(o, w, tile_group=32, config=config), y)
-    again = einsum.wo_a_einsum(o, w, out_format=fmt, out=poisoned_pair(rows, cols, fmt, device),
-                               return_bf16=False, config=config)
-    assert_pairs_equal(again, pair)
-    assert not launch.arrival_counters("wo_a", device, 1).any()
-
-
-@pytest.mark.cpu
-def test_wo_a_gemv_zero_and_nan_rows(device):
-    """A zero token and a token with NaN: zeros stay zero (scale 2^-14 floor), NaN stays visible in
-    its groups' data, the other groups finite; the pair is the quantization of the bf16 output."""
-    o, w = _inputs(3, 2, 64, 128, device)
-    o[1] = 0
-    o[2, 1, 5] = float("nan")
-    fmt = ActFormat.SM90_G32_FP32_MN
-    config = dict(GEMV=1, BLOCK_N=32, BLOCK_K=64, num_warps=2, num_stages=2, SPLIT=2)
-    y, pair = einsum.wo_a_einsum(o, w, out_format=fmt, out=poisoned_pair(3, 128, fmt, device), config=config)
-    assert torch.equal(y[1], torch.zeros_like(y[1]))
-    assert y[2, 64:].isnan().all() and not y[2, :64].isnan().any()
-    assert_pairs_equal(pair, ref.quantize(y, fmt))
-
-
-@pytest.mark.cpu
-def test_wo_a_gemv_config_refused(device):
-    """A GEMV config beyond four tokens, on an FP8 wo_a, or malformed is refused."""
-    config = dict(GEMV=1, BLOCK_N=32, BLOCK_K=64, num_warps=2, num_stages=2)
-    o, w = _inputs(5, 2, 64, 128, device)
-    with pytest.raises(ValueError, match="1 to 4 tokens, got T=5"):
-        einsum.wo_a_einsum(o, w, config=config)
-    with pytest.raises(ValueError, match="GEMV must be 1"):
-        einsum.wo_a_einsum(o[:1], w, config=dict(config, GEMV=2))
-    with pytest.raises(ValueError, match="optionally SPLIT"):
-        einsum.wo_a_einsum(o[:1], w, config=dict(config, BLOCK_M=16))
-    with pytest.raises(ValueError, match="BLOCK_N/BLOCK_K must be powers of two"):
-        einsum.wo_a_einsum(o[:1], w, config=dict(config, BLOCK_K=8))
-    with pytest.raises(ValueError, match="BLOCK_N=16 must be a multiple of 32"):
-        einsum.wo_a_einsum(o[:1], w, out_format=ActFormat.SM90_G32_FP32_MN, config=dict(config, BLOCK_N=16))
-    w8, s8 = ref.random_fp8_wo_a(2, 64, 128, 32, device, log2_scale=-8)
-    with pytest.raises(ValueError, match="and an FP8 wo_a"):
-        einsum.wo_a_einsum(o[:1], w8, weight_scale=s8, config=config)
-
-
 def check_bf16_bits_do_not_depend_on_the_format(rows, groups, r, d, device):
     """The model switches the chain off by asking for no pair: with the tiles of the chained call's
     scale group (``tile_group``), the bf16 output is the same bits as with the pair, for every

@@ -309,7 +309,7 @@ def test_wo_a_candidates_by_rows(rows):
     bench = _load_benchmark("producers")
     candidates = bench.wo_a_candidates(rows)
     for c in candidates:
-        einsum._check_config(c, rows, 1024, 32, False)
+        einsum._check_config(c, 1024, 32)
         assert (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * 2 * c["num_stages"] <= 220 * 1024
     assert len({tuple(sorted(c.items())) for c in candidates}) == len(candidates)
     heights = {c["BLOCK_M"] for c in candidates}
@@ -320,45 +320,6 @@ def test_wo_a_candidates_by_rows(rows):
     assert max(c["BLOCK_M"] * c["BLOCK_N"] for c in candidates) <= einsum.FP8_WEIGHT_TILE_OUTPUTS
     assert {c["SPLIT"] for c in candidates} == {1, 2, 4}
     assert {c["SPLIT"] for c in bench.wo_a_candidates(rows, splits=[8])} == {8}
-
-
-@pytest.mark.cpu
-def test_wo_a_gemv_candidates():
-    """CUDA-core configs: each passes the kernel's own config check at one to four tokens, none
-    twice, every slice at least one K step; ``splits`` narrows them."""
-    bench = _load_benchmark("producers")
-    candidates = bench.wo_a_gemv_candidates(1)
-    for rows in (1, 3, 4):
-        for c in candidates:
-            einsum._check_config(c, rows, 1024, 32, False)
-    assert len({tuple(sorted(c.items())) for c in candidates}) == len(candidates)
-    assert all(4096 // c["BLOCK_K"] >= c["SPLIT"] for c in candidates)
-    assert {c["SPLIT"] for c in candidates} == {1, 2, 4, 8, 16}
-    assert {c["SPLIT"] for c in bench.wo_a_gemv_candidates(1, splits=[2])} == {2}
-
-
-@pytest.mark.cpu
-@pytest.mark.parametrize("name, rows, gemv_only, want", [
-    ("wo_a_g2", 4, False, ["table", "tc", "gemv"]), ("wo_a_g2", 4, True, ["table", "gemv"]),
-    ("wo_a_g2", 5, False, ["table", "tc"]), ("wo_a_g2_fp8w", 1, False, ["table", "tc"])])
-def test_wo_a_sweep_adds_gemv_configs_for_bf16_weights_up_to_four_tokens(name, rows, gemv_only, want, monkeypatch,
-                                                                          tmp_path):
-    """The CUDA-core configs join the sweep for a bf16 wo_a at T <= 4 (alone with ``--gemv-only``)."""
-    import types
-
-    bench = _load_benchmark("producers")
-    monkeypatch.setattr(bench, "DEVICE", "cpu")
-    monkeypatch.setattr(bench, "wo_a_candidates", lambda rows, d, splits: [dict(kind="tc")])
-    monkeypatch.setattr(bench, "wo_a_gemv_candidates", lambda rows, d, splits: [dict(kind="gemv")])
-    monkeypatch.setattr(bench, "check_wo_a_launch", lambda *args: None)
-    monkeypatch.setattr(harness, "copies_past_l2", lambda nbytes, most=64: 1)
-    monkeypatch.setattr(harness, "bench_meta", lambda: {"device": "fake"})
-    monkeypatch.setattr(harness, "copy_bandwidth", lambda: 2e12)
-    monkeypatch.setattr(harness, "graph_time_us", lambda fn, iters=100, repeats=7: 1.0)
-    args = types.SimpleNamespace(producers=[name], rows=[rows], formats=[ActFormat.SM90_G32_FP32_MN.value],
-                                 iters=1, splits=None, gemv_only=gemv_only, results_dir=tmp_path)
-    _, records = bench.run_wo_a_sweep(args)
-    assert [r["config"] if r["config"] == "table" else r["config"]["kind"] for r in records] == want
 
 
 @pytest.mark.cpu
@@ -373,14 +334,13 @@ def test_wo_a_sweep_floor_counts_weights_scales_input_and_pair(name, monkeypatch
     timed = []
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "wo_a_candidates", lambda rows, d, splits: [dict(BLOCK_M=16)])
-    monkeypatch.setattr(bench, "wo_a_gemv_candidates", lambda rows, d, splits: [])
     monkeypatch.setattr(bench, "check_wo_a_launch", lambda *args: None)  # its own tests below
     monkeypatch.setattr(harness, "copies_past_l2", lambda nbytes, most=64: 1)
     monkeypatch.setattr(harness, "bench_meta", lambda: {"device": "fake"})
     monkeypatch.setattr(harness, "copy_bandwidth", lambda: 2e12)
     monkeypatch.setattr(harness, "graph_time_us", lambda fn, iters=100, repeats=7: timed.append(fn) or 5.0 - len(timed))
     args = types.SimpleNamespace(producers=[name], rows=[2], formats=[ActFormat.SM90_G32_FP32_MN.value], iters=1,
-                                 splits=None, gemv_only=False, results_dir=tmp_path)
+                                 splits=None, results_dir=tmp_path)
     meta, records = bench.run_wo_a_sweep(args)
     fmt, g, r, d = ActFormat.SM90_G32_FP32_MN, 2, 1024, 4096
     weight = _wo_a_weight_bytes(g, r, d, name.endswith("fp8w"))
@@ -399,7 +359,6 @@ def test_wo_a_sweep_times_only_correct_launches(monkeypatch, tmp_path, capsys):
     wrong = dict(BLOCK_M=32)
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "wo_a_candidates", lambda rows, d, splits: [dict(BLOCK_M=16), wrong])
-    monkeypatch.setattr(bench, "wo_a_gemv_candidates", lambda rows, d, splits: [])
     monkeypatch.setattr(harness, "copies_past_l2", lambda nbytes, most=64: 1)
     monkeypatch.setattr(harness, "bench_meta", lambda: {"device": "fake"})
     monkeypatch.setattr(harness, "copy_bandwidth", lambda: 2e12)
@@ -413,7 +372,7 @@ def test_wo_a_sweep_times_only_correct_launches(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(bench, "check_wo_a_launch", check)
     args = types.SimpleNamespace(producers=["wo_a_g2"], rows=[2], formats=[ActFormat.SM90_G32_FP32_MN.value],
-                                 iters=1, splits=None, gemv_only=False, results_dir=tmp_path)
+                                 iters=1, splits=None, results_dir=tmp_path)
     _, records = bench.run_wo_a_sweep(args)
     assert checked == [None, dict(BLOCK_M=16), wrong]
     assert [rec["config"] for rec in records] == ["table", dict(BLOCK_M=16)]
