@@ -398,6 +398,15 @@ def m64_register_cap(scale_stride: int, triton_version: str = triton.__version__
     return None
 
 
+def padded_rows_register_cap(triton_version: str = triton.__version__) -> int | None:
+    """The register cap of an M-bucket-256 ``residency_cap`` launch on padded token-scale rows
+    (``_launch_residency``; M = 193-255 not a multiple of 16). Triton 3.6 compiles those launches
+    in 170-172 registers (two programs per SM), so THREE_PROGRAMS_PER_SM; 3.8 in 140-144 without a
+    cap (three per SM already), and capped at 168 the pair GEMM spills 48 bytes a thread, so none
+    from 3.7 on (docs/gemm.md, "Register caps")."""
+    return THREE_PROGRAMS_PER_SM if triton_release(triton_version) <= SWEPT_RELEASE else None
+
+
 # Static table, (M bucket, N, K, group) -> config, filled from H200 sweeps (benchmark/gemm.py
 # --sweep, which verifies each candidate against the reference before timing it). M buckets: 4,
 # 8, 16, 32, 64, 128, 256, 1 << 30 (anything larger). Shapes not listed fall back to
@@ -674,7 +683,7 @@ def _launch_residency(cfg: GemmConfig, a_scale: torch.Tensor | None, programs: i
     ``m64_register_cap`` caps it; a per-group FP8 one (the M-bucket-256 entries) where M is not a
     multiple of 16 and its programs would need a second wave at two per SM (M = 193-255): there it
     compiles in 182-255 registers unless it reads the scales padded to align4(M) (where their
-    storage holds those rows), and capped at THREE_PROGRAMS_PER_SM after that (no spill)."""
+    storage holds those rows), and capped after that where ``padded_rows_register_cap`` says."""
     scale_stride = 0 if a_scale is None else a_scale.stride(1)
     per_group = a_scale is not None and cfg.residency_cap and not (cfg.dequant or cfg.block_diag)
     padded = (per_group and a_scale.shape[0] % 16 != 0 and programs > 2 * sm_count(a_scale.device, interpreter=4)
@@ -683,7 +692,7 @@ def _launch_residency(cfg: GemmConfig, a_scale: torch.Tensor | None, programs: i
         return {}, padded
     cap = cfg.max_regs
     if cap is None and cfg.residency_cap:
-        cap = m64_register_cap(scale_stride) if cfg.dequant else THREE_PROGRAMS_PER_SM if padded else None
+        cap = m64_register_cap(scale_stride) if cfg.dequant else padded_rows_register_cap() if padded else None
     return {"num_stages": cfg.stages, **({} if cap is None else {"maxnreg": cap})}, padded
 
 

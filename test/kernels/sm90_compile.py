@@ -167,17 +167,13 @@ SPILL_ALLOWED = {
 
 # Launches Triton 3.8 spills and 3.6 does not, with the stack bytes 3.8 gives them; timed under both
 # on an H100 (docs/benchmarks.md, "Triton 3.8"): the bf16-weight wo_a's 64 x 128 tile (65-256
-# rows, 2-4 % slower at T = 256), the 128-column-group GEMM's 128 x 128 tile (6-10 % at M =
-# 2048) and the M-bucket-256 32-group GEMMs on padded scale rows at the 168 cap (down and gate_up,
-# M = 193-255; at M = 200-248 down 39.0-39.4 us and gate_up 81.7-83.9 against 50.9-55.2 and
-# 104.1-118.6 uncapped, whose two programs per SM need a second wave); the two 32-group dequantized
-# entries above spill 40 bytes under 3.8.
+# rows, 2-4 % slower at T = 256) and the 128-column-group GEMM's 128 x 128 tile (6-10 % at M =
+# 2048); the two 32-group dequantized entries above spill 40 bytes under 3.8.
 SPILL_ALLOWED_TRITON_3_8 = {
     ("_wo_a_kernel", (("W_FP8", False), ("BLOCK_M", 64), ("BLOCK_N", 128))): 416,
     ("_block_scaled_gemm_kernel", (("GROUP", 128), ("DEQUANT", False), ("BLOCK_N", 128), ("BLOCK_M", 128))): 40,
     ("_block_scaled_gemm_kernel", (("GROUP", 32), ("DEQUANT", True), ("SPLIT", 1), ("BLOCK_N", 128),
                                    ("BLOCK_M", 64), ("SCALE_AHEAD", 0))): 40,
-    ("_block_scaled_gemm_kernel", (("GROUP", 32), ("DEQUANT", False), ("PADDED_SCALE_ROWS", True))): 48,
 }
 if launch.triton_release() >= (3, 8):
     SPILL_ALLOWED = {**SPILL_ALLOWED, **SPILL_ALLOWED_TRITON_3_8}
