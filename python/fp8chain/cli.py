@@ -172,13 +172,16 @@ def _cmd_info(args) -> int:
     # where the M = 64 GEMM entries cap registers: at every token-scale stride from Triton 3.7 on
     aligned = gemm.ALIGNED_SCALE_STRIDE
     cap_where = "" if gemm.m64_register_cap(aligned) else f" where the token scales' stride is not a multiple of {aligned}"
+    padded_cap = gemm.padded_rows_register_cap()
+    padded = f"capped at {padded_cap} registers" if padded_cap else "uncapped"
     finish_tokens = mhc.stats_finish_tokens(rows=256, split_tile=1)
     finish = "one token a program" if finish_tokens == 1 else f"up to {finish_tokens} tokens a program"
     pipelined = "unpipelined" if mhc.stats_partial_stages(mhc.DECODE_STATS_TILE) else "pipelined"
     print(f"triton release: {tested} (fp8chain tests {names}; launch tables swept under "
           f"{dotted(*launch.SWEPT_RELEASE)}), FP8-weight wo_a "
           f"tiles up to {einsum.FP8_WEIGHT_TILE_ROWS} rows, M = 64 GEMM entries capped at "
-          f"{gemm.THREE_PROGRAMS_PER_SM} registers{cap_where}, mHC stats finish: {finish}, "
+          f"{gemm.THREE_PROGRAMS_PER_SM} registers{cap_where}, M-bucket-256 entries on padded token-scale rows "
+          f"{padded}, mHC stats finish: {finish}, "
           f"mHC stats partial sums at decode: {pipelined}")
     caps = backends.probe()
     print(f"capabilities: {caps}")
