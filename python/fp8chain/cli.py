@@ -172,8 +172,10 @@ def _cmd_info(args) -> int:
     # where the M = 64 GEMM entries cap registers: at every token-scale stride from Triton 3.7 on
     aligned = gemm.ALIGNED_SCALE_STRIDE
     cap_where = "" if gemm.m64_register_cap(aligned) else f" where the token scales' stride is not a multiple of {aligned}"
-    padded_cap = gemm.padded_rows_register_cap()
-    padded = f"capped at {padded_cap} registers" if padded_cap else "uncapped"
+    # the M-bucket-256 launches on padded token-scale rows: both capped up to 3.6, from 3.7 on only
+    # the gate_up with the SiLU*mul epilogue
+    padded = (f"capped at {gemm.THREE_PROGRAMS_PER_SM} registers" if gemm.padded_rows_register_cap(False)
+              else "capped only with the SiLU*mul epilogue")
     finish_tokens = mhc.stats_finish_tokens(rows=256, split_tile=1)
     finish = "one token a program" if finish_tokens == 1 else f"up to {finish_tokens} tokens a program"
     pipelined = "unpipelined" if mhc.stats_partial_stages(mhc.DECODE_STATS_TILE) else "pipelined"

@@ -230,8 +230,9 @@ def test_a_register_cap_reaches_the_compiler(monkeypatch):
     uncapped, two programs per SM), not at M = 48 / 64 (168, as swept). The two per-group M-bucket-256
     entries read the scales padded to align4(M) and are capped where M is not a multiple of 16 and
     their programs pass two per SM (M = 200 on 132 SMs, not M = 150 or 208, nor where the scales'
-    storage ends before align4(M)), under Triton 3.6, which compiles them in 170-172 registers
-    (3.8: 140-144 uncapped). An explicit ``max_regs`` wins."""
+    storage ends before align4(M)): both under Triton 3.6, which compiles them in 170-172 registers,
+    only the gate_up with the SiLU*mul epilogue under 3.8 (140-144 uncapped, where the capped pair
+    GEMM spills). An explicit ``max_regs`` wins."""
     monkeypatch.setattr(gemm, "sm_count", lambda device, interpreter: 132)
     scales = {m: quant.quantize(torch.randn(m, 2304, dtype=torch.bfloat16), G32).scale for m in (40, 64, 150, 200, 201, 208)}
     capped = gemm.GemmConfig(64, 64, 128, 4, 3, 4, 8, True, False, 2, max_regs=gemm.THREE_PROGRAMS_PER_SM)
@@ -245,9 +246,11 @@ def test_a_register_cap_reaches_the_compiler(monkeypatch):
     assert gemm._launch_residency(resident._replace(max_regs=200), scales[40], 320) == \
         ({"num_stages": 3, "maxnreg": 200}, False)
     per_group = gemm.CONFIG_TABLE[(256, 5120, 2304, 32)]
-    padded_cap = gemm.padded_rows_register_cap()
+    padded_cap = gemm.padded_rows_register_cap(False)
     assert gemm._launch_residency(per_group, scales[200], 320) == \
         ({"num_stages": 4, **({"maxnreg": padded_cap} if padded_cap else {})}, True)
+    assert gemm._launch_residency(per_group, scales[200], 320, silu_mul_epilogue=True) == \
+        ({"num_stages": 4, "maxnreg": 168}, True)
     for m, programs in ((208, 320), (150, 240)):
         assert gemm._launch_residency(per_group, scales[m], programs) == ({"num_stages": 4}, False), m
     assert gemm._launch_residency(per_group, scales[201], 320)[1]
@@ -263,10 +266,11 @@ def test_a_register_cap_reaches_the_compiler(monkeypatch):
     for version in ("3.6.0", "3.5.1"):
         assert gemm.m64_register_cap(48, version) is None and gemm.m64_register_cap(64, version) is None
         assert gemm.m64_register_cap(40, version) == gemm.m64_register_cap(36, version) == 168
-        assert gemm.padded_rows_register_cap(version) == 168
+        assert gemm.padded_rows_register_cap(False, version) == gemm.padded_rows_register_cap(True, version) == 168
     for version in ("3.8.0", "3.8.1+git1a2b"):
         assert gemm.m64_register_cap(64, version) == gemm.m64_register_cap(40, version) == 168
-        assert gemm.padded_rows_register_cap(version) is None
+        assert gemm.padded_rows_register_cap(False, version) is None
+        assert gemm.padded_rows_register_cap(True, version) == 168
     resident = {key for key, cfg in gemm.CONFIG_TABLE.items() if cfg.residency_cap}
     assert resident == {(64, 4608, 5120, 32), (64, 5120, 8192, 32), (64, 5120, 2048, 32),
                         (256, 4608, 5120, 32), (256, 5120, 2304, 32)}
