@@ -596,9 +596,9 @@ def test_a_register_cap_changes_no_bit_gpu(n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(4608, 5120), (5120, 2304)])
 def test_padded_scale_rows_change_no_bit_gpu(n, k):
-    """The M-bucket-256 per-group entries at M = 200 (scales read padded to align4(M), capped at
-    168 registers) write the bits of the same entry masking at M uncapped, the gate_up with its
-    SiLU*mul epilogue too."""
+    """The M-bucket-256 per-group entries at M = 200 (scales read padded to align4(M), capped where
+    ``gemm.padded_rows_register_cap`` says: under 3.8 the pair GEMM uncapped, the gate_up with its
+    SiLU*mul epilogue capped) write the bits of the same entry masking at M uncapped."""
     torch.manual_seed(0)
     w, s, _ = _gpu_weight(n, k, 32)
     pair = quant.quantize(make_activation(200, k, "cuda"), G32)
