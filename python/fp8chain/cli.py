@@ -172,18 +172,18 @@ def _cmd_info(args) -> int:
     # where the M = 64 GEMM entries cap registers: at every token-scale stride from Triton 3.7 on
     aligned = gemm.ALIGNED_SCALE_STRIDE
     cap_where = "" if gemm.m64_register_cap(aligned) else f" where the token scales' stride is not a multiple of {aligned}"
-    # the M-bucket-256 launches on padded token-scale rows: both capped up to 3.6, from 3.7 on only
-    # the gate_up with the SiLU*mul epilogue
-    padded = (f"capped at {gemm.THREE_PROGRAMS_PER_SM} registers" if gemm.padded_rows_register_cap(False)
-              else "capped only with the SiLU*mul epilogue")
+    # the M-bucket-256 launches: up to 3.6 both capped on padded token-scale rows, from 3.7 on the
+    # gate_up with the SiLU*mul epilogue at every M
+    bucket256 = ("on padded token-scale rows" if gemm.bucket256_register_cap(True, False)
+                 else "for the gate_up with the SiLU*mul epilogue")
     finish_tokens = mhc.stats_finish_tokens(rows=256, split_tile=1)
     finish = "one token a program" if finish_tokens == 1 else f"up to {finish_tokens} tokens a program"
     pipelined = "unpipelined" if mhc.stats_partial_stages(mhc.DECODE_STATS_TILE) else "pipelined"
     print(f"triton release: {tested} (fp8chain tests {names}; launch tables swept under "
           f"{dotted(*launch.SWEPT_RELEASE)}), FP8-weight wo_a "
           f"tiles up to {einsum.FP8_WEIGHT_TILE_ROWS} rows, M = 64 GEMM entries capped at "
-          f"{gemm.THREE_PROGRAMS_PER_SM} registers{cap_where}, M-bucket-256 entries on padded token-scale rows "
-          f"{padded}, mHC stats finish: {finish}, "
+          f"{gemm.THREE_PROGRAMS_PER_SM} registers{cap_where}, M-bucket-256 entries capped {bucket256}, "
+          f"mHC stats finish: {finish}, "
           f"mHC stats partial sums at decode: {pipelined}")
     caps = backends.probe()
     print(f"capabilities: {caps}")

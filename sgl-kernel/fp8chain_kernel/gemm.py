@@ -398,17 +398,22 @@ def m64_register_cap(scale_stride: int, triton_version: str = triton.__version__
     return None
 
 
-def padded_rows_register_cap(silu_mul_epilogue: bool, triton_version: str = triton.__version__) -> int | None:
-    """The register cap of an M-bucket-256 ``residency_cap`` launch on padded token-scale rows
-    (``_launch_residency``; M = 193-255 not a multiple of 16). Triton 3.6 compiles those launches
-    in 170-172 registers (two programs per SM), so THREE_PROGRAMS_PER_SM. Triton 3.8 compiles them
-    in 140-144 (three per SM already); capped, the pair GEMM spills 48 bytes a thread and reads
-    slower (down 39.2-39.5 against 36.8-37.0 us on an H100), the gate_up with the SiLU*mul
-    epilogue does not spill and reads faster (74.6-74.9 against 75.8-77.4): from 3.7 on only the
-    epilogue launch is capped (docs/gemm.md, "Register caps")."""
-    if silu_mul_epilogue or triton_release(triton_version) <= SWEPT_RELEASE:
-        return THREE_PROGRAMS_PER_SM
-    return None
+def bucket256_register_cap(padded_rows: bool, silu_mul_epilogue: bool,
+                           triton_version: str = triton.__version__) -> int | None:
+    """The register cap of a launch of an M-bucket-256 ``residency_cap`` entry (the per-group
+    gate_up and down, M = 129-256; ``_launch_residency``). Triton 3.6 compiles the launches on
+    padded token-scale rows (``padded_rows``: M = 193-255 not a multiple of 16) in 170-172 registers
+    (two programs per SM), so THREE_PROGRAMS_PER_SM there and nothing elsewhere (at M = 224 / 256
+    the gate_up with the SiLU*mul epilogue reads the same capped or not). Triton 3.8 compiles the
+    plain GEMM in 140 registers and the SiLU*mul epilogue launch in 136-144 at any M (three per SM
+    already); capped, the plain GEMM spills 48 bytes a thread and reads slower (down 39.2-39.5
+    against 36.8-37.0 us on an H100), the epilogue launch takes the 168 registers without a spill
+    and reads faster (74.4-74.9 against 75.8-79.1 us at M = 200-256): from 3.7 on the epilogue
+    launch is capped at every M of the bucket, the plain GEMM nowhere (docs/gemm.md, "Register
+    caps")."""
+    if triton_release(triton_version) <= SWEPT_RELEASE:
+        return THREE_PROGRAMS_PER_SM if padded_rows else None
+    return THREE_PROGRAMS_PER_SM if silu_mul_epilogue else None
 
 
 # Static table, (M bucket, N, K, group) -> config, filled from H200 sweeps (benchmark/gemm.py
@@ -685,11 +690,11 @@ def _launch_residency(cfg: GemmConfig, a_scale: torch.Tensor | None, programs: i
     kernel's PADDED_SCALE_ROWS, for a launch of ``programs`` programs over the token scales
     ``a_scale`` ``[M, groups]`` (None: W8A16, no token scales). A ``residency_cap`` entry keeps three 4-warp programs per SM
     (docs/gemm.md, "Register caps"): a bf16-dequantized one (the M = 64 entries) where
-    ``m64_register_cap`` caps it; a per-group FP8 one (the M-bucket-256 entries) where M is not a
-    multiple of 16 and its programs would need a second wave at two per SM (M = 193-255): there it
-    compiles in 182-255 registers unless it reads the scales padded to align4(M) (where their
-    storage holds those rows), and capped after that where ``padded_rows_register_cap`` says for the
-    launch (``silu_mul_epilogue``: the gate_up GEMM writing SiLU*mul)."""
+    ``m64_register_cap`` caps it; a per-group FP8 one (the M-bucket-256 entries) reads the token
+    scales padded to align4(M) where M is not a multiple of 16 and its programs would need a second
+    wave at two per SM (M = 193-255, where it compiles in 182-255 registers otherwise) and their
+    storage holds those rows, and takes ``bucket256_register_cap``'s cap for the launch
+    (``silu_mul_epilogue``: the gate_up GEMM writing SiLU*mul)."""
     scale_stride = 0 if a_scale is None else a_scale.stride(1)
     per_group = a_scale is not None and cfg.residency_cap and not (cfg.dequant or cfg.block_diag)
     padded = (per_group and a_scale.shape[0] % 16 != 0 and programs > 2 * sm_count(a_scale.device, interpreter=4)
@@ -700,8 +705,8 @@ def _launch_residency(cfg: GemmConfig, a_scale: torch.Tensor | None, programs: i
     if cap is None and cfg.residency_cap:
         if cfg.dequant:
             cap = m64_register_cap(scale_stride)
-        elif padded:
-            cap = padded_rows_register_cap(silu_mul_epilogue)
+        elif per_group:
+            cap = bucket256_register_cap(padded, silu_mul_epilogue)
     return {"num_stages": cfg.stages, **({} if cap is None else {"maxnreg": cap})}, padded
 
 

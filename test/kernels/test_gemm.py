@@ -230,9 +230,10 @@ def test_a_register_cap_reaches_the_compiler(monkeypatch):
     uncapped, two programs per SM), not at M = 48 / 64 (168, as swept). The two per-group M-bucket-256
     entries read the scales padded to align4(M) and are capped where M is not a multiple of 16 and
     their programs pass two per SM (M = 200 on 132 SMs, not M = 150 or 208, nor where the scales'
-    storage ends before align4(M)): both under Triton 3.6, which compiles them in 170-172 registers,
-    only the gate_up with the SiLU*mul epilogue under 3.8 (140-144 uncapped, where the capped pair
-    GEMM spills). An explicit ``max_regs`` wins."""
+    storage ends before align4(M)): both under Triton 3.6, which compiles them in 170-172 registers.
+    From Triton 3.7 on the gate_up with the SiLU*mul epilogue is capped at every M of the bucket (it
+    reads faster in 168 registers than in 3.8's 136-144) and the pair GEMM nowhere (capped it
+    spills). An explicit ``max_regs`` wins."""
     monkeypatch.setattr(gemm, "sm_count", lambda device, interpreter: 132)
     scales = {m: quant.quantize(torch.randn(m, 2304, dtype=torch.bfloat16), G32).scale for m in (40, 64, 150, 200, 201, 208)}
     capped = gemm.GemmConfig(64, 64, 128, 4, 3, 4, 8, True, False, 2, max_regs=gemm.THREE_PROGRAMS_PER_SM)
@@ -246,13 +247,18 @@ def test_a_register_cap_reaches_the_compiler(monkeypatch):
     assert gemm._launch_residency(resident._replace(max_regs=200), scales[40], 320) == \
         ({"num_stages": 3, "maxnreg": 200}, False)
     per_group = gemm.CONFIG_TABLE[(256, 5120, 2304, 32)]
-    padded_cap = gemm.padded_rows_register_cap(False)
-    assert gemm._launch_residency(per_group, scales[200], 320) == \
-        ({"num_stages": 4, **({"maxnreg": padded_cap} if padded_cap else {})}, True)
+
+    def options(padded_rows, silu_mul_epilogue=False):
+        cap = gemm.bucket256_register_cap(padded_rows, silu_mul_epilogue)
+        return {"num_stages": 4, **({"maxnreg": cap} if cap else {})}
+
+    assert gemm._launch_residency(per_group, scales[200], 320) == (options(True), True)
     assert gemm._launch_residency(per_group, scales[200], 320, silu_mul_epilogue=True) == \
         ({"num_stages": 4, "maxnreg": 168}, True)
     for m, programs in ((208, 320), (150, 240)):
-        assert gemm._launch_residency(per_group, scales[m], programs) == ({"num_stages": 4}, False), m
+        assert gemm._launch_residency(per_group, scales[m], programs) == (options(False), False), m
+        assert gemm._launch_residency(per_group, scales[m], programs, silu_mul_epilogue=True) == \
+            (options(False, True), False), m
     assert gemm._launch_residency(per_group, scales[201], 320)[1]
     tight = torch.empty_strided(scales[201].shape, scales[201].stride())  # storage ends at row 200 of 204
     assert gemm._launch_residency(per_group, tight, 320) == ({"num_stages": 4}, False)
@@ -266,11 +272,14 @@ def test_a_register_cap_reaches_the_compiler(monkeypatch):
     for version in ("3.6.0", "3.5.1"):
         assert gemm.m64_register_cap(48, version) is None and gemm.m64_register_cap(64, version) is None
         assert gemm.m64_register_cap(40, version) == gemm.m64_register_cap(36, version) == 168
-        assert gemm.padded_rows_register_cap(False, version) == gemm.padded_rows_register_cap(True, version) == 168
+        for silu_mul_epilogue in (False, True):
+            assert gemm.bucket256_register_cap(True, silu_mul_epilogue, version) == 168
+            assert gemm.bucket256_register_cap(False, silu_mul_epilogue, version) is None
     for version in ("3.8.0", "3.8.1+git1a2b"):
         assert gemm.m64_register_cap(64, version) == gemm.m64_register_cap(40, version) == 168
-        assert gemm.padded_rows_register_cap(False, version) is None
-        assert gemm.padded_rows_register_cap(True, version) == 168
+        for padded_rows in (False, True):
+            assert gemm.bucket256_register_cap(padded_rows, False, version) is None
+            assert gemm.bucket256_register_cap(padded_rows, True, version) == 168
     resident = {key for key, cfg in gemm.CONFIG_TABLE.items() if cfg.residency_cap}
     assert resident == {(64, 4608, 5120, 32), (64, 5120, 8192, 32), (64, 5120, 2048, 32),
                         (256, 4608, 5120, 32), (256, 5120, 2304, 32)}
@@ -597,7 +606,7 @@ def test_a_register_cap_changes_no_bit_gpu(n, k):
 @pytest.mark.parametrize("n,k", [(4608, 5120), (5120, 2304)])
 def test_padded_scale_rows_change_no_bit_gpu(n, k):
     """The M-bucket-256 per-group entries at M = 200 (scales read padded to align4(M), capped where
-    ``gemm.padded_rows_register_cap`` says: under 3.8 the pair GEMM uncapped, the gate_up with its
+    ``gemm.bucket256_register_cap`` says: under 3.8 the pair GEMM uncapped, the gate_up with its
     SiLU*mul epilogue capped) write the bits of the same entry masking at M uncapped."""
     torch.manual_seed(0)
     w, s, _ = _gpu_weight(n, k, 32)
@@ -610,6 +619,24 @@ def test_padded_scale_rows_change_no_bit_gpu(n, k):
     if n == 4608:
         pairs = [gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, limit=10.0, out_format=G32,
                                         return_bf16=False, config=c) for c in (table, plain)]
+        assert_pairs_equal(*pairs)
+
+
+@pytest.mark.gpu
+def test_bucket256_silu_mul_cap_changes_no_bit_gpu():
+    """The gate_up with its SiLU*mul epilogue at M = 160 and 256 (the M-bucket-256 entry on unpadded
+    scale rows, capped from Triton 3.7 on: ``gemm.bucket256_register_cap``) writes the bits of the
+    same entry capped at 168 and uncapped."""
+    torch.manual_seed(0)
+    n, k = 4608, 5120
+    w, s, _ = _gpu_weight(n, k, 32)
+    for m in (160, 256):
+        pair = quant.quantize(make_activation(m, k, "cuda"), G32)
+        table = gemm.gemm_config(m, n, k, 32, pair.data.device)
+        assert table.residency_cap and not gemm._launch_residency(table, pair.scale, 72 * m // 64)[1]
+        arms = (table._replace(max_regs=gemm.THREE_PROGRAMS_PER_SM), table._replace(residency_cap=False))
+        pairs = [gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, limit=10.0, return_bf16=False,
+                                        out=poisoned_pair(m, n // 2, G32, "cuda"), config=c) for c in arms]
         assert_pairs_equal(*pairs)
 
 

@@ -192,7 +192,7 @@ def test_info_lists_backends(capsys):
     past_swept = launch.triton_release() > launch.SWEPT_RELEASE
     where = "" if past_swept else " where the token scales' stride is not a multiple of 16"
     assert f"M = 64 GEMM entries capped at 168 registers{where}," in out
-    assert f"M-bucket-256 entries on padded token-scale rows {'capped only with the SiLU*mul epilogue' if past_swept else 'capped at 168 registers'}," in out
+    assert f"M-bucket-256 entries capped {'for the gate_up with the SiLU*mul epilogue' if past_swept else 'on padded token-scale rows'}," in out
     assert f"mHC stats finish: {'one token' if past_swept else 'up to 256 tokens'} a program" in out
     assert f"mHC stats partial sums at decode: {'unpipelined' if past_swept else 'pipelined'}" in out
     assert "SGLang plugin: sglang.srt.plugins entry point registered (fp8chain.integrations.sglang:install)" in out
