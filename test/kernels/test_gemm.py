@@ -10,7 +10,7 @@ import torch
 
 from fp8chain_kernel import act, gemm, launch, quant
 from fp8chain_kernel import reference as ref
-from fp8chain_kernel.formats import ActFormat, empty_pair
+from fp8chain_kernel.formats import ActFormat, cdiv, empty_pair
 from helpers import assert_pairs_equal, poisoned_pair, rel_error
 
 G32, G128 = ActFormat.SM90_G32_FP32_MN, ActFormat.SM90_G128_FP32_MN
@@ -633,7 +633,7 @@ def test_bucket256_silu_mul_cap_changes_no_bit_gpu():
     for m in (160, 256):
         pair = quant.quantize(make_activation(m, k, "cuda"), G32)
         table = gemm.gemm_config(m, n, k, 32, pair.data.device)
-        assert table.residency_cap and not gemm._launch_residency(table, pair.scale, 72 * -(-m // 64))[1]
+        assert table.residency_cap and not gemm._launch_residency(table, pair.scale, 72 * cdiv(m, 64))[1]
         arms = (table._replace(max_regs=gemm.THREE_PROGRAMS_PER_SM), table._replace(residency_cap=False))
         pairs = [gemm.fp8_gemm_silu_mul(pair, w, s, weight_block=32, limit=10.0, return_bf16=False,
                                         out=poisoned_pair(m, n // 2, G32, "cuda"), config=c) for c in arms]
