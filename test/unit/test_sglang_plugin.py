@@ -18,9 +18,8 @@ from fp8chain_kernel import backends
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import ActFormat
 from fp8chain_kernel.quant import quantize
-from helpers import DerivingBackend, UpstreamLinear, rel_error, upstream_method, upstream_process
-
-pytestmark = pytest.mark.cpu
+from helpers import (DerivingBackend, UpstreamLinear, assert_pairs_equal, rel_error, upstream_method,
+                     upstream_process)
 
 
 def upstream_apply(method, layer, x, bias=None):
@@ -29,12 +28,14 @@ def upstream_apply(method, layer, x, bias=None):
     return torch.zeros(x.shape[0], layer.weight.shape[0], dtype=torch.bfloat16)
 
 
+@pytest.mark.cpu
 def test_entry_point_names_install():
     found = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=plugin.PLUGIN_GROUP)}
     assert found.get("fp8chain") == "fp8chain.integrations.sglang:install"
 
 
-def test_install_registers_both_hooks(monkeypatch):
+@pytest.mark.cpu
+def test_install_registers_the_hooks(monkeypatch):
     registered = []
     hook_type = enum.Enum("HookType", ["BEFORE", "AFTER", "AROUND", "REPLACE"])
     registry = types.SimpleNamespace(register=lambda target, hook, kind: registered.append((target, hook, kind)))
@@ -45,14 +46,18 @@ def test_install_registers_both_hooks(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", module)
     plugin.install()
     method = "sglang.srt.layers.quantization.fp8.Fp8LinearMethod"
+    mqa = "sglang.srt.models.deepseek_v4.MQALayer"
     assert registered == [
         ("sglang.srt.layers.quantization.fp8.Fp8Config.get_quant_method", plugin.after_get_quant_method,
          hook_type.AFTER),
         (f"{method}.process_weights_after_loading", plugin.around_process_weights, hook_type.AROUND),
         (f"{method}.apply", plugin.around_apply, hook_type.AROUND),
+        (f"{mqa}.__init__", plugin.after_mqa_init, hook_type.AFTER),
+        (f"{mqa}._normalize_q_lora", plugin.around_normalize_q_lora, hook_type.AROUND),
     ]
 
 
+@pytest.mark.cpu
 def test_a_request_outlives_upstreams_processing_and_layers_are_named(monkeypatch, caplog):
     """Upstream's processing resets the request flag off Blackwell: the hook reads it first and
     serves it (the flag True again, as upstream leaves a layer it prepared). The layer's name comes
@@ -77,6 +82,7 @@ def test_a_request_outlives_upstreams_processing_and_layers_are_named(monkeypatc
     assert caplog.text.count("asks no pre-quantized input") == 1 and "layers.0.mlp.down_proj" in caplog.text
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("rows", [1, 5])
 def test_requested_layer_reads_pairs_like_fp8chains_own_linear(rows):
     n, k = 128, 256
@@ -98,6 +104,7 @@ def test_requested_layer_reads_pairs_like_fp8chains_own_linear(rows):
     assert rel_error(out - bias, ref.fp8_gemm(pair, weight, scale, 32)) < 5e-3
 
 
+@pytest.mark.cpu
 def test_bf16_input_runs_upstream():
     weight, scale = ref.random_fp8_weight(64, 128, 32)
     layer = UpstreamLinear(weight, scale)
@@ -107,6 +114,7 @@ def test_bf16_input_runs_upstream():
     assert upstream_apply.calls == 1 and out.shape == (3, 64)
 
 
+@pytest.mark.cpu
 def test_layer_without_request_is_left_to_upstream():
     weight, scale = ref.random_fp8_weight(64, 128, 32)
     layer = UpstreamLinear(weight, scale, request=False)
@@ -117,6 +125,7 @@ def test_layer_without_request_is_left_to_upstream():
         plugin.around_apply(upstream_apply, upstream_method(), layer, pair)
 
 
+@pytest.mark.cpu
 def test_pair_in_another_format_raises_naming_both():
     weight, scale = ref.random_fp8_weight(64, 128, 32)
     layer = UpstreamLinear(weight, scale)
@@ -126,6 +135,7 @@ def test_pair_in_another_format_raises_naming_both():
         plugin.around_apply(upstream_apply, upstream_method(), layer, quantize(torch.randn(2, 128).bfloat16(), other))
 
 
+@pytest.mark.cpu
 def test_unsupported_block_refuses_the_request(caplog):
     weight, scale = ref.random_fp8_weight(64, 128, 32)
     layer = UpstreamLinear(weight, scale)
@@ -135,6 +145,7 @@ def test_unsupported_block_refuses_the_request(caplog):
     assert "no fp8chain consumer for weight block [64, 64]" in caplog.text
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("prepared", [True, False])
 def test_blackwell_is_left_to_upstream(monkeypatch, prepared):
     """On Blackwell the flag ends as upstream's own preparation left it, fp8chain adds nothing."""
@@ -149,6 +160,7 @@ def test_blackwell_is_left_to_upstream(monkeypatch, prepared):
     assert layer.deepgemm_mxfp8_input is prepared and not hasattr(layer, "input_format")
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("capability,hip,serves", [((9, 0), None, True), ((8, 0), None, False),
                                                   ((8, 9), None, False), ((9, 0), "6.2", False)])
 def test_fp8chain_takes_requests_on_hopper_only(monkeypatch, capability, hip, serves):
@@ -164,6 +176,7 @@ def test_fp8chain_takes_requests_on_hopper_only(monkeypatch, capability, hip, se
     assert "without the Triton interpreter" in plugin._why_not_fp8chain(torch.device("cpu"))
 
 
+@pytest.mark.cpu
 def test_a_device_fp8chain_does_not_serve_keeps_upstreams_weights(monkeypatch, caplog):
     marlin_packed = torch.zeros(128 // 8, 64, dtype=torch.int32)  # not an e4m3 [N, K] weight
     layer = UpstreamLinear(marlin_packed, torch.ones(2, 4))
@@ -175,6 +188,7 @@ def test_a_device_fp8chain_does_not_serve_keeps_upstreams_weights(monkeypatch, c
     assert layer.weight.dtype == torch.int32 and layer.weight.data_ptr() == marlin_packed.data_ptr()
 
 
+@pytest.mark.cpu
 def test_weights_repacked_for_amx_are_not_read(caplog):
     """Upstream's CPU path repacks the weights for Intel AMX (``use_intel_amx_backend``): the CPU
     under the interpreter is served, but such a layer is refused without reading them as e4m3."""
@@ -188,6 +202,7 @@ def test_weights_repacked_for_amx_are_not_read(caplog):
     assert not getattr(layer, "derived_weight_names", None)
 
 
+@pytest.mark.cpu
 def test_reprocessing_after_a_reload_keeps_derived_storage(monkeypatch):
     """A reload runs the hook again: the derived tensors keep their storage (captured graphs still
     read them) and hold the new weights' values, so the GEMM after the reload is that of the new
@@ -210,6 +225,7 @@ def test_reprocessing_after_a_reload_keeps_derived_storage(monkeypatch):
     out = plugin.around_apply(upstream_apply, upstream_method(), layer, pair)
     assert rel_error(out, ref.fp8_gemm(pair, new_weight, new_scale, 32)) < 5e-3
 
+@pytest.mark.cpu
 def test_a_layer_no_backend_serves_keeps_upstreams_bf16_path(monkeypatch, caplog):
     """Where no fp8chain backend serves the layer, the request is refused and the warning names
     what runs its bf16 input in SGLang: upstream's GEMM (not fp8chain's torch fallback)."""
@@ -228,6 +244,7 @@ def test_a_layer_no_backend_serves_keeps_upstreams_bf16_path(monkeypatch, caplog
     assert upstream_apply.calls == 1
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("capability,upstream", [((9, 0), False), ((10, 0), True), ((12, 0), True)])
 def test_upstream_serves_the_request_from_blackwell_on(monkeypatch, capability, upstream):
     """sm_100 and later: SGLang's own producers and DeepGEMM take the request (the plugin must not
@@ -237,6 +254,7 @@ def test_upstream_serves_the_request_from_blackwell_on(monkeypatch, capability, 
     assert plugin._upstream_serves_request(torch.device("cuda", 0)) is upstream
 
 
+@pytest.mark.cpu
 def test_a_non_square_weight_block_is_refused_with_a_warning(caplog):
     """A [32, 128] weight block is no format fp8chain reads: the request is refused (bf16 input, a
     WARNING naming the block), not taken as 32-blocks that fail the weight check at load."""
@@ -250,8 +268,164 @@ def test_a_non_square_weight_block_is_refused_with_a_warning(caplog):
     assert "for weight block [32, 128]" in caplog.text
 
 
+@pytest.mark.cpu
 def test_a_positional_prefix_names_the_layer():
     """``get_quant_method(layer, prefix)`` called positionally still names the layer in logs."""
     layer = torch.nn.Linear(2, 2)
     plugin.after_get_quant_method(None, object(), layer, "model.layers.0.mlp.down_proj")
     assert layer.fp8chain_prefix == "model.layers.0.mlp.down_proj"
+
+
+class UpstreamRMSNorm(torch.nn.Module):
+    """What SGLang's ``RMSNorm`` carries: a bf16 ``weight`` and ``variance_epsilon``."""
+
+    def __init__(self, hidden, device=None, eps=1e-6):
+        super().__init__()
+        weight = 1 + 0.1 * torch.randn(hidden, device=device).bfloat16()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.variance_epsilon = eps
+
+
+class UpstreamMQA(torch.nn.Module):
+    """SGLang's ``MQALayer`` as the q_norm hooks read it: ``wq_b`` (an FP8 linear, no request of its
+    own on Hopper) and ``q_norm``."""
+
+    def __init__(self, q_lora_rank=256, wq_b_rows=128, device=None):
+        super().__init__()
+        weight, scale = ref.random_fp8_weight(wq_b_rows, q_lora_rank, 32, device=device)
+        self.wq_b = UpstreamLinear(weight, scale, request=False)
+        self.q_norm = UpstreamRMSNorm(q_lora_rank, device)
+
+
+def upstream_normalize_q_lora(attn, q):
+    """Stands for upstream's ``_normalize_q_lora`` on Hopper: the bf16 normed row, twice."""
+    upstream_normalize_q_lora.calls += 1
+    y = ref.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
+    return y, y
+
+
+def assert_same_bf16(got, want):
+    """The same bits where finite, NaN at the same places (a NaN's payload may differ)."""
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.view(torch.int16)[~got.isnan()], want.view(torch.int16)[~want.isnan()])
+
+
+def chained_mqa(monkeypatch, **shape):
+    """An MQA layer built and loaded with the hooks, in a forward where a pair may go."""
+    monkeypatch.setattr(plugin, "_why_upstream_q_lora", lambda: None)
+    attn = UpstreamMQA(**shape)
+    assert plugin.after_mqa_init(None, attn) is None
+    assert attn.wq_b.deepgemm_mxfp8_input is True  # the request, made before the weights load
+    plugin.around_process_weights(upstream_process, upstream_method(), attn.wq_b)
+    assert attn.wq_b.input_format is backends.input_format_for(32)
+    return attn
+
+
+def q_lora_rows(rows, q_lora_rank, device=None, kv_width=64):
+    """q_lora as upstream slices it off the fused wqkv_a output (row stride past its width), with a
+    zero row and a NaN row where there are rows enough."""
+    qkv_a = torch.randn(rows, q_lora_rank + kv_width, device=device).bfloat16()
+    if rows >= 3:
+        qkv_a[1] = 0
+        qkv_a[2, 7] = float("nan")
+    return qkv_a[:, :q_lora_rank]
+
+
+def check_q_norm_chain(monkeypatch, rows, q_lora_rank, wq_b_rows, device):
+    """Where wq_b reads pairs, q_norm's launch returns the bf16 row (the indexer's) and its pair,
+    the pair equal to the standalone quantize of that row bit for bit; wq_b then computes, without a
+    quantize, what fp8chain's own linear computes from the bf16 row (chain on = chain off)."""
+    attn = chained_mqa(monkeypatch, q_lora_rank=q_lora_rank, wq_b_rows=wq_b_rows, device=device)
+    q = q_lora_rows(rows, q_lora_rank, device)
+    upstream_normalize_q_lora.calls = 0
+    y, pair = plugin.around_normalize_q_lora(upstream_normalize_q_lora, attn, q)
+    assert upstream_normalize_q_lora.calls == 0
+    assert_same_bf16(y, ref.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon))
+    assert_pairs_equal(pair, ref.quantize(y, attn.wq_b.input_format))
+    upstream_apply.calls = 0
+    out = plugin.around_apply(upstream_apply, upstream_method(), attn.wq_b, pair)
+    assert upstream_apply.calls == 0 and out.shape == (rows, wq_b_rows)
+    own = ReplicatedLinear(q_lora_rank, wq_b_rows, quant_config=Fp8Config(weight_block_size=(32, 32),
+                                                                            scale_fmt="ue8m0")).to(device)
+    load_weights(own, [("weight", attn.wq_b.weight.data), ("weight_scale_inv", attn.wq_b.weight_scale_inv.data)])
+    assert_same_bf16(out, own(y))
+    if rows >= 3:
+        assert out[2].isnan().all() and not out[[0, 1]].isnan().any()  # the NaN row stays visible
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("rows", [1, 3, 5, 0])
+def test_q_norm_hands_wq_b_the_pair_of_its_bf16_row(monkeypatch, rows):
+    check_q_norm_chain(monkeypatch, rows, 256, 128, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 64, 127, 256])
+def test_q_norm_hands_wq_b_the_pair_of_its_bf16_row_gpu(monkeypatch, rows):
+    """On Hopper at DSv4.1-Flash's wq_b (q_lora_rank 1280, 64 heads x 512 at TP1): the hook makes
+    the request there and fp8chain's GEMM takes the pair."""
+    check_q_norm_chain(monkeypatch, rows, 1280, 64 * 512, torch.device("cuda"))
+
+
+@pytest.mark.cpu
+def test_q_norm_stands_aside_where_no_pair_may_go(monkeypatch):
+    """Upstream's _normalize_q_lora runs for a wq_b that reads no pairs, a q or q_norm that is not
+    bf16, and in the forwards _why_upstream_q_lora names."""
+    attn = chained_mqa(monkeypatch)
+    q = q_lora_rows(4, 256)
+
+    def upstream_ran(layer, x):
+        upstream_normalize_q_lora.calls = 0
+        got = plugin.around_normalize_q_lora(upstream_normalize_q_lora, layer, x)
+        return upstream_normalize_q_lora.calls == 1 and got[1] is not None and torch.is_tensor(got[1])
+
+    assert not upstream_ran(attn, q)  # the chained case, for contrast
+    assert upstream_ran(attn, q.float())
+    attn.q_norm.weight.data = attn.q_norm.weight.data.float()
+    assert upstream_ran(attn, q)
+    attn.q_norm.weight.data = attn.q_norm.weight.data.bfloat16()
+    monkeypatch.setattr(plugin, "_why_upstream_q_lora", lambda: "sequence parallelism (test)")
+    assert upstream_ran(attn, q)
+    monkeypatch.setattr(plugin, "_why_upstream_q_lora", lambda: None)
+    unasked = UpstreamMQA()
+    plugin.around_process_weights(upstream_process, upstream_method(), unasked.wq_b)  # no request: bf16
+    assert upstream_ran(unasked, q)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("case", ["hopper", "not_served", "blackwell", "upstream_quant"])
+def test_wq_b_asks_only_where_fp8chain_serves(monkeypatch, case):
+    """The request on wq_b is made where fp8chain's consumers run (Hopper; the CPU under the
+    interpreter here), not where another device keeps upstream's weights, not on Blackwell
+    (upstream's), and not where upstream's own Hopper q_lora quantize feeds wq_b."""
+    monkeypatch.delenv(plugin.UPSTREAM_HOPPER_Q_LORA_QUANT, raising=False)
+    if case == "not_served":
+        monkeypatch.setattr(plugin, "_why_not_fp8chain", lambda device: "sm_80 (test)")
+    elif case == "blackwell":
+        monkeypatch.setattr(plugin, "_upstream_serves_request", lambda device: True)
+    elif case == "upstream_quant":
+        monkeypatch.setenv(plugin.UPSTREAM_HOPPER_Q_LORA_QUANT, "1")
+    attn = UpstreamMQA()
+    plugin.after_mqa_init(None, attn)
+    assert attn.wq_b.deepgemm_mxfp8_input is (case == "hopper")
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("sp,invariant,deterministic,why", [
+    (False, False, False, None), (True, False, False, "sequence parallelism"),
+    (False, True, False, "deterministic"), (False, False, True, "deterministic")])
+def test_sglangs_runtime_modes_keep_upstreams_q_lora(monkeypatch, sp, invariant, deterministic, why):
+    """The modes read from SGLang at each forward: sequence parallelism, batch-invariant and
+    deterministic inference."""
+    runtime = types.ModuleType("sglang.srt.runtime_context")
+    runtime.get_forward = lambda: types.SimpleNamespace(sp_active=sp)
+    runtime.get_exec = lambda: types.SimpleNamespace(
+        deterministic=types.SimpleNamespace(enable_deterministic_inference=deterministic))
+    ops = types.ModuleType("sglang.srt.batch_invariant_ops")
+    ops.is_batch_invariant_mode_enabled = lambda: invariant
+    for name in ("sglang", "sglang.srt"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", runtime)
+    monkeypatch.setitem(sys.modules, "sglang.srt.batch_invariant_ops", ops)
+    got = plugin._why_upstream_q_lora()
+    assert got is None if why is None else why in got

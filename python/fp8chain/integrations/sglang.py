@@ -5,7 +5,7 @@ process, calls each plugin's function, then applies the hooks it registered
 (``sglang.srt.plugins.hook_registry.HookRegistry``). fp8chain registers itself there as
 ``fp8chain`` (pyproject.toml); with ``SGLANG_PLUGINS`` set, name it in that list.
 
-``install()`` registers three hooks:
+``install()`` registers three hooks on the FP8 linears:
 
 * after ``Fp8Config.get_quant_method(layer, prefix)``: the layer's checkpoint name, kept as
   ``layer.fp8chain_prefix`` for log lines and errors (upstream's ``LinearBase`` does not keep it);
@@ -22,8 +22,8 @@ process, calls each plugin's function, then applies the hooks it registered
   Marlin (``use_marlin``, e.g. ``SGLANG_FORCE_FP8_MARLIN``) or for Intel AMX on the CPU
   (``layer.use_intel_amx_backend``) the request is refused without reading them as e4m3;
   Blackwell and later are upstream's. SGLang 0.5.23's DeepSeek-V4 attention asks (on ``wqkv_a``
-  and ``wo_b``) only with its mega attention, which runs on Blackwell: on Hopper no layer asks
-  until fp8chain's producers are hooked into the model, and the plugin logs once that its
+  and ``wo_b``) only with its mega attention, which runs on Blackwell: on Hopper only the
+  ``MQALayer`` hook below asks (on ``wq_b``); where nothing asks, the plugin logs once that its
   consumers stay idle.
 * around ``apply(layer, x, bias=None)``: a ``QuantizedActivation`` goes to that backend's GEMM,
   never re-quantized (a pair in another format, or for a layer that did not ask for one, raises
@@ -32,39 +32,63 @@ process, calls each plugin's function, then applies the hooks it registered
 Upstream's weights stay where they are: the hook reads ``weight`` (e4m3 ``[N, K]``) and
 ``weight_scale_inv`` (fp32 block scales) as upstream's block-FP8 method leaves them, with the
 method's square ``weight_block_size`` (32 or 128).
+
+``install()`` also makes q_norm the producer of ``wq_b``'s input in the DeepSeek-V4 attention
+(``MQALayer``), with two hooks:
+
+* after ``MQALayer.__init__``: where fp8chain's consumers run (Hopper), ``wq_b`` asks for a
+  pre-quantized input (the request the process hook above serves or refuses at load). Not where
+  upstream's own Hopper q_lora quantize is switched on (``SGLANG_OPT_DSV41_SM90_Q_LORA_QUANT``,
+  SGLang after 0.5.23): that path feeds ``wq_b`` itself.
+* around ``MQALayer._normalize_q_lora(q)``: upstream returns ``(bf16 normed q, wq_b's input)``,
+  the bf16 row for the indexer and the same row for ``wq_b``, which quantizes it. Where ``wq_b``
+  became an fp8chain consumer, one ``norm.rms_norm`` launch returns the bf16 row and its pair in
+  ``wq_b.input_format`` instead, so ``wq_b`` runs without a quantize launch. The bf16 row is
+  fp8chain's RMSNorm (fp32, rounded once), which may differ from upstream's kernel in the last
+  bit of an element. Upstream's ``_normalize_q_lora`` runs where no pair may be handed on:
+  sequence parallelism (``wq_b`` all-gathers its input as a tensor), deterministic or
+  batch-invariant inference (fp8chain's launches are chosen per row count), or a ``q`` /
+  ``q_norm`` that is not bf16.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from fp8chain_kernel.formats import QuantizedActivation
 from fp8chain_kernel.fp8_tile import interpreting
 
+from fp8chain_kernel.norm import rms_norm
+
 from ..layers.quantization.fp8 import (Fp8LinearMethod, check_pair_input, check_weights, consumer_gemm, input_requested,
                                        prepare_consumer)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["install", "after_get_quant_method", "around_process_weights", "around_apply", "FP8_CONFIG",
-           "FP8_LINEAR_METHOD", "PLUGIN_GROUP"]
+__all__ = ["install", "after_get_quant_method", "around_process_weights", "around_apply", "after_mqa_init",
+           "around_normalize_q_lora", "FP8_CONFIG", "FP8_LINEAR_METHOD", "MQA_LAYER", "PLUGIN_GROUP"]
 
 PLUGIN_GROUP = "sglang.srt.plugins"  # SGLang's entry point group of general plugins
 FP8_LINEAR_METHOD = "sglang.srt.layers.quantization.fp8.Fp8LinearMethod"
 FP8_CONFIG = "sglang.srt.layers.quantization.fp8.Fp8Config"
+MQA_LAYER = "sglang.srt.models.deepseek_v4.MQALayer"
+UPSTREAM_HOPPER_Q_LORA_QUANT = "SGLANG_OPT_DSV41_SM90_Q_LORA_QUANT"  # SGLang's own q_norm -> wq_b pair, after 0.5.23
 _BLOCK_SIZES = (32, 128)
 
 
 def install() -> None:
-    """The entry point SGLang calls: register the three hooks (applied by SGLang afterwards)."""
+    """The entry point SGLang calls: register the five hooks (applied by SGLang afterwards)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(f"{FP8_CONFIG}.get_quant_method", after_get_quant_method, HookType.AFTER)
     HookRegistry.register(f"{FP8_LINEAR_METHOD}.process_weights_after_loading", around_process_weights,
                           HookType.AROUND)
     HookRegistry.register(f"{FP8_LINEAR_METHOD}.apply", around_apply, HookType.AROUND)
+    HookRegistry.register(f"{MQA_LAYER}.__init__", after_mqa_init, HookType.AFTER)
+    HookRegistry.register(f"{MQA_LAYER}._normalize_q_lora", around_normalize_q_lora, HookType.AROUND)
 
 
 def _upstream_serves_request(device: torch.device) -> bool:
@@ -123,7 +147,7 @@ def _note_idle(name: str) -> None:
     if not _idle_noted:
         _idle_noted = True
         logger.info("%s asks no pre-quantized input; fp8chain's consumers take only layers whose model asks "
-                    "(SGLang 0.5.23 asks on Blackwell only, where upstream serves it). Logged once.", name)
+                    "(in SGLang on Hopper: DeepSeek-V4's wq_b, fed by fp8chain's q_norm). Logged once.", name)
 
 
 def around_process_weights(original, method, layer, *args, **kwargs):
@@ -175,3 +199,48 @@ def around_apply(original, method, layer, x, bias=None, *args, **kwargs):
     if bias is not None:
         out.add_(bias)  # ``out`` is the GEMM's fresh result
     return out
+
+
+def _upstream_feeds_wq_b() -> bool:
+    """Whether upstream's own Hopper q_lora quantize (SGLang after 0.5.23) is switched on."""
+    return os.environ.get(UPSTREAM_HOPPER_Q_LORA_QUANT, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def after_mqa_init(result, attn, *args, **kwargs):
+    """AFTER hook of ``MQALayer.__init__``: ``wq_b`` asks for a pre-quantized input where
+    fp8chain's consumers run, before its weights load (the module docstring)."""
+    wq_b = getattr(attn, "wq_b", None)
+    weight = getattr(wq_b, "weight", None)
+    if not isinstance(weight, torch.Tensor) or _upstream_feeds_wq_b():
+        return None
+    device = weight.device
+    if device.type == "meta" and torch.cuda.is_available():  # weights materialized later, on this GPU
+        device = torch.device("cuda", torch.cuda.current_device())
+    if not _upstream_serves_request(device) and _why_not_fp8chain(device) is None:
+        wq_b.deepgemm_mxfp8_input = True
+    return None
+
+
+def _why_upstream_q_lora() -> str | None:
+    """Why this forward must hand ``wq_b`` upstream's bf16 row (None: a pair may go): SGLang's
+    runtime modes in which a pair cannot pass or fp8chain's launches do not fit."""
+    from sglang.srt.batch_invariant_ops import is_batch_invariant_mode_enabled
+    from sglang.srt.runtime_context import get_exec, get_forward
+
+    if get_forward().sp_active:
+        return "sequence parallelism (wq_b all-gathers its input as a tensor)"
+    if is_batch_invariant_mode_enabled() or get_exec().deterministic.enable_deterministic_inference:
+        return "deterministic inference (fp8chain's launches are chosen per row count)"
+    return None
+
+
+def around_normalize_q_lora(original, attn, q, *args, **kwargs):
+    """AROUND hook of ``MQALayer._normalize_q_lora(q)``: ``(bf16 q_lora, wq_b's input)``, the
+    input being the FP8 pair of that bf16 row from the same launch where ``wq_b`` reads pairs."""
+    fmt = getattr(attn.wq_b, "input_format", None)
+    weight = attn.q_norm.weight
+    if (fmt is None or args or kwargs or not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or q.dim() != 2
+            or (q.numel() and q.stride(1) != 1) or weight.dtype != torch.bfloat16 or weight.device != q.device
+            or _why_upstream_q_lora() is not None):
+        return original(attn, q, *args, **kwargs)
+    return rms_norm(q, weight, attn.q_norm.variance_epsilon, out_format=fmt)
