@@ -18,8 +18,9 @@ from fp8chain_kernel import backends
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import ActFormat
 from fp8chain_kernel.quant import quantize
-from helpers import (DerivingBackend, UpstreamLinear, assert_pairs_equal, rel_error, upstream_method,
-                     upstream_process)
+from fp8chain_kernel.reference.norm import rms_norm_fp32
+from helpers import (DerivingBackend, UpstreamLinear, assert_close_bf16, assert_pairs_equal, rel_error,
+                     upstream_method, upstream_process)
 
 
 def upstream_apply(method, layer, x, bias=None):
@@ -332,15 +333,20 @@ def q_lora_rows(rows, q_lora_rank, device=None, kv_width=64):
 
 
 def check_q_norm_chain(monkeypatch, rows, q_lora_rank, wq_b_rows, device):
-    """Where wq_b reads pairs, q_norm's launch returns the bf16 row (the indexer's) and its pair,
-    the pair equal to the standalone quantize of that row bit for bit; wq_b then computes, without a
-    quantize, what fp8chain's own linear computes from the bf16 row (chain on = chain off)."""
+    """Where wq_b reads pairs, q_norm's launch returns the bf16 row (the indexer's; the fp32 RMSNorm
+    rounded to bf16, a NaN row NaN) and its pair, the pair equal to the standalone quantize of that
+    row bit for bit; wq_b then computes, without a quantize, what fp8chain's own linear computes from
+    the bf16 row (chain on = chain off)."""
     attn = chained_mqa(monkeypatch, q_lora_rank=q_lora_rank, wq_b_rows=wq_b_rows, device=device)
     q = q_lora_rows(rows, q_lora_rank, device)
     upstream_normalize_q_lora.calls = 0
     y, pair = plugin.around_normalize_q_lora(upstream_normalize_q_lora, attn, q)
     assert upstream_normalize_q_lora.calls == 0
-    assert_same_bf16(y, ref.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon))
+    finite = torch.ones(rows, dtype=torch.bool, device=device)
+    if rows >= 3:
+        finite[2] = False
+        assert y[2].isnan().all()
+    assert_close_bf16(y[finite], rms_norm_fp32(q[finite], attn.q_norm.weight, attn.q_norm.variance_epsilon))
     assert_pairs_equal(pair, ref.quantize(y, attn.wq_b.input_format))
     upstream_apply.calls = 0
     out = plugin.around_apply(upstream_apply, upstream_method(), attn.wq_b, pair)
