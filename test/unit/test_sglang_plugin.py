@@ -14,10 +14,11 @@ from fp8chain.integrations import sglang as plugin
 from fp8chain.layers.linear import ReplicatedLinear
 from fp8chain.layers.loading import load_weights
 from fp8chain.layers.quantization.fp8 import Fp8Config
-from fp8chain_kernel import backends
+from fp8chain_kernel import backends, einsum
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import ActFormat
 from fp8chain_kernel.quant import quantize
+from fp8chain_kernel.reference.einsum import wo_a_einsum_fp
 from fp8chain_kernel.reference.norm import rms_norm_fp32
 from helpers import (DerivingBackend, UpstreamLinear, assert_close_bf16, assert_pairs_equal, rel_error,
                      upstream_method, upstream_process)
@@ -55,6 +56,8 @@ def test_install_registers_the_hooks(monkeypatch):
         (f"{method}.apply", plugin.around_apply, hook_type.AROUND),
         (f"{mqa}.__init__", plugin.after_mqa_init, hook_type.AFTER),
         (f"{mqa}._normalize_q_lora", plugin.around_normalize_q_lora, hook_type.AROUND),
+        (f"{mqa}.forward", plugin.around_mqa_forward, hook_type.AROUND),
+        ("sglang.srt.models.deepseek_v4._apply_wo_a_bf16_matmul", plugin.around_wo_a_bf16_matmul, hook_type.AROUND),
     ]
 
 
@@ -288,14 +291,20 @@ class UpstreamRMSNorm(torch.nn.Module):
 
 
 class UpstreamMQA(torch.nn.Module):
-    """SGLang's ``MQALayer`` as the q_norm hooks read it: ``wq_b`` (an FP8 linear, no request of its
-    own on Hopper) and ``q_norm``."""
+    """SGLang's ``MQALayer`` as the hooks read it: ``q_norm`` -> ``wq_b`` and ``wo_a`` (bf16, as a
+    32x32-block checkpoint keeps it on Hopper) -> ``wo_b``, the FP8 linears without a request of
+    their own on Hopper."""
 
-    def __init__(self, q_lora_rank=256, wq_b_rows=128, device=None):
+    def __init__(self, q_lora_rank=256, wq_b_rows=128, groups=2, o_lora_rank=64, group_width=96, hidden=160,
+                 device=None):
         super().__init__()
-        weight, scale = ref.random_fp8_weight(wq_b_rows, q_lora_rank, 32, device=device)
-        self.wq_b = UpstreamLinear(weight, scale, request=False)
+        self.wq_b = UpstreamLinear(*ref.random_fp8_weight(wq_b_rows, q_lora_rank, 32, device=device), request=False)
         self.q_norm = UpstreamRMSNorm(q_lora_rank, device)
+        self.n_local_groups, self.o_lora_rank = groups, o_lora_rank
+        self.wo_a = torch.nn.Linear(group_width, groups * o_lora_rank, bias=False, device=device,
+                                    dtype=torch.bfloat16).requires_grad_(False)
+        self.wo_b = UpstreamLinear(*ref.random_fp8_weight(hidden, groups * o_lora_rank, 32, device=device),
+                                   request=False, prefix="model.layers.0.self_attn.wo_b")
 
 
 def upstream_normalize_q_lora(attn, q):
@@ -313,12 +322,13 @@ def assert_same_bf16(got, want):
 
 def chained_mqa(monkeypatch, **shape):
     """An MQA layer built and loaded with the hooks, in a forward where a pair may go."""
-    monkeypatch.setattr(plugin, "_why_upstream_q_lora", lambda: None)
+    monkeypatch.setattr(plugin, "_why_no_pair", lambda: None)
     attn = UpstreamMQA(**shape)
     assert plugin.after_mqa_init(None, attn) is None
-    assert attn.wq_b.deepgemm_mxfp8_input is True  # the request, made before the weights load
-    plugin.around_process_weights(upstream_process, upstream_method(), attn.wq_b)
-    assert attn.wq_b.input_format is backends.input_format_for(32)
+    for linear in (attn.wq_b, attn.wo_b):
+        assert linear.deepgemm_mxfp8_input is True  # the request, made before the weights load
+        plugin.around_process_weights(upstream_process, upstream_method(), linear)
+        assert linear.input_format is backends.input_format_for(32)
     return attn
 
 
@@ -390,9 +400,9 @@ def test_q_norm_stands_aside_where_no_pair_may_go(monkeypatch):
     attn.q_norm.weight.data = attn.q_norm.weight.data.float()
     assert upstream_ran(attn, q)
     attn.q_norm.weight.data = attn.q_norm.weight.data.bfloat16()
-    monkeypatch.setattr(plugin, "_why_upstream_q_lora", lambda: "sequence parallelism (test)")
+    monkeypatch.setattr(plugin, "_why_no_pair", lambda: "sequence parallelism (test)")
     assert upstream_ran(attn, q)
-    monkeypatch.setattr(plugin, "_why_upstream_q_lora", lambda: None)
+    monkeypatch.setattr(plugin, "_why_no_pair", lambda: None)
     unasked = UpstreamMQA()
     plugin.around_process_weights(upstream_process, upstream_method(), unasked.wq_b)  # no request: bf16
     assert upstream_ran(unasked, q)
@@ -400,10 +410,10 @@ def test_q_norm_stands_aside_where_no_pair_may_go(monkeypatch):
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("case", ["hopper", "not_served", "blackwell", "upstream_quant"])
-def test_wq_b_asks_only_where_fp8chain_serves(monkeypatch, case):
-    """The request on wq_b is made where fp8chain's consumers run (Hopper; the CPU under the
-    interpreter here), not where another device keeps upstream's weights, not on Blackwell
-    (upstream's), and not where upstream's own Hopper q_lora quantize feeds wq_b."""
+def test_wq_b_and_wo_b_ask_only_where_fp8chain_serves(monkeypatch, case):
+    """The requests on wq_b and wo_b are made where fp8chain's consumers run (Hopper; the CPU under
+    the interpreter here), not where another device keeps upstream's weights, not on Blackwell
+    (upstream's); wq_b's not where upstream's own Hopper q_lora quantize feeds it."""
     monkeypatch.delenv(plugin.UPSTREAM_HOPPER_Q_LORA_QUANT, raising=False)
     if case == "not_served":
         monkeypatch.setattr(plugin, "_why_not_fp8chain", lambda device: "sm_80 (test)")
@@ -414,13 +424,14 @@ def test_wq_b_asks_only_where_fp8chain_serves(monkeypatch, case):
     attn = UpstreamMQA()
     plugin.after_mqa_init(None, attn)
     assert attn.wq_b.deepgemm_mxfp8_input is (case == "hopper")
+    assert attn.wo_b.deepgemm_mxfp8_input is (case in ("hopper", "upstream_quant"))
 
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("sp,invariant,deterministic,why", [
     (False, False, False, None), (True, False, False, "sequence parallelism"),
     (False, True, False, "deterministic"), (False, False, True, "deterministic")])
-def test_sglangs_runtime_modes_keep_upstreams_q_lora(monkeypatch, sp, invariant, deterministic, why):
+def test_sglangs_runtime_modes_keep_upstreams_bf16_inputs(monkeypatch, sp, invariant, deterministic, why):
     """The modes read from SGLang at each forward: sequence parallelism, batch-invariant and
     deterministic inference."""
     runtime = types.ModuleType("sglang.srt.runtime_context")
@@ -433,5 +444,107 @@ def test_sglangs_runtime_modes_keep_upstreams_q_lora(monkeypatch, sp, invariant,
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", runtime)
     monkeypatch.setitem(sys.modules, "sglang.srt.batch_invariant_ops", ops)
-    got = plugin._why_upstream_q_lora()
+    got = plugin._why_no_pair()
     assert got is None if why is None else why in got
+
+
+def upstream_wo_a_matmul(o, wo_a, *args, **kwargs):
+    """Stands for upstream's ``_apply_wo_a_bf16_matmul``: the bf16 einsum ``[T, G, R]``."""
+    upstream_wo_a_matmul.calls += 1
+    return torch.einsum("tgd,grd->tgr", o.float(), wo_a.float()).bfloat16()
+
+
+def attention_forward(attn, o, **flags):
+    """Stands for ``MQALayer.forward`` from the attention output on: ``o [T, G, D]`` through
+    ``_apply_wo_a_bf16_matmul`` and ``_project_wo_b`` (``wo_b``'s apply), both as hooked. Returns
+    (what the wo_a call returned, wo_b's output)."""
+    wo_a = attn.wo_a.weight.view(attn.n_local_groups, attn.o_lora_rank, -1)
+    product = plugin.around_wo_a_bf16_matmul(upstream_wo_a_matmul, o, wo_a, **flags)
+    wo_b_input = product.flatten(1) if torch.is_tensor(product) else product
+    return product, plugin.around_apply(upstream_apply, upstream_method(), attn.wo_b, wo_b_input)
+
+
+def attention_output(rows, groups, width, device=None):
+    """``o [T, G, D]`` as upstream views it: this rank's heads of the attention output, a row
+    stride past G*D, with a zero row and a NaN row where there are rows enough."""
+    full = torch.randn(rows, 2 * groups * width, device=device).bfloat16()
+    if rows >= 3:
+        full[1] = 0
+        full[2, 5] = float("nan")
+    return full[:, :groups * width].view(rows, groups, width)
+
+
+def check_wo_a_chain(monkeypatch, rows, groups, o_lora_rank, group_width, hidden, device):
+    """Inside the layer's forward, the wo_a call returns the FP8 pair of the einsum's bf16 result
+    (equal to the standalone quantize of the bf16 bits the bf16-only launch writes), and wo_b
+    computes from it, without a quantize, what fp8chain's own linear computes from that bf16."""
+    attn = chained_mqa(monkeypatch, groups=groups, o_lora_rank=o_lora_rank, group_width=group_width,
+                       hidden=hidden, device=device)
+    attn.wo_a.weight.normal_(0, group_width ** -0.5)
+    o = attention_output(rows, groups, group_width, device)
+    upstream_wo_a_matmul.calls = upstream_apply.calls = 0
+    pair, out = plugin.around_mqa_forward(attention_forward, attn, o, is_decode=True, fast_path=True)
+    assert upstream_wo_a_matmul.calls == 0 and upstream_apply.calls == 0
+    wo_a = attn.wo_a.weight.view(groups, o_lora_rank, -1)
+    fmt = attn.wo_b.input_format
+    y = einsum.wo_a_einsum(o, wo_a, tile_group=fmt.group_size)  # the bits the pair's launch rounds
+    assert_pairs_equal(pair, ref.quantize(y, fmt))
+    finite = torch.ones(rows, dtype=torch.bool, device=device)
+    if rows >= 3:
+        finite[2] = False
+        assert y[2, :o_lora_rank].isnan().all()  # the NaN is in group 0's input
+    if rows:
+        assert rel_error(y[finite], wo_a_einsum_fp(o[finite], wo_a, torch.float64)) < 1e-2
+    own = ReplicatedLinear(groups * o_lora_rank, hidden, quant_config=Fp8Config(weight_block_size=(32, 32),
+                                                                               scale_fmt="ue8m0")).to(device)
+    load_weights(own, [("weight", attn.wo_b.weight.data), ("weight_scale_inv", attn.wo_b.weight_scale_inv.data)])
+    assert_same_bf16(out, own(y))
+    if rows >= 3:
+        assert out[2].isnan().all() and not out[[0, 1]].isnan().any()
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("rows", [1, 3, 5, 0])
+def test_wo_a_hands_wo_b_the_pair_of_its_product(monkeypatch, rows):
+    check_wo_a_chain(monkeypatch, rows, 2, 64, 96, 160, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups,rows", [(2, 1), (2, 3), (2, 64), (2, 127), (8, 1), (8, 16)])
+def test_wo_a_hands_wo_b_the_pair_of_its_product_gpu(monkeypatch, groups, rows):
+    """On Hopper at DSv4.1-Flash's shapes: wo_a [G, 1024, 4096] at TP4 (G = 2) and TP1 (G = 8),
+    wo_b [5120, G*1024]."""
+    check_wo_a_chain(monkeypatch, rows, groups, 1024, 4096, 5120, torch.device("cuda"))
+
+
+@pytest.mark.cpu
+def test_wo_a_hook_stands_aside_where_no_pair_may_go(monkeypatch):
+    """Upstream's wo_a product goes on as bf16 outside an MQALayer forward, for a call asking for
+    upstream's own quantized output or with arguments this hook does not know, for a weight that
+    is not the layer's wo_a, in the forwards _why_no_pair names, and where wo_b reads no pairs."""
+    attn = chained_mqa(monkeypatch)
+    o = attention_output(4, attn.n_local_groups, 96)
+    wo_a = attn.wo_a.weight.view(attn.n_local_groups, attn.o_lora_rank, -1)
+
+    def upstream_ran(layer, call):
+        upstream_wo_a_matmul.calls = 0
+        got = plugin.around_mqa_forward(lambda a: call(), layer)
+        return upstream_wo_a_matmul.calls == 1 and torch.is_tensor(got)
+
+    def hooked(weight=wo_a, **flags):
+        return lambda: plugin.around_wo_a_bf16_matmul(upstream_wo_a_matmul, o, weight, **flags)
+
+    assert not upstream_ran(attn, hooked(is_decode=True))  # the chained case, for contrast
+    upstream_wo_a_matmul.calls = 0
+    assert torch.is_tensor(hooked()()) and upstream_wo_a_matmul.calls == 1  # no forward running
+    assert upstream_ran(attn, hooked(is_decode=True, fuse_mxfp8_quant=True))
+    assert upstream_ran(attn, hooked(is_decode=True, emit_fp8=True))
+    assert upstream_ran(attn, hooked(is_decode=True, a_later_flag=True))
+    assert upstream_ran(attn, hooked(weight=wo_a.clone()))
+    monkeypatch.setattr(plugin, "_why_no_pair", lambda: "sequence parallelism (test)")
+    assert upstream_ran(attn, hooked())
+    monkeypatch.setattr(plugin, "_why_no_pair", lambda: None)
+    unasked = UpstreamMQA()
+    plugin.around_process_weights(upstream_process, upstream_method(), unasked.wo_b)  # no request: bf16
+    unasked_wo_a = unasked.wo_a.weight.view(unasked.n_local_groups, unasked.o_lora_rank, -1)
+    assert upstream_ran(unasked, hooked(weight=unasked_wo_a))

@@ -33,26 +33,35 @@ Upstream's weights stay where they are: the hook reads ``weight`` (e4m3 ``[N, K]
 ``weight_scale_inv`` (fp32 block scales) as upstream's block-FP8 method leaves them, with the
 method's square ``weight_block_size`` (32 or 128).
 
-``install()`` also makes q_norm the producer of ``wq_b``'s input in the DeepSeek-V4 attention
-(``MQALayer``), with two hooks:
+``install()`` also makes two producers of the DeepSeek-V4 attention (``MQALayer``) write the
+pairs its FP8 linears read, q_norm for ``wq_b`` and the ``wo_a`` einsum for ``wo_b``:
 
-* after ``MQALayer.__init__``: where fp8chain's consumers run (Hopper), ``wq_b`` asks for a
-  pre-quantized input (the request the process hook above serves or refuses at load). Not where
-  upstream's own Hopper q_lora quantize is switched on (``SGLANG_OPT_DSV41_SM90_Q_LORA_QUANT``,
-  SGLang after 0.5.23): that path feeds ``wq_b`` itself.
+* after ``MQALayer.__init__``: where fp8chain's consumers run (Hopper), ``wq_b`` and ``wo_b`` ask
+  for a pre-quantized input (the request the process hook above serves or refuses at load).
+  ``wq_b`` does not where upstream's own Hopper q_lora quantize is switched on
+  (``SGLANG_OPT_DSV41_SM90_Q_LORA_QUANT``, SGLang after 0.5.23): that path feeds ``wq_b`` itself.
 * around ``MQALayer._normalize_q_lora(q)``: upstream returns ``(bf16 normed q, wq_b's input)``,
   the bf16 row for the indexer and the same row for ``wq_b``, which quantizes it. Where ``wq_b``
   became an fp8chain consumer, one ``norm.rms_norm`` launch returns the bf16 row and its pair in
   ``wq_b.input_format`` instead, so ``wq_b`` runs without a quantize launch. The bf16 row is
   fp8chain's RMSNorm (fp32, rounded once), which may differ from upstream's kernel in the last
-  bit of an element. Upstream's ``_normalize_q_lora`` runs where no pair may be handed on:
-  sequence parallelism (``wq_b`` all-gathers its input as a tensor), deterministic or
-  batch-invariant inference (fp8chain's launches are chosen per row count), or a ``q`` /
-  ``q_norm`` that is not bf16.
+  bit of an element.
+* around ``MQALayer.forward``: upstream's forward, with the running layer known to the next hook.
+* around ``_apply_wo_a_bf16_matmul(o, wo_a, ...)`` (a module function, handed the weight, not the
+  layer): inside the forward of a layer whose ``wo_b`` became a consumer, and for that layer's own
+  ``wo_a``, one ``einsum.wo_a_einsum`` launch returns the pair of the ``[T, G*R]`` product in
+  ``wo_b.input_format``, which ``_project_wo_b`` hands to ``wo_b`` as it is. Its bf16 values are
+  fp8chain's einsum (fp32 sums rounded once), which may differ from upstream's GEMM in the last bit.
+
+Upstream's own method runs wherever no pair may be handed on: sequence parallelism (``wq_b``
+all-gathers its input, ``wo_b`` reduce-scatters its output, as tensors), deterministic or
+batch-invariant inference (fp8chain's launches are chosen per row count), inputs that are not
+bf16, and a ``wo_a`` call that asks for upstream's own quantized output.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 
@@ -61,6 +70,7 @@ import torch
 from fp8chain_kernel.formats import QuantizedActivation
 from fp8chain_kernel.fp8_tile import interpreting
 
+from fp8chain_kernel.einsum import wo_a_einsum
 from fp8chain_kernel.norm import rms_norm
 
 from ..layers.quantization.fp8 import (Fp8LinearMethod, check_pair_input, check_weights, consumer_gemm, input_requested,
@@ -69,18 +79,21 @@ from ..layers.quantization.fp8 import (Fp8LinearMethod, check_pair_input, check_
 logger = logging.getLogger(__name__)
 
 __all__ = ["install", "after_get_quant_method", "around_process_weights", "around_apply", "after_mqa_init",
-           "around_normalize_q_lora", "FP8_CONFIG", "FP8_LINEAR_METHOD", "MQA_LAYER", "PLUGIN_GROUP"]
+           "around_normalize_q_lora", "around_mqa_forward", "around_wo_a_bf16_matmul", "FP8_CONFIG",
+           "FP8_LINEAR_METHOD", "MQA_LAYER", "WO_A_BF16_MATMUL", "PLUGIN_GROUP"]
 
 PLUGIN_GROUP = "sglang.srt.plugins"  # SGLang's entry point group of general plugins
 FP8_LINEAR_METHOD = "sglang.srt.layers.quantization.fp8.Fp8LinearMethod"
 FP8_CONFIG = "sglang.srt.layers.quantization.fp8.Fp8Config"
-MQA_LAYER = "sglang.srt.models.deepseek_v4.MQALayer"
+DEEPSEEK_V4 = "sglang.srt.models.deepseek_v4"
+MQA_LAYER = f"{DEEPSEEK_V4}.MQALayer"
+WO_A_BF16_MATMUL = f"{DEEPSEEK_V4}._apply_wo_a_bf16_matmul"  # o [T, G, D] x wo_a [G, R, D], bf16
 UPSTREAM_HOPPER_Q_LORA_QUANT = "SGLANG_OPT_DSV41_SM90_Q_LORA_QUANT"  # SGLang's own q_norm -> wq_b pair, after 0.5.23
 _BLOCK_SIZES = (32, 128)
 
 
 def install() -> None:
-    """The entry point SGLang calls: register the five hooks (applied by SGLang afterwards)."""
+    """The entry point SGLang calls: register the hooks (applied by SGLang afterwards)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(f"{FP8_CONFIG}.get_quant_method", after_get_quant_method, HookType.AFTER)
@@ -89,6 +102,8 @@ def install() -> None:
     HookRegistry.register(f"{FP8_LINEAR_METHOD}.apply", around_apply, HookType.AROUND)
     HookRegistry.register(f"{MQA_LAYER}.__init__", after_mqa_init, HookType.AFTER)
     HookRegistry.register(f"{MQA_LAYER}._normalize_q_lora", around_normalize_q_lora, HookType.AROUND)
+    HookRegistry.register(f"{MQA_LAYER}.forward", around_mqa_forward, HookType.AROUND)
+    HookRegistry.register(WO_A_BF16_MATMUL, around_wo_a_bf16_matmul, HookType.AROUND)
 
 
 def _upstream_serves_request(device: torch.device) -> bool:
@@ -206,29 +221,37 @@ def _upstream_feeds_wq_b() -> bool:
     return os.environ.get(UPSTREAM_HOPPER_Q_LORA_QUANT, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def after_mqa_init(result, attn, *args, **kwargs):
-    """AFTER hook of ``MQALayer.__init__``: ``wq_b`` asks for a pre-quantized input where
-    fp8chain's consumers run, before its weights load (the module docstring)."""
-    wq_b = getattr(attn, "wq_b", None)
-    weight = getattr(wq_b, "weight", None)
-    if not isinstance(weight, torch.Tensor) or _upstream_feeds_wq_b():
-        return None
+def _fp8chain_serves_weight(weight) -> bool:
+    """Whether fp8chain's consumers run where ``weight`` lives (for meta weights: the current GPU,
+    where they will be materialized)."""
+    if not isinstance(weight, torch.Tensor):
+        return False
     device = weight.device
-    if device.type == "meta" and torch.cuda.is_available():  # weights materialized later, on this GPU
+    if device.type == "meta" and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
-    if not _upstream_serves_request(device) and _why_not_fp8chain(device) is None:
-        wq_b.deepgemm_mxfp8_input = True
+    return not _upstream_serves_request(device) and _why_not_fp8chain(device) is None
+
+
+def after_mqa_init(result, attn, *args, **kwargs):
+    """AFTER hook of ``MQALayer.__init__``: ``wq_b`` and ``wo_b`` ask for a pre-quantized input
+    where fp8chain's consumers run, before their weights load (the module docstring)."""
+    for name in ("wq_b", "wo_b"):
+        linear = getattr(attn, name, None)
+        if name == "wq_b" and _upstream_feeds_wq_b():
+            continue
+        if _fp8chain_serves_weight(getattr(linear, "weight", None)):
+            linear.deepgemm_mxfp8_input = True
     return None
 
 
-def _why_upstream_q_lora() -> str | None:
-    """Why this forward must hand ``wq_b`` upstream's bf16 row (None: a pair may go): SGLang's
-    runtime modes in which a pair cannot pass or fp8chain's launches do not fit."""
+def _why_no_pair() -> str | None:
+    """Why this forward must hand SGLang's linears bf16 (None: a pair may go): SGLang's runtime
+    modes in which a pair cannot pass or fp8chain's launches do not fit."""
     from sglang.srt.batch_invariant_ops import is_batch_invariant_mode_enabled
     from sglang.srt.runtime_context import get_exec, get_forward
 
     if get_forward().sp_active:
-        return "sequence parallelism (wq_b all-gathers its input as a tensor)"
+        return "sequence parallelism (wq_b all-gathers its input, wo_b reduce-scatters its output, as tensors)"
     if is_batch_invariant_mode_enabled() or get_exec().deterministic.enable_deterministic_inference:
         return "deterministic inference (fp8chain's launches are chosen per row count)"
     return None
@@ -241,6 +264,49 @@ def around_normalize_q_lora(original, attn, q, *args, **kwargs):
     weight = attn.q_norm.weight
     if (fmt is None or args or kwargs or not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or q.dim() != 2
             or (q.numel() and q.stride(1) != 1) or weight.dtype != torch.bfloat16 or weight.device != q.device
-            or _why_upstream_q_lora() is not None):
+            or _why_no_pair() is not None):
         return original(attn, q, *args, **kwargs)
     return rms_norm(q, weight, attn.q_norm.variance_epsilon, out_format=fmt)
+
+
+# the MQALayer whose forward is running: SGLang computes its wo_a product in a module function
+# that is handed the weight, not the layer, and the pair's format is the layer's wo_b's
+_running_attention: contextvars.ContextVar = contextvars.ContextVar("fp8chain_running_mqa_layer", default=None)
+
+
+def around_mqa_forward(original, attn, *args, **kwargs):
+    """AROUND hook of ``MQALayer.forward``: upstream's forward, the layer known to the wo_a hook."""
+    token = _running_attention.set(attn)
+    try:
+        return original(attn, *args, **kwargs)
+    finally:
+        _running_attention.reset(token)
+
+
+def _wo_a_output_asked(is_decode=False, is_target_verify=False, fuse_mxfp8_quant=False, is_prefill=False,
+                       fast_path=False, fp8_grid=False, emit_fp8=False) -> bool:
+    """Whether a ``_apply_wo_a_bf16_matmul`` call asks for upstream's own quantized output (its
+    SGLang 0.5.23 signature after ``o, wo_a``)."""
+    return bool(fuse_mxfp8_quant or fp8_grid or emit_fp8)
+
+
+def around_wo_a_bf16_matmul(original, o, wo_a, *args, **kwargs):
+    """AROUND hook of ``_apply_wo_a_bf16_matmul(o, wo_a, ...)``: inside an ``MQALayer`` forward
+    whose ``wo_b`` reads pairs, the FP8 pair of the einsum's ``[T, G*R]`` result from one
+    ``einsum.wo_a_einsum`` launch, which ``_project_wo_b`` hands to ``wo_b`` as it is."""
+    attn = _running_attention.get()
+    fmt = getattr(getattr(attn, "wo_b", None), "input_format", None)
+    if fmt is None:
+        return original(o, wo_a, *args, **kwargs)
+    try:
+        upstream_output = _wo_a_output_asked(*args, **kwargs)
+    except TypeError:  # a signature this hook does not know
+        upstream_output = True
+    own = getattr(getattr(attn, "wo_a", None), "weight", None)
+    if (upstream_output or not isinstance(o, torch.Tensor) or not isinstance(wo_a, torch.Tensor)
+            or not isinstance(own, torch.Tensor) or wo_a.data_ptr() != own.data_ptr()  # the layer's own wo_a
+            or o.dtype != torch.bfloat16 or wo_a.dtype != torch.bfloat16 or o.dim() != 3 or wo_a.dim() != 3
+            or (o.numel() and o.stride(2) != 1) or (wo_a.numel() and wo_a.stride(2) != 1)
+            or wo_a.shape[1] % fmt.group_size or _why_no_pair() is not None):
+        return original(o, wo_a, *args, **kwargs)
+    return wo_a_einsum(o, wo_a, out_format=fmt, return_bf16=False)
