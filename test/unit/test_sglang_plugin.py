@@ -14,7 +14,7 @@ from fp8chain.integrations import sglang as plugin
 from fp8chain.layers.linear import ReplicatedLinear
 from fp8chain.layers.loading import load_weights
 from fp8chain.layers.quantization.fp8 import Fp8Config
-from fp8chain_kernel import backends, einsum
+from fp8chain_kernel import act, backends, einsum
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import ActFormat
 from fp8chain_kernel.quant import quantize
@@ -58,6 +58,8 @@ def test_install_registers_the_hooks(monkeypatch):
         (f"{mqa}._normalize_q_lora", plugin.around_normalize_q_lora, hook_type.AROUND),
         (f"{mqa}.forward", plugin.around_mqa_forward, hook_type.AROUND),
         ("sglang.srt.models.deepseek_v4._apply_wo_a_bf16_matmul", plugin.around_wo_a_bf16_matmul, hook_type.AROUND),
+        ("sglang.srt.models.deepseek_v2.DeepseekV2MoE.__init__", plugin.after_moe_init, hook_type.AFTER),
+        ("sglang.srt.models.deepseek_v2.DeepseekV2MLP.forward", plugin.around_mlp_forward, hook_type.AROUND),
     ]
 
 
@@ -548,3 +550,118 @@ def test_wo_a_hook_stands_aside_where_no_pair_may_go(monkeypatch):
     plugin.around_process_weights(upstream_process, upstream_method(), unasked.wo_b)  # no request: bf16
     unasked_wo_a = unasked.wo_a.weight.view(unasked.n_local_groups, unasked.o_lora_rank, -1)
     assert upstream_ran(unasked, hooked(weight=unasked_wo_a))
+
+
+class UpstreamForwardLinear(UpstreamLinear):
+    """An SGLang FP8 linear with its forward: ``(apply(x), None)`` through the apply hook."""
+
+    def forward(self, x):
+        return plugin.around_apply(upstream_gemm, upstream_method(), self, x), None
+
+
+def upstream_gemm(method, layer, x, bias=None):
+    """Stands for upstream's bf16 path: the reference GEMM on the dequantized weight."""
+    upstream_gemm.calls += 1
+    return ref.fp8_gemm(ref.quantize(x, ActFormat.SM90_G32_FP32_MN), layer.weight, layer.weight_scale_inv,
+                        32).to(torch.bfloat16)
+
+
+class UpstreamSharedExpert(torch.nn.Module):
+    """SGLang's ``DeepseekV2MLP`` as the hooks read it: ``gate_up_proj`` -> SiLU*mul (clamped at
+    ``swiglu_limit``) -> ``down_proj``, FP8 linears."""
+
+    def __init__(self, hidden=128, intermediate=96, swiglu_limit=1.0, device=None):  # a limit the values pass
+        super().__init__()
+        prefix = "model.layers.0.mlp.shared_experts"
+        self.gate_up_proj = UpstreamForwardLinear(*ref.random_fp8_weight(2 * intermediate, hidden, 32, device=device),
+                                                  request=False, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = UpstreamForwardLinear(*ref.random_fp8_weight(hidden, intermediate, 32, device=device),
+                                               request=False, prefix=f"{prefix}.down_proj")
+        self.swiglu_limit = swiglu_limit
+
+
+def upstream_mlp_forward(mlp, x, **kwargs):
+    """Stands for upstream's ``DeepseekV2MLP.forward``: bf16 SiLU*mul into ``down_proj``."""
+    upstream_mlp_forward.calls += 1
+    gate_up, _ = mlp.gate_up_proj(x)
+    return mlp.down_proj(ref.silu_mul(gate_up, limit=mlp.swiglu_limit))[0]
+
+
+def chained_moe(monkeypatch, is_deepseek_v4=True, **shape):
+    """A DeepSeek-V4 MoE's shared expert built and loaded with the hooks, in a forward where a pair may go."""
+    monkeypatch.setattr(plugin, "_why_no_pair", lambda: None)
+    moe = types.SimpleNamespace(shared_experts=UpstreamSharedExpert(**shape), is_deepseek_v4=is_deepseek_v4)
+    assert plugin.after_moe_init(None, moe) is None
+    mlp = moe.shared_experts
+    assert mlp.gate_up_proj.deepgemm_mxfp8_input is False  # its input is the MoE's bf16 x
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        plugin.around_process_weights(upstream_process, upstream_method(), linear)
+    return mlp
+
+
+def check_silu_mul_chain(monkeypatch, rows, hidden, intermediate, device):
+    """The shared expert's forward: gate_up as upstream runs it, then one SiLU*mul launch writing the
+    pair of its bf16 output (bit for bit the standalone quantize of the bf16-only launch's output),
+    and down_proj computing from it, without a quantize, what fp8chain's own linear computes from
+    that bf16; a NaN row stays NaN, the clamp applied."""
+    mlp = chained_moe(monkeypatch, hidden=hidden, intermediate=intermediate, device=device)
+    assert mlp.down_proj.input_format is backends.input_format_for(32)
+    x = torch.randn(rows, hidden, device=device).bfloat16()
+    if rows >= 3:
+        x[1] = 0
+        x[2, 3] = float("nan")
+    upstream_mlp_forward.calls = upstream_gemm.calls = 0
+    out = plugin.around_mlp_forward(upstream_mlp_forward, mlp, x)
+    assert upstream_mlp_forward.calls == 0 and upstream_gemm.calls == 1  # gate_up's, upstream's
+    upstream_gemm.calls = 0
+    gate_up, _ = mlp.gate_up_proj(x)
+    y = act.silu_mul(gate_up, limit=mlp.swiglu_limit)
+    assert (gate_up.float() > mlp.swiglu_limit).any()  # the clamp is exercised
+    own = ReplicatedLinear(intermediate, hidden, quant_config=Fp8Config(weight_block_size=(32, 32),
+                                                                        scale_fmt="ue8m0")).to(device)
+    load_weights(own, [("weight", mlp.down_proj.weight.data),
+                       ("weight_scale_inv", mlp.down_proj.weight_scale_inv.data)])
+    assert_same_bf16(out, own(y))
+    pair = act.silu_mul(gate_up, limit=mlp.swiglu_limit, out_format=mlp.down_proj.input_format, return_bf16=False)
+    assert_pairs_equal(pair, ref.quantize(y, mlp.down_proj.input_format))
+    if rows >= 3:
+        assert out[2].isnan().all() and not out[[0, 1]].isnan().any()
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_silu_mul_hands_the_shared_down_its_pair(monkeypatch, rows):
+    check_silu_mul_chain(monkeypatch, rows, 128, 96, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 64, 127])
+def test_silu_mul_hands_the_shared_down_its_pair_gpu(monkeypatch, rows):
+    """On Hopper at DSv4.1-Flash's shared expert: gate_up [4608, 5120], down [5120, 2304]."""
+    check_silu_mul_chain(monkeypatch, rows, 5120, 2304, torch.device("cuda"))
+
+
+@pytest.mark.cpu
+def test_mlp_hook_stands_aside_where_no_pair_may_go(monkeypatch):
+    """Upstream's MLP forward runs for a MoE that is not DeepSeek-V4's (no request), an input
+    already quantized for gate_up or with arguments this hook does not know, no rows, a non-bf16
+    input, and in the forwards _why_no_pair names."""
+    mlp = chained_moe(monkeypatch)
+    x = torch.randn(4, 128).bfloat16()
+
+    def upstream_ran(layer, x, **kwargs):
+        upstream_mlp_forward.calls = 0
+        plugin.around_mlp_forward(upstream_mlp_forward, layer, x, **kwargs)
+        return upstream_mlp_forward.calls == 1
+
+    assert not upstream_ran(mlp, x)  # the chained case, for contrast
+    assert not upstream_ran(mlp, x, forward_batch=None, gemm_output_zero_allocator=object())
+    assert upstream_ran(mlp, x, gateup_pre_quant=(x, x))
+    assert upstream_ran(mlp, x, a_later_argument=1)
+    assert upstream_ran(mlp, x[:0])
+    assert upstream_ran(mlp, x.float())
+    monkeypatch.setattr(plugin, "_why_no_pair", lambda: "sequence parallelism (test)")
+    assert upstream_ran(mlp, x)
+    other = chained_moe(monkeypatch, is_deepseek_v4=False)
+    assert other.down_proj.deepgemm_mxfp8_input is False and getattr(other.down_proj, "input_format", None) is None
+    assert upstream_ran(other, x)

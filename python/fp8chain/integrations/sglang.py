@@ -33,12 +33,13 @@ Upstream's weights stay where they are: the hook reads ``weight`` (e4m3 ``[N, K]
 ``weight_scale_inv`` (fp32 block scales) as upstream's block-FP8 method leaves them, with the
 method's square ``weight_block_size`` (32 or 128).
 
-``install()`` also makes two producers of the DeepSeek-V4 attention (``MQALayer``) write the
-pairs its FP8 linears read, q_norm for ``wq_b`` and the ``wo_a`` einsum for ``wo_b``:
+``install()`` also makes three producers of a DeepSeek-V4 layer write the pairs its FP8 linears
+read: q_norm for ``wq_b`` and the ``wo_a`` einsum for ``wo_b`` in the attention (``MQALayer``),
+SiLU*mul for the shared expert's ``down_proj`` (``DeepseekV2MLP``):
 
-* after ``MQALayer.__init__``: where fp8chain's consumers run (Hopper), ``wq_b`` and ``wo_b`` ask
-  for a pre-quantized input (the request the process hook above serves or refuses at load).
-  ``wq_b`` does not where upstream's own Hopper q_lora quantize is switched on
+* after ``MQALayer.__init__``: where fp8chain's consumers run (Hopper, e4m3 weights), ``wq_b`` and
+  ``wo_b`` ask for a pre-quantized input (the request the process hook above serves or refuses at
+  load). ``wq_b`` does not where upstream's own Hopper q_lora quantize is switched on
   (``SGLANG_OPT_DSV41_SM90_Q_LORA_QUANT``, SGLang after 0.5.23): that path feeds ``wq_b`` itself.
 * around ``MQALayer._normalize_q_lora(q)``: upstream returns ``(bf16 normed q, wq_b's input)``,
   the bf16 row for the indexer and the same row for ``wq_b``, which quantizes it. Where ``wq_b``
@@ -52,11 +53,20 @@ pairs its FP8 linears read, q_norm for ``wq_b`` and the ``wo_a`` einsum for ``wo
   ``wo_a``, one ``einsum.wo_a_einsum`` launch returns the pair of the ``[T, G*R]`` product in
   ``wo_b.input_format``, which ``_project_wo_b`` hands to ``wo_b`` as it is. Its bf16 values are
   fp8chain's einsum (fp32 sums rounded once), which may differ from upstream's GEMM in the last bit.
+* after ``DeepseekV2MoE.__init__``: in a DeepSeek-V4 layer (``is_deepseek_v4``), the shared
+  expert's ``down_proj`` asks, as above.
+* around ``DeepseekV2MLP.forward(x)``: where ``down_proj`` became a consumer, ``gate_up_proj``
+  (upstream's, on bf16 ``x``), then one ``act.silu_mul`` launch with the MLP's ``swiglu_limit``
+  returns the pair in ``down_proj.input_format``, and ``down_proj`` reads it. Upstream's forward
+  writes the bf16 activation (``silu_and_mul_clamp``) and ``down_proj`` quantizes it. fp8chain's
+  SiLU*mul rounds once from fp32 and keeps a NaN gate NaN where upstream's clamp (a bf16 minimum)
+  turns it into the limit.
 
 Upstream's own method runs wherever no pair may be handed on: sequence parallelism (``wq_b``
-all-gathers its input, ``wo_b`` reduce-scatters its output, as tensors), deterministic or
+all-gathers its input, ``wo_b`` and ``down_proj`` reduce-scatter their output, as tensors), deterministic or
 batch-invariant inference (fp8chain's launches are chosen per row count), inputs that are not
-bf16, and a ``wo_a`` call that asks for upstream's own quantized output.
+bf16, a ``wo_a`` call that asks for upstream's own quantized output, and an MLP call that brings
+gate_up's input quantized (``gateup_pre_quant``) or fuses NVFP4 (not Hopper's).
 """
 
 from __future__ import annotations
@@ -70,6 +80,7 @@ import torch
 from fp8chain_kernel.formats import QuantizedActivation
 from fp8chain_kernel.fp8_tile import interpreting
 
+from fp8chain_kernel.act import silu_mul
 from fp8chain_kernel.einsum import wo_a_einsum
 from fp8chain_kernel.norm import rms_norm
 
@@ -79,8 +90,9 @@ from ..layers.quantization.fp8 import (Fp8LinearMethod, check_pair_input, check_
 logger = logging.getLogger(__name__)
 
 __all__ = ["install", "after_get_quant_method", "around_process_weights", "around_apply", "after_mqa_init",
-           "around_normalize_q_lora", "around_mqa_forward", "around_wo_a_bf16_matmul", "FP8_CONFIG",
-           "FP8_LINEAR_METHOD", "MQA_LAYER", "WO_A_BF16_MATMUL", "PLUGIN_GROUP"]
+           "around_normalize_q_lora", "around_mqa_forward", "around_wo_a_bf16_matmul", "after_moe_init",
+           "around_mlp_forward", "FP8_CONFIG", "FP8_LINEAR_METHOD", "MQA_LAYER", "WO_A_BF16_MATMUL", "MOE", "MLP",
+           "PLUGIN_GROUP"]
 
 PLUGIN_GROUP = "sglang.srt.plugins"  # SGLang's entry point group of general plugins
 FP8_LINEAR_METHOD = "sglang.srt.layers.quantization.fp8.Fp8LinearMethod"
@@ -88,6 +100,8 @@ FP8_CONFIG = "sglang.srt.layers.quantization.fp8.Fp8Config"
 DEEPSEEK_V4 = "sglang.srt.models.deepseek_v4"
 MQA_LAYER = f"{DEEPSEEK_V4}.MQALayer"
 WO_A_BF16_MATMUL = f"{DEEPSEEK_V4}._apply_wo_a_bf16_matmul"  # o [T, G, D] x wo_a [G, R, D], bf16
+MOE = "sglang.srt.models.deepseek_v2.DeepseekV2MoE"  # DeepSeek-V4's MoE too (is_deepseek_v4=True)
+MLP = "sglang.srt.models.deepseek_v2.DeepseekV2MLP"  # its shared expert
 UPSTREAM_HOPPER_Q_LORA_QUANT = "SGLANG_OPT_DSV41_SM90_Q_LORA_QUANT"  # SGLang's own q_norm -> wq_b pair, after 0.5.23
 _BLOCK_SIZES = (32, 128)
 
@@ -104,6 +118,8 @@ def install() -> None:
     HookRegistry.register(f"{MQA_LAYER}._normalize_q_lora", around_normalize_q_lora, HookType.AROUND)
     HookRegistry.register(f"{MQA_LAYER}.forward", around_mqa_forward, HookType.AROUND)
     HookRegistry.register(WO_A_BF16_MATMUL, around_wo_a_bf16_matmul, HookType.AROUND)
+    HookRegistry.register(f"{MOE}.__init__", after_moe_init, HookType.AFTER)
+    HookRegistry.register(f"{MLP}.forward", around_mlp_forward, HookType.AROUND)
 
 
 def _upstream_serves_request(device: torch.device) -> bool:
@@ -222,9 +238,9 @@ def _upstream_feeds_wq_b() -> bool:
 
 
 def _fp8chain_serves_weight(weight) -> bool:
-    """Whether fp8chain's consumers run where ``weight`` lives (for meta weights: the current GPU,
-    where they will be materialized)."""
-    if not isinstance(weight, torch.Tensor):
+    """Whether fp8chain's consumers read ``weight``: e4m3, where they run (for meta weights: the
+    current GPU, where they will be materialized)."""
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float8_e4m3fn:  # e.g. bf16, FP4 packed
         return False
     device = weight.device
     if device.type == "meta" and torch.cuda.is_available():
@@ -251,7 +267,7 @@ def _why_no_pair() -> str | None:
     from sglang.srt.runtime_context import get_exec, get_forward
 
     if get_forward().sp_active:
-        return "sequence parallelism (wq_b all-gathers its input, wo_b reduce-scatters its output, as tensors)"
+        return "sequence parallelism (the parallel linears all-gather or reduce-scatter tensors)"
     if is_batch_invariant_mode_enabled() or get_exec().deterministic.enable_deterministic_inference:
         return "deterministic inference (fp8chain's launches are chosen per row count)"
     return None
@@ -310,3 +326,40 @@ def around_wo_a_bf16_matmul(original, o, wo_a, *args, **kwargs):
             or wo_a.shape[1] % fmt.group_size or _why_no_pair() is not None):
         return original(o, wo_a, *args, **kwargs)
     return wo_a_einsum(o, wo_a, out_format=fmt, return_bf16=False)
+
+
+def after_moe_init(result, moe, *args, **kwargs):
+    """AFTER hook of ``DeepseekV2MoE.__init__``: in a DeepSeek-V4 layer, the shared expert's
+    ``down_proj`` asks for a pre-quantized input where fp8chain's consumers run (the module
+    docstring). A shared expert fused into the routed experts has no ``shared_experts``."""
+    down = getattr(getattr(moe, "shared_experts", None), "down_proj", None)
+    if getattr(moe, "is_deepseek_v4", False) and _fp8chain_serves_weight(getattr(down, "weight", None)):
+        down.deepgemm_mxfp8_input = True
+    return None
+
+
+def _mlp_input_prequantized(forward_batch=None, gemm_output_zero_allocator=None, gateup_pre_quant=None) -> bool:
+    """Whether a ``DeepseekV2MLP.forward`` call brings gate_up's input already quantized (its
+    SGLang 0.5.23 signature after ``x``; the allocator only places uint8-weight outputs)."""
+    return gateup_pre_quant is not None
+
+
+def around_mlp_forward(original, mlp, x, *args, **kwargs):
+    """AROUND hook of ``DeepseekV2MLP.forward``: where ``down_proj`` reads pairs, gate_up (upstream's
+    linear), then one ``act.silu_mul`` launch writing the pair of the clamped SiLU*mul in
+    ``down_proj.input_format``, then ``down_proj`` on that pair."""
+    fmt = getattr(getattr(mlp, "down_proj", None), "input_format", None)
+    if fmt is None:
+        return original(mlp, x, *args, **kwargs)
+    try:
+        prequantized = _mlp_input_prequantized(*args, **kwargs)
+    except TypeError:  # a signature this hook does not know
+        prequantized = True
+    if (prequantized or not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2
+            or x.shape[0] == 0 or getattr(mlp, "_enable_nvfp4_gemm_swiglu_fusion", False)
+            or _why_no_pair() is not None):
+        return original(mlp, x, *args, **kwargs)
+    gate_up, _ = mlp.gate_up_proj(x)
+    pair = silu_mul(gate_up, limit=getattr(mlp, "swiglu_limit", None), out_format=fmt, return_bf16=False)
+    out, _ = mlp.down_proj(pair)
+    return out
