@@ -299,6 +299,16 @@ def around_mqa_forward(original, attn, *args, **kwargs):
         _running_attention.reset(token)
 
 
+def _asks_upstream(reads_flags, args, kwargs) -> bool:
+    """Whether a hooked call's arguments after its tensors ask for upstream's own path:
+    ``reads_flags`` reads them by SGLang 0.5.23's signature; arguments it does not know count as
+    asking (a later SGLang's, whose meaning the hook cannot tell)."""
+    try:
+        return reads_flags(*args, **kwargs)
+    except TypeError:
+        return True
+
+
 def _wo_a_output_asked(is_decode=False, is_target_verify=False, fuse_mxfp8_quant=False, is_prefill=False,
                        fast_path=False, fp8_grid=False, emit_fp8=False) -> bool:
     """Whether a ``_apply_wo_a_bf16_matmul`` call asks for upstream's own quantized output (its
@@ -312,14 +322,9 @@ def around_wo_a_bf16_matmul(original, o, wo_a, *args, **kwargs):
     ``einsum.wo_a_einsum`` launch, which ``_project_wo_b`` hands to ``wo_b`` as it is."""
     attn = _running_attention.get()
     fmt = getattr(getattr(attn, "wo_b", None), "input_format", None)
-    if fmt is None:
-        return original(o, wo_a, *args, **kwargs)
-    try:
-        upstream_output = _wo_a_output_asked(*args, **kwargs)
-    except TypeError:  # a signature this hook does not know
-        upstream_output = True
     own = getattr(getattr(attn, "wo_a", None), "weight", None)
-    if (upstream_output or not isinstance(o, torch.Tensor) or not isinstance(wo_a, torch.Tensor)
+    if (fmt is None or _asks_upstream(_wo_a_output_asked, args, kwargs)
+            or not isinstance(o, torch.Tensor) or not isinstance(wo_a, torch.Tensor)
             or not isinstance(own, torch.Tensor) or wo_a.data_ptr() != own.data_ptr()  # the layer's own wo_a
             or o.dtype != torch.bfloat16 or wo_a.dtype != torch.bfloat16 or o.dim() != 3 or wo_a.dim() != 3
             or (o.numel() and o.stride(2) != 1) or (wo_a.numel() and wo_a.stride(2) != 1)
@@ -349,13 +354,8 @@ def around_mlp_forward(original, mlp, x, *args, **kwargs):
     linear), then one ``act.silu_mul`` launch writing the pair of the clamped SiLU*mul in
     ``down_proj.input_format``, then ``down_proj`` on that pair."""
     fmt = getattr(getattr(mlp, "down_proj", None), "input_format", None)
-    if fmt is None:
-        return original(mlp, x, *args, **kwargs)
-    try:
-        prequantized = _mlp_input_prequantized(*args, **kwargs)
-    except TypeError:  # a signature this hook does not know
-        prequantized = True
-    if (prequantized or not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2
+    if (fmt is None or _asks_upstream(_mlp_input_prequantized, args, kwargs)
+            or not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2
             or x.shape[0] == 0 or getattr(mlp, "_enable_nvfp4_gemm_swiglu_fusion", False)
             or _why_no_pair() is not None):
         return original(mlp, x, *args, **kwargs)
