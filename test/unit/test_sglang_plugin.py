@@ -344,6 +344,15 @@ def q_lora_rows(rows, q_lora_rank, device=None, kv_width=64):
     return qkv_a[:, :q_lora_rank]
 
 
+def fp8chains_own_linear(upstream):
+    """fp8chain's own FP8 linear on an upstream layer's weight and scales (the same device)."""
+    n, k = upstream.weight.shape
+    own = ReplicatedLinear(k, n, quant_config=Fp8Config(weight_block_size=(32, 32), scale_fmt="ue8m0"))
+    load_weights(own.to(upstream.weight.device), [("weight", upstream.weight.data),
+                                                  ("weight_scale_inv", upstream.weight_scale_inv.data)])
+    return own
+
+
 def check_q_norm_chain(monkeypatch, rows, q_lora_rank, wq_b_rows, device):
     """Where wq_b reads pairs, q_norm's launch returns the bf16 row (the indexer's; the fp32 RMSNorm
     rounded to bf16, a NaN row NaN) and its pair, the pair equal to the standalone quantize of that
@@ -363,10 +372,7 @@ def check_q_norm_chain(monkeypatch, rows, q_lora_rank, wq_b_rows, device):
     upstream_apply.calls = 0
     out = plugin.around_apply(upstream_apply, upstream_method(), attn.wq_b, pair)
     assert upstream_apply.calls == 0 and out.shape == (rows, wq_b_rows)
-    own = ReplicatedLinear(q_lora_rank, wq_b_rows, quant_config=Fp8Config(weight_block_size=(32, 32),
-                                                                            scale_fmt="ue8m0")).to(device)
-    load_weights(own, [("weight", attn.wq_b.weight.data), ("weight_scale_inv", attn.wq_b.weight_scale_inv.data)])
-    assert_same_bf16(out, own(y))
+    assert_same_bf16(out, fp8chains_own_linear(attn.wq_b)(y))
     if rows >= 3:
         assert out[2].isnan().all() and not out[[0, 1]].isnan().any()  # the NaN row stays visible
 
@@ -497,10 +503,7 @@ def check_wo_a_chain(monkeypatch, rows, groups, o_lora_rank, group_width, hidden
         assert y[2, :o_lora_rank].isnan().all()  # the NaN is in group 0's input
     if rows:
         assert rel_error(y[finite], wo_a_einsum_fp(o[finite], wo_a, torch.float64)) < 1e-2
-    own = ReplicatedLinear(groups * o_lora_rank, hidden, quant_config=Fp8Config(weight_block_size=(32, 32),
-                                                                               scale_fmt="ue8m0")).to(device)
-    load_weights(own, [("weight", attn.wo_b.weight.data), ("weight_scale_inv", attn.wo_b.weight_scale_inv.data)])
-    assert_same_bf16(out, own(y))
+    assert_same_bf16(out, fp8chains_own_linear(attn.wo_b)(y))
     if rows >= 3:
         assert out[2].isnan().all() and not out[[0, 1]].isnan().any()
 
@@ -617,11 +620,7 @@ def check_silu_mul_chain(monkeypatch, rows, hidden, intermediate, device):
     gate_up, _ = mlp.gate_up_proj(x)
     y = act.silu_mul(gate_up, limit=mlp.swiglu_limit)
     assert (gate_up.float() > mlp.swiglu_limit).any()  # the clamp is exercised
-    own = ReplicatedLinear(intermediate, hidden, quant_config=Fp8Config(weight_block_size=(32, 32),
-                                                                        scale_fmt="ue8m0")).to(device)
-    load_weights(own, [("weight", mlp.down_proj.weight.data),
-                       ("weight_scale_inv", mlp.down_proj.weight_scale_inv.data)])
-    assert_same_bf16(out, own(y))
+    assert_same_bf16(out, fp8chains_own_linear(mlp.down_proj)(y))
     pair = act.silu_mul(gate_up, limit=mlp.swiglu_limit, out_format=mlp.down_proj.input_format, return_bf16=False)
     assert_pairs_equal(pair, ref.quantize(y, mlp.down_proj.input_format))
     if rows >= 3:
