@@ -417,11 +417,12 @@ def test_q_norm_stands_aside_where_no_pair_may_go(monkeypatch):
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("case", ["hopper", "not_served", "blackwell", "upstream_quant"])
-def test_wq_b_and_wo_b_ask_only_where_fp8chain_serves(monkeypatch, case):
-    """The requests on wq_b and wo_b are made where fp8chain's consumers run (Hopper; the CPU under
-    the interpreter here), not where another device keeps upstream's weights, not on Blackwell
-    (upstream's); wq_b's not where upstream's own Hopper q_lora quantize feeds it."""
+@pytest.mark.parametrize("case", ["hopper", "not_served", "blackwell", "upstream_quant", "bf16_weights"])
+def test_linears_ask_only_where_fp8chain_serves(monkeypatch, case):
+    """The requests on wq_b, wo_b and the shared expert's down_proj are made where fp8chain's
+    consumers run (Hopper; the CPU under the interpreter here) on e4m3 weights, not where another
+    device keeps upstream's weights, not on Blackwell (upstream's), not for bf16 weights; wq_b's
+    not where upstream's own Hopper q_lora quantize feeds it."""
     monkeypatch.delenv(plugin.UPSTREAM_HOPPER_Q_LORA_QUANT, raising=False)
     if case == "not_served":
         monkeypatch.setattr(plugin, "_why_not_fp8chain", lambda device: "sm_80 (test)")
@@ -430,9 +431,16 @@ def test_wq_b_and_wo_b_ask_only_where_fp8chain_serves(monkeypatch, case):
     elif case == "upstream_quant":
         monkeypatch.setenv(plugin.UPSTREAM_HOPPER_Q_LORA_QUANT, "1")
     attn = UpstreamMQA()
+    moe = types.SimpleNamespace(shared_experts=UpstreamSharedExpert(), is_deepseek_v4=True)
+    linears = (attn.wq_b, attn.wo_b, moe.shared_experts.down_proj)
+    if case == "bf16_weights":
+        for linear in linears:
+            linear.weight.data = linear.weight.data.to(torch.bfloat16)
     plugin.after_mqa_init(None, attn)
+    plugin.after_moe_init(None, moe)
     assert attn.wq_b.deepgemm_mxfp8_input is (case == "hopper")
     assert attn.wo_b.deepgemm_mxfp8_input is (case in ("hopper", "upstream_quant"))
+    assert moe.shared_experts.down_proj.deepgemm_mxfp8_input is (case in ("hopper", "upstream_quant"))
 
 
 @pytest.mark.cpu
