@@ -204,16 +204,23 @@ def _cmd_info(args) -> int:
 
 
 def _sglang_plugin_status() -> str:
-    """Whether SGLang would find fp8chain's plugin, and whether SGLang itself is importable."""
+    """Whether SGLang would find fp8chain's plugin, whether SGLang itself is importable, and
+    whether the plugin acts on this machine's device."""
     import importlib.metadata
     import importlib.util
 
-    from fp8chain.integrations.sglang import PLUGIN_GROUP
+    import torch
+
+    from fp8chain.integrations.sglang import PLUGIN_GROUP, why_idle
 
     entries = [ep.value for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP) if ep.name == "fp8chain"]
     registered = f"registered ({entries[0]})" if entries else "not registered (reinstall fp8chain)"
     sglang = "importable" if importlib.util.find_spec("sglang") else "not installed"
-    return f"SGLang plugin: {PLUGIN_GROUP} entry point {registered}; sglang {sglang}"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    idle = why_idle(device)
+    acts = ("leaves every layer to upstream: " + idle if idle else
+            "feeds DeepSeek-V4's wq_b, wo_b and shared-expert down_proj from fp8chain's producers")
+    return f"SGLang plugin: {PLUGIN_GROUP} entry point {registered}; sglang {sglang}; on {device.type}: {acts}"
 
 
 def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:

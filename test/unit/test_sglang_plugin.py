@@ -672,3 +672,14 @@ def test_mlp_hook_stands_aside_where_no_pair_may_go(monkeypatch):
     other = chained_moe(monkeypatch, is_deepseek_v4=False)
     assert other.down_proj.deepgemm_mxfp8_input is False and getattr(other.down_proj, "input_format", None) is None
     assert upstream_ran(other, x)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("capability,hip,idle", [((9, 0), None, None), ((10, 0), None, "from Blackwell on"),
+                                                 ((8, 0), None, "sm_80"), ((9, 0), "6.2", "ROCm")])
+def test_why_idle_names_what_keeps_the_plugin_out(monkeypatch, capability, hip, idle):
+    """`fp8chain info` reports it: the plugin acts on Hopper only."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    got = plugin.why_idle(torch.device("cuda", 0))
+    assert got is None if idle is None else idle in got

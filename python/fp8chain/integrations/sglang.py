@@ -89,7 +89,7 @@ from ..layers.quantization.fp8 import (Fp8LinearMethod, check_pair_input, check_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["install", "after_get_quant_method", "around_process_weights", "around_apply", "after_mqa_init",
+__all__ = ["install", "why_idle", "after_get_quant_method", "around_process_weights", "around_apply", "after_mqa_init",
            "around_normalize_q_lora", "around_mqa_forward", "around_wo_a_bf16_matmul", "after_moe_init",
            "around_mlp_forward", "FP8_CONFIG", "FP8_LINEAR_METHOD", "MQA_LAYER", "WO_A_BF16_MATMUL", "MOE", "MLP",
            "PLUGIN_GROUP"]
@@ -245,7 +245,15 @@ def _fp8chain_serves_weight(weight) -> bool:
     device = weight.device
     if device.type == "meta" and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
-    return not _upstream_serves_request(device) and _why_not_fp8chain(device) is None
+    return why_idle(device) is None
+
+
+def why_idle(device: torch.device) -> str | None:
+    """Why the plugin leaves every layer on ``device`` to upstream (None: its requests, consumers
+    and producer hooks act there)."""
+    if _upstream_serves_request(device):
+        return "upstream's own producers and GEMMs serve pre-quantized inputs from Blackwell on"
+    return _why_not_fp8chain(device)
 
 
 def after_mqa_init(result, attn, *args, **kwargs):
