@@ -23,8 +23,8 @@ process, calls each plugin's function, then applies the hooks it registered
   (``layer.use_intel_amx_backend``) the request is refused without reading them as e4m3;
   Blackwell and later are upstream's. SGLang 0.5.23's DeepSeek-V4 attention asks (on ``wqkv_a``
   and ``wo_b``) only with its mega attention, which runs on Blackwell: on Hopper only the
-  ``MQALayer`` hook below asks (on ``wq_b``); where nothing asks, the plugin logs once that its
-  consumers stay idle.
+  ``MQALayer`` and ``DeepseekV2MoE`` hooks below ask (on ``wq_b``, ``wo_b`` and the shared
+  expert's ``down_proj``); where nothing asks, the plugin logs once that its consumers stay idle.
 * around ``apply(layer, x, bias=None)``: a ``QuantizedActivation`` goes to that backend's GEMM,
   never re-quantized (a pair in another format, or for a layer that did not ask for one, raises
   ``TypeError``); any other input runs upstream's ``apply`` unchanged.
@@ -63,10 +63,11 @@ SiLU*mul for the shared expert's ``down_proj`` (``DeepseekV2MLP``):
   turns it into the limit.
 
 Upstream's own method runs wherever no pair may be handed on: sequence parallelism (``wq_b``
-all-gathers its input, ``wo_b`` and ``down_proj`` reduce-scatter their output, as tensors), deterministic or
-batch-invariant inference (fp8chain's launches are chosen per row count), inputs that are not
-bf16, a ``wo_a`` call that asks for upstream's own quantized output, and an MLP call that brings
-gate_up's input quantized (``gateup_pre_quant``) or fuses NVFP4 (not Hopper's).
+all-gathers its input, ``wo_b`` and ``down_proj`` reduce-scatter their output, as tensors),
+deterministic or batch-invariant inference (fp8chain's launches are chosen per row count), inputs
+that are not bf16, a ``wo_a`` call that asks for upstream's own quantized output, an MLP call that
+brings gate_up's input quantized (``gateup_pre_quant``) or fuses NVFP4 (not Hopper's), and calls
+with arguments the hooks do not know.
 """
 
 from __future__ import annotations
@@ -77,11 +78,10 @@ import os
 
 import torch
 
-from fp8chain_kernel.formats import QuantizedActivation
-from fp8chain_kernel.fp8_tile import interpreting
-
 from fp8chain_kernel.act import silu_mul
 from fp8chain_kernel.einsum import wo_a_einsum
+from fp8chain_kernel.formats import QuantizedActivation
+from fp8chain_kernel.fp8_tile import interpreting
 from fp8chain_kernel.norm import rms_norm
 
 from ..layers.quantization.fp8 import (Fp8LinearMethod, check_pair_input, check_weights, consumer_gemm, input_requested,
@@ -178,7 +178,8 @@ def _note_idle(name: str) -> None:
     if not _idle_noted:
         _idle_noted = True
         logger.info("%s asks no pre-quantized input; fp8chain's consumers take only layers whose model asks "
-                    "(in SGLang on Hopper: DeepSeek-V4's wq_b, fed by fp8chain's q_norm). Logged once.", name)
+                    "(in SGLang on Hopper: DeepSeek-V4's wq_b, wo_b and shared-expert down_proj, fed by "
+                    "fp8chain's producers). Logged once.", name)
 
 
 def around_process_weights(original, method, layer, *args, **kwargs):
