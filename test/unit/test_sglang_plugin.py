@@ -394,7 +394,7 @@ def test_q_norm_hands_wq_b_the_pair_of_its_bf16_row_gpu(monkeypatch, rows):
 @pytest.mark.cpu
 def test_q_norm_stands_aside_where_no_pair_may_go(monkeypatch):
     """Upstream's _normalize_q_lora runs for a wq_b that reads no pairs, a q or q_norm that is not
-    bf16, and in the forwards _why_upstream_q_lora names."""
+    bf16, and in the forwards _why_no_pair names."""
     attn = chained_mqa(monkeypatch)
     q = q_lora_rows(4, 256)
 
