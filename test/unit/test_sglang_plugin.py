@@ -683,3 +683,16 @@ def test_why_idle_names_what_keeps_the_plugin_out(monkeypatch, capability, hip, 
     monkeypatch.setattr(torch.version, "hip", hip)
     got = plugin.why_idle(torch.device("cuda", 0))
     assert got is None if idle is None else idle in got
+
+
+@pytest.mark.cpu
+def test_the_hook_check_script_says_when_sglang_is_missing(monkeypatch, capsys):
+    """scripts/check_sglang_hooks.py (for machines with SGLang) exits 2 with the reason elsewhere."""
+    import runpy
+    from pathlib import Path
+
+    monkeypatch.setitem(sys.modules, "sglang", None)  # what a machine without SGLang imports
+    script = Path(__file__).resolve().parents[2] / "scripts" / "check_sglang_hooks.py"
+    main = runpy.run_path(str(script))["main"]
+    assert main() == 2
+    assert "SGLang's modules do not import here" in capsys.readouterr().err

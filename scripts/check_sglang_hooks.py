@@ -1,0 +1,156 @@
+"""Check fp8chain's SGLang plugin against the SGLang installed here, without starting a server.
+
+    python scripts/check_sglang_hooks.py        # on a CPU: TRITON_INTERPRET=1 python scripts/...
+
+SGLang's own ``HookRegistry`` applies the plugin's hooks to its real modules, then the hooked
+methods run on minimal layers holding only what they read (random DSv4.1-style FP8 weights, 32x32
+blocks, small shapes): ``Fp8LinearMethod.process_weights_after_loading`` and ``apply``,
+``MQALayer._normalize_q_lora``, ``_apply_wo_a_bf16_matmul`` inside and outside an ``MQALayer``
+forward, ``DeepseekV2MLP.__call__``. Each result is compared bit for bit with fp8chain's own
+linear. Prints one line per check; exit status 1 if any fails. The runtime modes the hooks read at
+each forward (sequence parallelism, deterministic inference) are published only inside a server,
+so the checks run as outside those modes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+
+
+def main() -> int:
+    try:
+        import sglang.srt.models.deepseek_v2 as v2
+        import sglang.srt.models.deepseek_v4 as v4
+        from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
+        from sglang.srt.plugins.hook_registry import HookRegistry
+    except ImportError as exc:
+        print(f"SGLang's modules do not import here: {exc}", file=sys.stderr)
+        return 2
+    from fp8chain.integrations import sglang as plugin
+    from fp8chain.layers.linear import ReplicatedLinear
+    from fp8chain.layers.loading import load_weights
+    from fp8chain.layers.quantization.fp8 import Fp8Config as OwnFp8Config
+    from fp8chain_kernel import einsum
+    from fp8chain_kernel import reference as ref
+    from fp8chain_kernel.formats import QuantizedActivation
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    idle = plugin.why_idle(device)
+    if idle:
+        print(f"the plugin leaves every layer to upstream on this {device.type}: {idle}", file=sys.stderr)
+        return 2
+    failures = []
+
+    def check(name, ok, detail=""):
+        print(f"[{'ok' if ok else 'FAIL'}] {name}{': ' + detail if detail else ''}")
+        if not ok:
+            failures.append(name)
+
+    readers = ((v4._apply_wo_a_bf16_matmul, plugin._wo_a_output_asked),
+               (v2.DeepseekV2MLP.forward, plugin._mlp_input_prequantized))
+    for target, reader in readers:
+        want = list(inspect.signature(reader).parameters)
+        got = list(inspect.signature(target).parameters)[2:]
+        check(f"{target.__qualname__} takes the arguments the hook reads", got == want, f"{got}")
+    def targets():
+        return {"MQALayer.__init__": v4.MQALayer.__init__, "MQALayer._normalize_q_lora": v4.MQALayer._normalize_q_lora,
+                "MQALayer.forward": v4.MQALayer.forward, "_apply_wo_a_bf16_matmul": v4._apply_wo_a_bf16_matmul,
+                "DeepseekV2MoE.__init__": v2.DeepseekV2MoE.__init__, "DeepseekV2MLP.forward": v2.DeepseekV2MLP.forward,
+                "Fp8LinearMethod.apply": Fp8LinearMethod.apply,
+                "Fp8LinearMethod.process_weights_after_loading": Fp8LinearMethod.process_weights_after_loading}
+
+    originals = targets()
+    plugin.install()
+    HookRegistry.apply_hooks()
+    patched = targets()
+    for name, fn in patched.items():
+        check(f"hooked {name}", getattr(fn, "__wrapped__", None) is originals[name])
+    plugin._why_no_pair = lambda: None  # the runtime modes are published inside a server only
+
+    method = Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[32, 32],
+                                       scale_fmt="ue8m0"))
+
+    def fp8_linear(n, k, name):
+        """A module as SGLang's FP8 linear holds a 32x32-block checkpoint, asking for a pair and
+        processed by the real (hooked) method; ``forward`` runs the real (hooked) ``apply``."""
+        layer = torch.nn.Module()
+        weight, scale = ref.random_fp8_weight(n, k, 32, device=device)
+        layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+        layer.weight_scale_inv = torch.nn.Parameter(scale, requires_grad=False)
+        layer.deepgemm_mxfp8_input, layer.prefix = True, name
+        method.process_weights_after_loading(layer)
+        layer.forward = lambda x: (method.apply(layer, x), None)
+        return layer
+
+    def own_linear(layer):
+        n, k = layer.weight.shape
+        own = ReplicatedLinear(k, n, quant_config=OwnFp8Config(weight_block_size=(32, 32), scale_fmt="ue8m0"))
+        load_weights(own.to(device), [("weight", layer.weight.data), ("weight_scale_inv", layer.weight_scale_inv.data)])
+        return own
+
+    def same_bits(a, b):
+        return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+    wq_b = fp8_linear(512, 256, "layers.0.self_attn.wq_b")
+    check("Fp8LinearMethod.process_weights_after_loading serves the request", wq_b.deepgemm_mxfp8_input is True
+          and wq_b.input_format is not None, f"{getattr(wq_b.input_format, 'value', None)}")
+    x = torch.randn(5, 256, device=device).bfloat16()
+    out = method.apply(wq_b, ref.quantize(x, wq_b.input_format))
+    check("Fp8LinearMethod.apply(pair) is fp8chain's linear", same_bits(out, own_linear(wq_b)(x)))
+
+    attn = v4.MQALayer.__new__(v4.MQALayer)
+    torch.nn.Module.__init__(attn)
+    attn.wq_b = wq_b
+    attn.q_norm = torch.nn.Module()
+    attn.q_norm.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(256, device=device).bfloat16(), requires_grad=False)
+    attn.q_norm.variance_epsilon = 1e-6
+    y, pair = attn._normalize_q_lora(x)
+    check("MQALayer._normalize_q_lora returns the bf16 row and its pair", isinstance(pair, QuantizedActivation)
+          and torch.equal(pair.data.view(torch.uint8), ref.quantize(y, wq_b.input_format).data.view(torch.uint8)))
+    check("wq_b on that pair is fp8chain's linear on the row", same_bits(wq_b(pair)[0], own_linear(wq_b)(y)))
+
+    attn.wo_a = torch.nn.Module()
+    wo_a_weight = (torch.randn(2 * 128, 192, device=device) / 16).bfloat16()
+    attn.wo_a.weight = torch.nn.Parameter(wo_a_weight, requires_grad=False)
+    attn.wo_b = fp8_linear(160, 256, "layers.0.self_attn.wo_b")
+    o = torch.randn(5, 2 * 192, device=device).bfloat16().view(5, 2, 192)
+    wo_a = attn.wo_a.weight.view(2, 128, 192)
+    product = plugin.around_mqa_forward(lambda layer: v4._apply_wo_a_bf16_matmul(o, wo_a, is_decode=True), attn)
+    fmt = attn.wo_b.input_format
+    want = ref.quantize(einsum.wo_a_einsum(o, wo_a, tile_group=fmt.group_size), fmt)
+    check("_apply_wo_a_bf16_matmul inside an MQALayer forward returns wo_b's pair",
+          isinstance(product, QuantizedActivation) and product.fmt is fmt
+          and torch.equal(product.data.view(torch.uint8), want.data.view(torch.uint8)))
+    outside = v4._apply_wo_a_bf16_matmul(o, wo_a, is_decode=True)
+    check("_apply_wo_a_bf16_matmul outside a forward is upstream's bf16", torch.is_tensor(outside)
+          and outside.shape == (5, 2, 128))
+
+    mlp = v2.DeepseekV2MLP.__new__(v2.DeepseekV2MLP)
+    torch.nn.Module.__init__(mlp)
+    gate_up = torch.randn(5, 2 * 96, device=device).bfloat16()  # gate_up_proj stays upstream's: bf16 in and out
+    mlp.gate_up_proj = torch.nn.Module()
+    mlp.gate_up_proj.forward = lambda x: (gate_up, None)
+    mlp.down_proj = fp8_linear(256, 96, "layers.0.mlp.shared_experts.down_proj")
+    mlp.swiglu_limit = 1.0
+    received = []
+
+    def down_forward(x):
+        received.append(x)
+        return method.apply(mlp.down_proj, x), None
+
+    mlp.down_proj.forward = down_forward
+    out = mlp(x)
+    check("DeepseekV2MLP.__call__ hands down_proj the pair of SiLU*mul", len(received) == 1
+          and isinstance(received[0], QuantizedActivation) and out.shape == (5, 256))
+    y = ref.silu_mul(gate_up, limit=1.0)
+    check("down_proj on that pair is fp8chain's linear on the bf16 activation",
+          same_bits(out, own_linear(mlp.down_proj)(y)))
+    print(f"{len(failures)} failed" if failures else "every check passed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
