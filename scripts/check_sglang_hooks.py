@@ -15,6 +15,7 @@ so the checks run as outside those modes.
 from __future__ import annotations
 
 import inspect
+import pkgutil
 import sys
 
 import torch
@@ -55,19 +56,16 @@ def main() -> int:
         want = list(inspect.signature(reader).parameters)
         got = list(inspect.signature(target).parameters)[2:]
         check(f"{target.__qualname__} takes the arguments the hook reads", got == want, f"{got}")
-    def targets():
-        return {"MQALayer.__init__": v4.MQALayer.__init__, "MQALayer._normalize_q_lora": v4.MQALayer._normalize_q_lora,
-                "MQALayer.forward": v4.MQALayer.forward, "_apply_wo_a_bf16_matmul": v4._apply_wo_a_bf16_matmul,
-                "DeepseekV2MoE.__init__": v2.DeepseekV2MoE.__init__, "DeepseekV2MLP.forward": v2.DeepseekV2MLP.forward,
-                "Fp8LinearMethod.apply": Fp8LinearMethod.apply,
-                "Fp8LinearMethod.process_weights_after_loading": Fp8LinearMethod.process_weights_after_loading}
+
+    def targets():  # what each hooked target resolves to now
+        return {target: pkgutil.resolve_name(target) for target, _, _ in plugin.HOOKS}
 
     originals = targets()
     plugin.install()
     HookRegistry.apply_hooks()
     patched = targets()
     for name, fn in patched.items():
-        check(f"hooked {name}", getattr(fn, "__wrapped__", None) is originals[name])
+        check(f"hooked {name.removeprefix('sglang.srt.')}", getattr(fn, "__wrapped__", None) is originals[name])
     plugin._why_no_pair = lambda: None  # the runtime modes are published inside a server only
 
     method = Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[32, 32],

@@ -89,10 +89,10 @@ from ..layers.quantization.fp8 import (Fp8LinearMethod, check_pair_input, check_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["install", "why_idle", "after_get_quant_method", "around_process_weights", "around_apply", "after_mqa_init",
-           "around_normalize_q_lora", "around_mqa_forward", "around_wo_a_bf16_matmul", "after_moe_init",
-           "around_mlp_forward", "FP8_CONFIG", "FP8_LINEAR_METHOD", "MQA_LAYER", "WO_A_BF16_MATMUL", "MOE", "MLP",
-           "PLUGIN_GROUP"]
+__all__ = ["install", "HOOKS", "why_idle", "after_get_quant_method", "around_process_weights", "around_apply",
+           "after_mqa_init", "around_normalize_q_lora", "around_mqa_forward", "around_wo_a_bf16_matmul",
+           "after_moe_init", "around_mlp_forward", "FP8_CONFIG", "FP8_LINEAR_METHOD", "MQA_LAYER",
+           "WO_A_BF16_MATMUL", "MOE", "MLP", "PLUGIN_GROUP"]
 
 PLUGIN_GROUP = "sglang.srt.plugins"  # SGLang's entry point group of general plugins
 FP8_LINEAR_METHOD = "sglang.srt.layers.quantization.fp8.Fp8LinearMethod"
@@ -107,19 +107,11 @@ _BLOCK_SIZES = (32, 128)
 
 
 def install() -> None:
-    """The entry point SGLang calls: register the hooks (applied by SGLang afterwards)."""
+    """The entry point SGLang calls: register the hooks of ``HOOKS`` (applied by SGLang afterwards)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(f"{FP8_CONFIG}.get_quant_method", after_get_quant_method, HookType.AFTER)
-    HookRegistry.register(f"{FP8_LINEAR_METHOD}.process_weights_after_loading", around_process_weights,
-                          HookType.AROUND)
-    HookRegistry.register(f"{FP8_LINEAR_METHOD}.apply", around_apply, HookType.AROUND)
-    HookRegistry.register(f"{MQA_LAYER}.__init__", after_mqa_init, HookType.AFTER)
-    HookRegistry.register(f"{MQA_LAYER}._normalize_q_lora", around_normalize_q_lora, HookType.AROUND)
-    HookRegistry.register(f"{MQA_LAYER}.forward", around_mqa_forward, HookType.AROUND)
-    HookRegistry.register(WO_A_BF16_MATMUL, around_wo_a_bf16_matmul, HookType.AROUND)
-    HookRegistry.register(f"{MOE}.__init__", after_moe_init, HookType.AFTER)
-    HookRegistry.register(f"{MLP}.forward", around_mlp_forward, HookType.AROUND)
+    for target, hook, kind in HOOKS:
+        HookRegistry.register(target, hook, HookType[kind])
 
 
 def _upstream_serves_request(device: torch.device) -> bool:
@@ -372,3 +364,17 @@ def around_mlp_forward(original, mlp, x, *args, **kwargs):
     pair = silu_mul(gate_up, limit=getattr(mlp, "swiglu_limit", None), out_format=fmt, return_bf16=False)
     out, _ = mlp.down_proj(pair)
     return out
+
+
+# every hook ``install`` registers: (SGLang's dotted target, the hook, SGLang's ``HookType`` name)
+HOOKS = (
+    (f"{FP8_CONFIG}.get_quant_method", after_get_quant_method, "AFTER"),
+    (f"{FP8_LINEAR_METHOD}.process_weights_after_loading", around_process_weights, "AROUND"),
+    (f"{FP8_LINEAR_METHOD}.apply", around_apply, "AROUND"),
+    (f"{MQA_LAYER}.__init__", after_mqa_init, "AFTER"),
+    (f"{MQA_LAYER}._normalize_q_lora", around_normalize_q_lora, "AROUND"),
+    (f"{MQA_LAYER}.forward", around_mqa_forward, "AROUND"),
+    (WO_A_BF16_MATMUL, around_wo_a_bf16_matmul, "AROUND"),
+    (f"{MOE}.__init__", after_moe_init, "AFTER"),
+    (f"{MLP}.forward", around_mlp_forward, "AROUND"),
+)
