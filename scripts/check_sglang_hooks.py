@@ -6,7 +6,8 @@ SGLang's own ``HookRegistry`` applies the plugin's hooks to its real modules, th
 methods run on minimal layers holding only what they read (random DSv4.1-style FP8 weights, 32x32
 blocks, small shapes): ``Fp8LinearMethod.process_weights_after_loading`` and ``apply``,
 ``MQALayer._normalize_q_lora``, ``_apply_wo_a_bf16_matmul`` inside and outside an ``MQALayer``
-forward, ``DeepseekV2MLP.__call__``. Each result is compared bit for bit with fp8chain's own
+forward, ``DeepseekV2MLP.__call__``, the attention's mHC read ``HcReadCall.read`` (with the
+module function ``combine`` it calls). Each result is compared bit for bit with fp8chain's own
 linear. Prints one line per check; exit status 1 if any fails. The runtime modes the hooks read at
 each forward (sequence parallelism, deterministic inference) are published only inside a server,
 so the checks run as outside those modes.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import inspect
 import pkgutil
 import sys
+import types
 
 import torch
 
@@ -25,6 +27,9 @@ def main() -> int:
     try:
         import sglang.srt.models.deepseek_v2 as v2
         import sglang.srt.models.deepseek_v4 as v4
+        import sglang.srt.models.deepseek_v4_boundary as boundary
+        import sglang.srt.models.deepseek_v4_mhc as mhc
+        from sglang.srt.layers.layernorm import RMSNorm
         from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
         from sglang.srt.plugins.hook_registry import HookRegistry
     except ImportError as exc:
@@ -35,6 +40,8 @@ def main() -> int:
     from fp8chain.layers.loading import load_weights
     from fp8chain.layers.quantization.fp8 import Fp8Config as OwnFp8Config
     from fp8chain_kernel import einsum
+    from fp8chain_kernel.mhc import mhc_combine_norm
+    from fp8chain_kernel.norm import rms_norm
     from fp8chain_kernel import reference as ref
     from fp8chain_kernel.formats import QuantizedActivation
 
@@ -50,12 +57,16 @@ def main() -> int:
         if not ok:
             failures.append(name)
 
-    readers = ((v4._apply_wo_a_bf16_matmul, plugin._wo_a_output_asked),
-               (v2.DeepseekV2MLP.forward, plugin._mlp_input_prequantized))
-    for target, reader in readers:
+    # (hooked function, the reader of its later arguments, how many come before them)
+    readers = ((v4._apply_wo_a_bf16_matmul, plugin._wo_a_output_asked, 2),
+               (v2.DeepseekV2MLP.forward, plugin._mlp_input_prequantized, 2),
+               (boundary.HcReadCall.read, plugin._read_asks_format, 3))
+    for target, reader, leading in readers:
         want = list(inspect.signature(reader).parameters)
-        got = list(inspect.signature(target).parameters)[2:]
+        got = list(inspect.signature(target).parameters)[leading:]
         check(f"{target.__qualname__} takes the arguments the hook reads", got == want, f"{got}")
+    got = list(inspect.signature(mhc.combine).parameters)
+    check("deepseek_v4_mhc.combine takes (hc, state, quantized)", got == ["hc", "state", "quantized"], f"{got}")
 
     def targets():  # what each hooked target resolves to now
         return {target: pkgutil.resolve_name(target) for target, _, _ in plugin.HOOKS}
@@ -146,6 +157,31 @@ def main() -> int:
     y = ref.silu_mul(gate_up, limit=1.0)
     check("down_proj on that pair is fp8chain's linear on the bf16 activation",
           same_bits(out, own_linear(mlp.down_proj)(y)))
+    attn.fuse_wqa_wkv = True
+    attn.wqkv_a = fp8_linear(256 + 64, 160, "layers.0.self_attn.wqkv_a")
+    norm = RMSNorm(160, eps=1e-6).to(device=device, dtype=torch.bfloat16)
+    norm.weight.data = 1 + 0.1 * torch.randn(160, device=device).bfloat16()
+    cfg = mhc.HcConfig(mult=4, sinkhorn_iters=20, eps=1e-6, rms_eps=1e-6, hidden=160, pre_from_prev=True,
+                       cp_prefill=False)
+    layer = torch.nn.Module()  # a DSv4.1 decoder layer as the attention's mHC read uses it
+    layer.self_attn, layer.boundary_pre_from_prev, layer.hc_cfg = attn, True, cfg
+    layer.hc_stats_stream, layer.attn_hc = None, mhc.HcSubLayer(cfg, None, None, None, norm)
+    decode = types.SimpleNamespace(forward_mode=types.SimpleNamespace(is_decode=lambda: True,
+                                                                      is_target_verify=lambda: False))
+    read = boundary.HcRead(layer, True).bind(decode, boundary.LayerCall())
+    streams = torch.randn(5, 4, 160, device=device).bfloat16()
+    pre = torch.rand(5, 4, device=device) + 0.1
+    for carried, what in ((pre, "the carried pre"), (None, "no pre (the first layer: stream 0)")):
+        x, state = read.read(mhc.HcState(streams, carried), norm, "")  # as the layer-boundary framework calls it
+        want = (mhc_combine_norm(streams, carried, norm.weight, 1e-6) if carried is not None else
+                rms_norm(streams[:, 0], norm.weight, 1e-6))
+        pair = getattr(state, "quantized", None)
+        check(f"HcReadCall.read with {what} returns fp8chain's combine + RMSNorm", same_bits(x, want))
+        check(f"HcReadCall.read with {what} leaves wqkv_a's pair in ReadState.quantized",
+              isinstance(pair, QuantizedActivation) and pair.fmt is attn.wqkv_a.input_format
+              and torch.equal(pair.data.view(torch.uint8), ref.quantize(x, pair.fmt).data.view(torch.uint8)))
+        check(f"wqkv_a on that pair is fp8chain's linear on x",
+              isinstance(pair, QuantizedActivation) and same_bits(attn.wqkv_a(pair)[0], own_linear(attn.wqkv_a)(x)))
     print(f"{len(failures)} failed" if failures else "every check passed")
     return 1 if failures else 0
 

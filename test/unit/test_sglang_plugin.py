@@ -60,6 +60,8 @@ def test_install_registers_the_hooks(monkeypatch):
         ("sglang.srt.models.deepseek_v4._apply_wo_a_bf16_matmul", plugin.around_wo_a_bf16_matmul, hook_type.AROUND),
         ("sglang.srt.models.deepseek_v2.DeepseekV2MoE.__init__", plugin.after_moe_init, hook_type.AFTER),
         ("sglang.srt.models.deepseek_v2.DeepseekV2MLP.forward", plugin.around_mlp_forward, hook_type.AROUND),
+        ("sglang.srt.models.deepseek_v4_boundary.HcReadCall.read", plugin.around_hc_read, hook_type.AROUND),
+        ("sglang.srt.models.deepseek_v4_mhc.combine", plugin.around_hc_combine, hook_type.AROUND),
     ]
 
 
@@ -293,13 +295,16 @@ class UpstreamRMSNorm(torch.nn.Module):
 
 
 class UpstreamMQA(torch.nn.Module):
-    """SGLang's ``MQALayer`` as the hooks read it: ``q_norm`` -> ``wq_b`` and ``wo_a`` (bf16, as a
-    32x32-block checkpoint keeps it on Hopper) -> ``wo_b``, the FP8 linears without a request of
-    their own on Hopper."""
+    """SGLang's ``MQALayer`` as the hooks read it: the fused ``wqkv_a``, ``q_norm`` -> ``wq_b`` and
+    ``wo_a`` (bf16, as a 32x32-block checkpoint keeps it on Hopper) -> ``wo_b``, the FP8 linears
+    without a request of their own on Hopper."""
 
     def __init__(self, q_lora_rank=256, wq_b_rows=128, groups=2, o_lora_rank=64, group_width=96, hidden=160,
-                 device=None):
+                 device=None, kv_width=64):
         super().__init__()
+        self.fuse_wqa_wkv = True
+        self.wqkv_a = UpstreamLinear(*ref.random_fp8_weight(q_lora_rank + kv_width, hidden, 32, device=device),
+                                     request=False, prefix="model.layers.0.self_attn.wqkv_a")
         self.wq_b = UpstreamLinear(*ref.random_fp8_weight(wq_b_rows, q_lora_rank, 32, device=device), request=False)
         self.q_norm = UpstreamRMSNorm(q_lora_rank, device)
         self.n_local_groups, self.o_lora_rank = groups, o_lora_rank
@@ -307,6 +312,9 @@ class UpstreamMQA(torch.nn.Module):
                                     dtype=torch.bfloat16).requires_grad_(False)
         self.wo_b = UpstreamLinear(*ref.random_fp8_weight(hidden, groups * o_lora_rank, 32, device=device),
                                    request=False, prefix="model.layers.0.self_attn.wo_b")
+
+    def accepts_mxfp8_swizzled_input(self):
+        return False  # Blackwell's FlashInfer input, never on Hopper
 
 
 def upstream_normalize_q_lora(attn, q):
@@ -327,7 +335,7 @@ def chained_mqa(monkeypatch, **shape):
     monkeypatch.setattr(plugin, "_why_no_pair", lambda: None)
     attn = UpstreamMQA(**shape)
     assert plugin.after_mqa_init(None, attn) is None
-    for linear in (attn.wq_b, attn.wo_b):
+    for linear in (attn.wqkv_a, attn.wq_b, attn.wo_b):
         assert linear.deepgemm_mxfp8_input is True  # the request, made before the weights load
         plugin.around_process_weights(upstream_process, upstream_method(), linear)
         assert linear.input_format is backends.input_format_for(32)
@@ -419,10 +427,10 @@ def test_q_norm_stands_aside_where_no_pair_may_go(monkeypatch):
 @pytest.mark.cpu
 @pytest.mark.parametrize("case", ["hopper", "not_served", "blackwell", "upstream_quant", "bf16_weights"])
 def test_linears_ask_only_where_fp8chain_serves(monkeypatch, case):
-    """The requests on wq_b, wo_b and the shared expert's down_proj are made where fp8chain's
-    consumers run (Hopper; the CPU under the interpreter here) on e4m3 weights, not where another
-    device keeps upstream's weights, not on Blackwell (upstream's), not for bf16 weights; wq_b's
-    not where upstream's own Hopper q_lora quantize feeds it."""
+    """The requests on wqkv_a, wq_b, wo_b and the shared expert's down_proj are made where
+    fp8chain's consumers run (Hopper; the CPU under the interpreter here) on e4m3 weights, not where
+    another device keeps upstream's weights, not on Blackwell (upstream's), not for bf16 weights;
+    wq_b's not where upstream's own Hopper q_lora quantize feeds it."""
     monkeypatch.delenv(plugin.UPSTREAM_HOPPER_Q_LORA_QUANT, raising=False)
     if case == "not_served":
         monkeypatch.setattr(plugin, "_why_not_fp8chain", lambda device: "sm_80 (test)")
@@ -432,12 +440,13 @@ def test_linears_ask_only_where_fp8chain_serves(monkeypatch, case):
         monkeypatch.setenv(plugin.UPSTREAM_HOPPER_Q_LORA_QUANT, "1")
     attn = UpstreamMQA()
     moe = types.SimpleNamespace(shared_experts=UpstreamSharedExpert(), is_deepseek_v4=True)
-    linears = (attn.wq_b, attn.wo_b, moe.shared_experts.down_proj)
+    linears = (attn.wqkv_a, attn.wq_b, attn.wo_b, moe.shared_experts.down_proj)
     if case == "bf16_weights":
         for linear in linears:
             linear.weight.data = linear.weight.data.to(torch.bfloat16)
     plugin.after_mqa_init(None, attn)
     plugin.after_moe_init(None, moe)
+    assert attn.wqkv_a.deepgemm_mxfp8_input is (case in ("hopper", "upstream_quant"))
     assert attn.wq_b.deepgemm_mxfp8_input is (case == "hopper")
     assert attn.wo_b.deepgemm_mxfp8_input is (case in ("hopper", "upstream_quant"))
     assert moe.shared_experts.down_proj.deepgemm_mxfp8_input is (case in ("hopper", "upstream_quant"))
@@ -672,6 +681,139 @@ def test_mlp_hook_stands_aside_where_no_pair_may_go(monkeypatch):
     other = chained_moe(monkeypatch, is_deepseek_v4=False)
     assert other.down_proj.deepgemm_mxfp8_input is False and getattr(other.down_proj, "input_format", None) is None
     assert upstream_ran(other, x)
+
+
+def upstream_combine(hc, state, quantized=None):
+    """Stands for SGLang's ``deepseek_v4_mhc.combine`` on Hopper: ``RMSNorm(sum_k pre[k] * R[k])``
+    in bf16 (stream 0 where no ``pre`` is carried), no pair."""
+    upstream_combine.calls += 1
+    streams = state.streams
+    mixed = streams[:, 0] if state.pre is None else ref.mhc_combine(streams, state.pre)
+    return ref.rms_norm(mixed, hc.norm.weight, hc.norm.variance_epsilon)
+
+
+def upstream_read(read, residual, norm, *args, **kwargs):
+    """Stands for SGLang's ``HcReadCall.read`` of a carried state on Hopper: the combine (through
+    the combine hook, as SGLang's module attribute is hooked) and a ``ReadState`` without a
+    pre-quantized input; the later arguments are not read."""
+    upstream_read.calls += 1
+    hc = types.SimpleNamespace(norm=norm)
+    x = plugin.around_hc_combine(upstream_combine, hc, residual, None)
+    return x, types.SimpleNamespace(streams=residual.streams, quantized=None, stats=None)
+
+
+def hc_read(monkeypatch, hidden=160, attention=True, pre_from_prev=True, device=None, **shape):
+    """An attention read (``HcReadCall``) of a DSv4.1 layer whose MQA was built and loaded with
+    the hooks, and the read's RMSNorm (``input_layernorm``)."""
+    attn = chained_mqa(monkeypatch, hidden=hidden, device=device, **shape)
+    layer = types.SimpleNamespace(self_attn=attn, boundary_pre_from_prev=pre_from_prev)
+    return types.SimpleNamespace(layer=layer, attention=attention), UpstreamRMSNorm(hidden, device)
+
+
+def hc_state(rows, hidden, device=None, carried=True):
+    """The mHC state a read gets: four bf16 streams ``[T, 4, H]`` and the carried fp32 ``pre``
+    (None: the first layer), with a zero row and a NaN row where there are rows enough."""
+    streams = torch.randn(rows, 4, hidden, device=device).bfloat16()
+    if rows >= 3:
+        streams[1] = 0
+        streams[2, 3, 5] = float("nan")
+    pre = torch.rand(rows, 4, device=device) + 0.1 if carried else None
+    return types.SimpleNamespace(streams=streams, pre=pre, input=None)
+
+
+def check_boundary_chain(monkeypatch, rows, hidden, wqkv_a_rows, device, carried=True):
+    """Where wqkv_a reads pairs, the attention read's combine is one fp8chain launch: its bf16 x (the
+    indexer's; the fp32 RMSNorm of the bf16 combine, rounded once) and the pair of that x, bit for
+    bit the standalone quantize, left in ``ReadState.quantized``; wqkv_a computes from the pair,
+    without a quantize, what fp8chain's own linear computes from x; NaN stays visible."""
+    q_lora_rank = wqkv_a_rows - 64
+    read, norm = hc_read(monkeypatch, hidden, device=device, q_lora_rank=q_lora_rank)
+    state = hc_state(rows, hidden, device, carried)
+    upstream_read.calls = upstream_combine.calls = 0
+    x, read_state = plugin.around_hc_read(upstream_read, read, state, norm, "")  # as the framework calls it
+    assert upstream_read.calls == 1 and upstream_combine.calls == 0
+    wqkv_a = read.layer.self_attn.wqkv_a
+    pair = read_state.quantized
+    assert pair.fmt is wqkv_a.input_format and x.shape == (rows, hidden)
+    assert_pairs_equal(pair, ref.quantize(x, wqkv_a.input_format))
+    mixed = state.streams[:, 0] if state.pre is None else ref.mhc_combine(state.streams, state.pre)
+    finite = torch.ones(rows, dtype=torch.bool, device=device)
+    if rows >= 3:
+        finite[2] = not carried  # the NaN in stream 3 reaches x only through the combine
+        assert x[2].isnan().all() if carried else not x[2].isnan().any()
+        assert (x[1] == 0).all()
+    assert_close_bf16(x[finite], ref.mhc_norm_fp32(mixed[finite], norm.weight, norm.variance_epsilon))
+    upstream_apply.calls = 0
+    out = plugin.around_apply(upstream_apply, upstream_method(), wqkv_a, pair)
+    assert upstream_apply.calls == 0 and out.shape == (rows, wqkv_a_rows)
+    assert_same_bf16(out, fp8chains_own_linear(wqkv_a)(x))
+    if rows >= 3 and carried:
+        assert out[2].isnan().all() and not out[[0, 1]].isnan().any()
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("rows", [1, 3, 5, 0])
+def test_the_boundary_hands_wqkv_a_the_pair_of_its_normed_rows(monkeypatch, rows):
+    check_boundary_chain(monkeypatch, rows, 160, 256 + 64, torch.device("cpu"))
+
+
+@pytest.mark.cpu
+def test_the_first_layer_normalizes_stream_0_with_its_pair(monkeypatch):
+    """No pre is carried into the first layer's read: RMSNorm of R[:, 0], the pair beside it."""
+    check_boundary_chain(monkeypatch, 5, 160, 256 + 64, torch.device("cpu"), carried=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 64, 127, 256])
+def test_the_boundary_hands_wqkv_a_the_pair_of_its_normed_rows_gpu(monkeypatch, rows):
+    """On Hopper at DSv4.1-Flash's boundary: H = 5120, wqkv_a [1280 + 512, 5120]."""
+    check_boundary_chain(monkeypatch, rows, 5120, 1280 + 512, torch.device("cuda"))
+
+
+@pytest.mark.cpu
+def test_the_boundary_hooks_stand_aside_where_no_pair_may_go(monkeypatch):
+    """Upstream's read and combine run for the FFN's read, a read outside DSv4.1's shifted ordering,
+    an unfused wq_a / wkv (no request), a wqkv_a that reads no pairs or an MQA taking upstream's own
+    swizzled input, a read with arguments the hook does not know, in the forwards _why_no_pair
+    names; the combine outside such a read, or of a state it cannot compute as upstream does."""
+    read, norm = hc_read(monkeypatch)
+    state = hc_state(4, 160)
+
+    def upstream_ran(read, state=state, norm=norm, **kwargs):
+        upstream_combine.calls = 0
+        x, read_state = plugin.around_hc_read(upstream_read, read, state, norm, **kwargs)
+        return upstream_combine.calls == 1 and read_state.quantized is None and torch.is_tensor(x)
+
+    assert not upstream_ran(read)  # the chained case, for contrast
+    assert not upstream_ran(read, quant_format="", post_residual_addition=None)  # the framework's defaults
+    assert upstream_ran(read, post_residual_addition=torch.zeros(4, 160).bfloat16())
+    assert upstream_ran(read, a_later_argument=1)
+    assert upstream_ran(hc_read(monkeypatch, attention=False)[0])
+    assert upstream_ran(hc_read(monkeypatch, pre_from_prev=False)[0])
+    assert upstream_ran(read, quant_format="fp8")
+    swizzled, _ = hc_read(monkeypatch)
+    swizzled.layer.self_attn.accepts_mxfp8_swizzled_input = lambda: True
+    assert upstream_ran(swizzled)
+    unfused = UpstreamMQA()
+    unfused.fuse_wqa_wkv = False
+    plugin.after_mqa_init(None, unfused)
+    assert unfused.wqkv_a.deepgemm_mxfp8_input is False
+    plugin.around_process_weights(upstream_process, upstream_method(), unfused.wqkv_a)
+    assert upstream_ran(types.SimpleNamespace(layer=types.SimpleNamespace(self_attn=unfused,
+                                                                          boundary_pre_from_prev=True), attention=True))
+    for changed in (dict(input=object()), dict(streams=state.streams.float()), dict(pre=state.pre.double()),
+                    dict(streams=torch.randn(4, 4, 144).bfloat16(), pre=state.pre)):  # H not whole 32-groups
+        odd = types.SimpleNamespace(**{**vars(state), **changed})
+        assert upstream_ran(read, state=odd, norm=norm if odd.streams.shape[2] == 160 else UpstreamRMSNorm(144))
+    norm.cast_x_before_out_mul = True
+    assert upstream_ran(read)
+    norm.cast_x_before_out_mul = False
+    monkeypatch.setattr(plugin, "_why_no_pair", lambda: "sequence parallelism (test)")
+    assert upstream_ran(read)
+    monkeypatch.setattr(plugin, "_why_no_pair", lambda: None)
+    upstream_combine.calls = 0
+    plugin.around_hc_combine(upstream_combine, types.SimpleNamespace(norm=norm), state)  # no read around it
+    assert upstream_combine.calls == 1
 
 
 @pytest.mark.cpu

@@ -23,8 +23,8 @@ process, calls each plugin's function, then applies the hooks it registered
   (``layer.use_intel_amx_backend``) the request is refused without reading them as e4m3;
   Blackwell and later are upstream's. SGLang 0.5.23's DeepSeek-V4 attention asks (on ``wqkv_a``
   and ``wo_b``) only with its mega attention, which runs on Blackwell: on Hopper only the
-  ``MQALayer`` and ``DeepseekV2MoE`` hooks below ask (on ``wq_b``, ``wo_b`` and the shared
-  expert's ``down_proj``); where nothing asks, the plugin logs once that its consumers stay idle.
+  ``MQALayer`` and ``DeepseekV2MoE`` hooks below ask (on ``wqkv_a``, ``wq_b``, ``wo_b`` and the
+  shared expert's ``down_proj``); where nothing asks, the plugin logs once that its consumers stay idle.
 * around ``apply(layer, x, bias=None)``: a ``QuantizedActivation`` goes to that backend's GEMM,
   never re-quantized (a pair in another format, or for a layer that did not ask for one, raises
   ``TypeError``); any other input runs upstream's ``apply`` unchanged.
@@ -33,14 +33,27 @@ Upstream's weights stay where they are: the hook reads ``weight`` (e4m3 ``[N, K]
 ``weight_scale_inv`` (fp32 block scales) as upstream's block-FP8 method leaves them, with the
 method's square ``weight_block_size`` (32 or 128).
 
-``install()`` also makes three producers of a DeepSeek-V4 layer write the pairs its FP8 linears
-read: q_norm for ``wq_b`` and the ``wo_a`` einsum for ``wo_b`` in the attention (``MQALayer``),
-SiLU*mul for the shared expert's ``down_proj`` (``DeepseekV2MLP``):
+``install()`` also makes four producers of a DeepSeek-V4 layer write the pairs its FP8 linears
+read: the mHC boundary's RMSNorm for ``wqkv_a``, q_norm for ``wq_b`` and the ``wo_a`` einsum for
+``wo_b`` in the attention (``MQALayer``), SiLU*mul for the shared expert's ``down_proj``
+(``DeepseekV2MLP``):
 
-* after ``MQALayer.__init__``: where fp8chain's consumers run (Hopper, e4m3 weights), ``wq_b`` and
-  ``wo_b`` ask for a pre-quantized input (the request the process hook above serves or refuses at
-  load). ``wq_b`` does not where upstream's own Hopper q_lora quantize is switched on
-  (``SGLANG_OPT_DSV41_SM90_Q_LORA_QUANT``, SGLang after 0.5.23): that path feeds ``wq_b`` itself.
+* after ``MQALayer.__init__``: where fp8chain's consumers run (Hopper, e4m3 weights), ``wqkv_a``
+  (where fused: ``fuse_wqa_wkv``), ``wq_b`` and ``wo_b`` ask for a pre-quantized input (the
+  request the process hook above serves or refuses at load). ``wq_b`` does not where upstream's
+  own Hopper q_lora quantize is switched on (``SGLANG_OPT_DSV41_SM90_Q_LORA_QUANT``, SGLang after
+  0.5.23): that path feeds ``wq_b`` itself.
+* around ``HcReadCall.read(residual, norm)`` and the module function ``combine(hc, state,
+  quantized)`` it calls (``deepseek_v4_boundary``, ``deepseek_v4_mhc``): for the attention's read
+  in DSv4.1's shifted ordering (``boundary_pre_from_prev``), where ``wqkv_a`` became a consumer,
+  one ``mhc.mhc_combine_norm`` launch (``norm.rms_norm`` of stream 0 where no ``pre`` is carried
+  yet) returns the bf16 ``x = RMSNorm(sum_k pre[k] * R[k])`` (the indexer's and compressor's) and
+  its pair in ``wqkv_a.input_format``, which the read leaves where upstream leaves its own
+  Blackwell pair (``ReadState.quantized``): the decoder layer hands it to ``MQALayer.forward`` as
+  ``x_quant`` and the forward to ``wqkv_a``. Upstream's Hopper read writes bf16 ``x`` and
+  ``wqkv_a`` quantizes it. The bf16 rows are fp8chain's combine and RMSNorm (fp32, the combine
+  rounded to bf16 before the norm as upstream's), which may differ from upstream's kernel in the
+  last bit of an element.
 * around ``MQALayer._normalize_q_lora(q)``: upstream returns ``(bf16 normed q, wq_b's input)``,
   the bf16 row for the indexer and the same row for ``wq_b``, which quantizes it. Where ``wq_b``
   became an fp8chain consumer, one ``norm.rms_norm`` launch returns the bf16 row and its pair in
@@ -82,6 +95,7 @@ from fp8chain_kernel.act import silu_mul
 from fp8chain_kernel.einsum import wo_a_einsum
 from fp8chain_kernel.formats import QuantizedActivation
 from fp8chain_kernel.fp8_tile import interpreting
+from fp8chain_kernel.mhc import mhc_combine_norm
 from fp8chain_kernel.norm import rms_norm
 
 from ..layers.quantization.fp8 import (Fp8LinearMethod, check_pair_input, check_weights, consumer_gemm, input_requested,
@@ -91,8 +105,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["install", "HOOKS", "why_idle", "after_get_quant_method", "around_process_weights", "around_apply",
            "after_mqa_init", "around_normalize_q_lora", "around_mqa_forward", "around_wo_a_bf16_matmul",
-           "after_moe_init", "around_mlp_forward", "FP8_CONFIG", "FP8_LINEAR_METHOD", "MQA_LAYER",
-           "WO_A_BF16_MATMUL", "MOE", "MLP", "PLUGIN_GROUP"]
+           "after_moe_init", "around_mlp_forward", "around_hc_read", "around_hc_combine", "FP8_CONFIG",
+           "FP8_LINEAR_METHOD", "MQA_LAYER", "WO_A_BF16_MATMUL", "MOE", "MLP", "HC_READ", "HC_COMBINE",
+           "PLUGIN_GROUP"]
 
 PLUGIN_GROUP = "sglang.srt.plugins"  # SGLang's entry point group of general plugins
 FP8_LINEAR_METHOD = "sglang.srt.layers.quantization.fp8.Fp8LinearMethod"
@@ -102,6 +117,8 @@ MQA_LAYER = f"{DEEPSEEK_V4}.MQALayer"
 WO_A_BF16_MATMUL = f"{DEEPSEEK_V4}._apply_wo_a_bf16_matmul"  # o [T, G, D] x wo_a [G, R, D], bf16
 MOE = "sglang.srt.models.deepseek_v2.DeepseekV2MoE"  # DeepSeek-V4's MoE too (is_deepseek_v4=True)
 MLP = "sglang.srt.models.deepseek_v2.DeepseekV2MLP"  # its shared expert
+HC_READ = "sglang.srt.models.deepseek_v4_boundary.HcReadCall"  # the mHC boundary's read of a sublayer's input
+HC_COMBINE = "sglang.srt.models.deepseek_v4_mhc.combine"  # RMSNorm(sum_k pre[k] * R[k]), called by the read
 UPSTREAM_HOPPER_Q_LORA_QUANT = "SGLANG_OPT_DSV41_SM90_Q_LORA_QUANT"  # SGLang's own q_norm -> wq_b pair, after 0.5.23
 _BLOCK_SIZES = (32, 128)
 
@@ -170,7 +187,7 @@ def _note_idle(name: str) -> None:
     if not _idle_noted:
         _idle_noted = True
         logger.info("%s asks no pre-quantized input; fp8chain's consumers take only layers whose model asks "
-                    "(in SGLang on Hopper: DeepSeek-V4's wq_b, wo_b and shared-expert down_proj, fed by "
+                    "(in SGLang on Hopper: DeepSeek-V4's wqkv_a, wq_b, wo_b and shared-expert down_proj, fed by "
                     "fp8chain's producers). Logged once.", name)
 
 
@@ -250,11 +267,12 @@ def why_idle(device: torch.device) -> str | None:
 
 
 def after_mqa_init(result, attn, *args, **kwargs):
-    """AFTER hook of ``MQALayer.__init__``: ``wq_b`` and ``wo_b`` ask for a pre-quantized input
-    where fp8chain's consumers run, before their weights load (the module docstring)."""
-    for name in ("wq_b", "wo_b"):
+    """AFTER hook of ``MQALayer.__init__``: ``wq_b``, ``wo_b`` and a fused ``wqkv_a`` ask for a
+    pre-quantized input where fp8chain's consumers run, before their weights load (the module
+    docstring)."""
+    for name in ("wqkv_a", "wq_b", "wo_b"):
         linear = getattr(attn, name, None)
-        if name == "wq_b" and _upstream_feeds_wq_b():
+        if (name == "wq_b" and _upstream_feeds_wq_b()) or (name == "wqkv_a" and not getattr(attn, "fuse_wqa_wkv", False)):
             continue
         if _fp8chain_serves_weight(getattr(linear, "weight", None)):
             linear.deepgemm_mxfp8_input = True
@@ -334,6 +352,89 @@ def around_wo_a_bf16_matmul(original, o, wo_a, *args, **kwargs):
     return wo_a_einsum(o, wo_a, out_format=fmt, return_bf16=False)
 
 
+# (wqkv_a's input format, the list the combine's pair goes to) while an attention read of the
+# mHC boundary runs: SGLang's read calls the module function ``combine``, which is handed the
+# sublayer's hyper-connection, not the layer whose wqkv_a reads the result
+_boundary_pair_sink: contextvars.ContextVar = contextvars.ContextVar("fp8chain_boundary_pair_sink", default=None)
+
+
+def _boundary_consumer_format(read):
+    """The input format of the ``wqkv_a`` an mHC read feeds where it reads pairs (None: upstream's
+    read): the attention's read in DSv4.1's shifted ordering, the projection fused, and no
+    pre-quantized input of upstream's own (Blackwell's swizzled MXFP8)."""
+    layer = getattr(read, "layer", None)
+    attn = getattr(layer, "self_attn", None)
+    if not (getattr(read, "attention", False) and getattr(layer, "boundary_pre_from_prev", False)
+            and getattr(attn, "fuse_wqa_wkv", False)):
+        return None
+    swizzled = getattr(attn, "accepts_mxfp8_swizzled_input", None)
+    if swizzled is None or swizzled():
+        return None
+    return getattr(getattr(attn, "wqkv_a", None), "input_format", None)
+
+
+def _read_asks_format(quant_format="", post_residual_addition=None) -> bool:
+    """Whether an ``HcReadCall.read`` call asks for a projection format or a residual addition of
+    its own (its SGLang 0.5.23 signature after ``residual, norm``; the layer-boundary framework
+    passes the defaults, and upstream's mHC read refuses anything else)."""
+    return bool(quant_format) or post_residual_addition is not None
+
+
+def around_hc_read(original, read, residual, norm, *args, **kwargs):
+    """AROUND hook of ``HcReadCall.read(residual, norm)``: upstream's read; for the attention's
+    read where ``wqkv_a`` reads pairs, its combine (the hook below) also writes the pair of the
+    normed rows, which goes where upstream puts its own pre-quantized input (``ReadState.quantized``,
+    handed to ``MQALayer.forward`` as ``x_quant`` and from there to ``wqkv_a``)."""
+    fmt = _boundary_consumer_format(read)
+    if fmt is None or _asks_upstream(_read_asks_format, args, kwargs) or _why_no_pair() is not None:
+        return original(read, residual, norm, *args, **kwargs)
+    sink = []
+    token = _boundary_pair_sink.set((fmt, sink))
+    try:
+        x, state = original(read, residual, norm, *args, **kwargs)
+    finally:
+        _boundary_pair_sink.reset(token)
+    if sink and getattr(state, "quantized", False) is None:
+        state.quantized = sink[0]
+    return x, state
+
+
+def _combine_operands(hc, state, fmt):
+    """``(R, pre, norm)`` of a combine fp8chain's launch computes as upstream's does, or None:
+    bf16 streams ``[T, 4, H]`` with fp32 ``pre [T, 4]`` (None: the first layer, which normalizes
+    ``R[:, 0]``), a plain bf16 RMSNorm over H, H a multiple of the pair's group."""
+    residual, pre, norm = getattr(state, "streams", None), getattr(state, "pre", None), getattr(hc, "norm", None)
+    weight = getattr(norm, "weight", None)
+    if (getattr(state, "input", None) is not None or not isinstance(residual, torch.Tensor)
+            or not isinstance(weight, torch.Tensor) or residual.dtype != torch.bfloat16 or residual.dim() != 3
+            or residual.shape[1] != 4 or weight.dtype != torch.bfloat16 or weight.shape != residual.shape[2:]
+            or weight.device != residual.device or residual.shape[2] % fmt.group_size
+            or (residual.numel() and residual.stride(2) != 1)
+            or getattr(norm, "cast_x_before_out_mul", False) or getattr(norm, "variance_size_override", None) is not None):
+        return None
+    if pre is not None and (not isinstance(pre, torch.Tensor) or pre.dtype != torch.float32
+                            or pre.shape != residual.shape[:2] or pre.device != residual.device):
+        return None
+    return residual, pre, norm
+
+
+def around_hc_combine(original, hc, state, quantized=None, *args, **kwargs):
+    """AROUND hook of the module function ``combine(hc, state, quantized)``: inside an attention
+    read whose ``wqkv_a`` reads pairs (``around_hc_read``), one fp8chain launch returns the bf16
+    ``x = RMSNorm(sum_k pre[k] * R[k])`` and leaves its pair in ``wqkv_a.input_format`` for the read."""
+    want = _boundary_pair_sink.get()
+    operands = None if want is None or quantized is not None or args or kwargs else _combine_operands(hc, state, want[0])
+    if operands is None:
+        return original(hc, state, quantized, *args, **kwargs)
+    (fmt, sink), (residual, pre, norm) = want, operands
+    if pre is None:
+        x, pair = rms_norm(residual[:, 0], norm.weight, norm.variance_epsilon, out_format=fmt)
+    else:
+        x, pair = mhc_combine_norm(residual, pre, norm.weight, norm.variance_epsilon, out_format=fmt)
+    sink.append(pair)
+    return x
+
+
 def after_moe_init(result, moe, *args, **kwargs):
     """AFTER hook of ``DeepseekV2MoE.__init__``: in a DeepSeek-V4 layer, the shared expert's
     ``down_proj`` asks for a pre-quantized input where fp8chain's consumers run (the module
@@ -377,4 +478,6 @@ HOOKS = (
     (WO_A_BF16_MATMUL, around_wo_a_bf16_matmul, "AROUND"),
     (f"{MOE}.__init__", after_moe_init, "AFTER"),
     (f"{MLP}.forward", around_mlp_forward, "AROUND"),
+    (f"{HC_READ}.read", around_hc_read, "AROUND"),
+    (HC_COMBINE, around_hc_combine, "AROUND"),
 )
