@@ -180,7 +180,7 @@ def main() -> int:
         check(f"HcReadCall.read with {what} leaves wqkv_a's pair in ReadState.quantized",
               isinstance(pair, QuantizedActivation) and pair.fmt is attn.wqkv_a.input_format
               and torch.equal(pair.data.view(torch.uint8), ref.quantize(x, pair.fmt).data.view(torch.uint8)))
-        check(f"wqkv_a on that pair is fp8chain's linear on x",
+        check("wqkv_a on that pair is fp8chain's linear on x",
               isinstance(pair, QuantizedActivation) and same_bits(attn.wqkv_a(pair)[0], own_linear(attn.wqkv_a)(x)))
     print(f"{len(failures)} failed" if failures else "every check passed")
     return 1 if failures else 0
