@@ -808,6 +808,9 @@ def test_the_boundary_hooks_stand_aside_where_no_pair_may_go(monkeypatch):
     norm.cast_x_before_out_mul = True
     assert upstream_ran(read)
     norm.cast_x_before_out_mul = False
+    strided = UpstreamRMSNorm(320)
+    strided.weight = torch.nn.Parameter(strided.weight.data[::2], requires_grad=False)
+    assert upstream_ran(read, norm=strided)
     monkeypatch.setattr(plugin, "_why_no_pair", lambda: "sequence parallelism (test)")
     assert upstream_ran(read)
     monkeypatch.setattr(plugin, "_why_no_pair", lambda: None)

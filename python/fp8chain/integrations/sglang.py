@@ -408,7 +408,7 @@ def _combine_operands(hc, state, fmt):
     if (getattr(state, "input", None) is not None or not isinstance(residual, torch.Tensor)
             or not isinstance(weight, torch.Tensor) or residual.dtype != torch.bfloat16 or residual.dim() != 3
             or residual.shape[1] != 4 or weight.dtype != torch.bfloat16 or weight.shape != residual.shape[2:]
-            or weight.device != residual.device or residual.shape[2] % fmt.group_size
+            or not weight.is_contiguous() or weight.device != residual.device or residual.shape[2] % fmt.group_size
             or (residual.numel() and residual.stride(2) != 1)
             or getattr(norm, "cast_x_before_out_mul", False) or getattr(norm, "variance_size_override", None) is not None):
         return None
