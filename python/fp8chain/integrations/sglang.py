@@ -272,7 +272,8 @@ def after_mqa_init(result, attn, *args, **kwargs):
     docstring)."""
     for name in ("wqkv_a", "wq_b", "wo_b"):
         linear = getattr(attn, name, None)
-        if (name == "wq_b" and _upstream_feeds_wq_b()) or (name == "wqkv_a" and not getattr(attn, "fuse_wqa_wkv", False)):
+        if ((name == "wq_b" and _upstream_feeds_wq_b())
+                or (name == "wqkv_a" and not getattr(attn, "fuse_wqa_wkv", False))):  # wq_a and wkv read bf16
             continue
         if _fp8chain_serves_weight(getattr(linear, "weight", None)):
             linear.deepgemm_mxfp8_input = True
@@ -408,9 +409,10 @@ def _combine_operands(hc, state, fmt):
     if (getattr(state, "input", None) is not None or not isinstance(residual, torch.Tensor)
             or not isinstance(weight, torch.Tensor) or residual.dtype != torch.bfloat16 or residual.dim() != 3
             or residual.shape[1] != 4 or weight.dtype != torch.bfloat16 or weight.shape != residual.shape[2:]
-            or not weight.is_contiguous() or weight.device != residual.device or residual.shape[2] % fmt.group_size
-            or (residual.numel() and residual.stride(2) != 1)
-            or getattr(norm, "cast_x_before_out_mul", False) or getattr(norm, "variance_size_override", None) is not None):
+            or not weight.is_contiguous() or weight.device != residual.device
+            or residual.shape[2] % fmt.group_size or (residual.numel() and residual.stride(2) != 1)
+            or getattr(norm, "cast_x_before_out_mul", False)
+            or getattr(norm, "variance_size_override", None) is not None):
         return None
     if pre is not None and (not isinstance(pre, torch.Tensor) or pre.dtype != torch.float32
                             or pre.shape != residual.shape[:2] or pre.device != residual.device):
@@ -423,7 +425,8 @@ def around_hc_combine(original, hc, state, quantized=None, *args, **kwargs):
     read whose ``wqkv_a`` reads pairs (``around_hc_read``), one fp8chain launch returns the bf16
     ``x = RMSNorm(sum_k pre[k] * R[k])`` and leaves its pair in ``wqkv_a.input_format`` for the read."""
     want = _boundary_pair_sink.get()
-    operands = None if want is None or quantized is not None or args or kwargs else _combine_operands(hc, state, want[0])
+    operands = (None if want is None or quantized is not None or args or kwargs
+                else _combine_operands(hc, state, want[0]))
     if operands is None:
         return original(hc, state, quantized, *args, **kwargs)
     (fmt, sink), (residual, pre, norm) = want, operands
