@@ -7,7 +7,8 @@ methods run on minimal layers holding only what they read (random DSv4.1-style F
 blocks, small shapes): ``Fp8LinearMethod.process_weights_after_loading`` and ``apply``,
 ``MQALayer._normalize_q_lora``, ``_apply_wo_a_bf16_matmul`` inside and outside an ``MQALayer``
 forward, ``DeepseekV2MLP.__call__``, the attention's mHC read ``HcReadCall.read`` (with the
-module function ``combine`` it calls). Each result is compared bit for bit with fp8chain's own
+module function ``combine`` it calls) and both reads' ``update_and_read`` (with the post's
+``_post_fusion``). Each result is compared bit for bit with fp8chain's own
 linear. Prints one line per check; exit status 1 if any fails. The runtime modes the hooks read at
 each forward (sequence parallelism, deterministic inference) are published only inside a server,
 so the checks run as outside those modes.
@@ -157,31 +158,75 @@ def main() -> int:
     y = ref.silu_mul(gate_up, limit=1.0)
     check("down_proj on that pair is fp8chain's linear on the bf16 activation",
           same_bits(out, own_linear(mlp.down_proj)(y)))
-    attn.fuse_wqa_wkv = True
-    attn.wqkv_a = fp8_linear(256 + 64, 160, "layers.0.self_attn.wqkv_a")
-    norm = RMSNorm(160, eps=1e-6).to(device=device, dtype=torch.bfloat16)
-    norm.weight.data = 1 + 0.1 * torch.randn(160, device=device).bfloat16()
-    cfg = mhc.HcConfig(mult=4, sinkhorn_iters=20, eps=1e-6, rms_eps=1e-6, hidden=160, pre_from_prev=True,
+    hidden = 5120  # SGLang folds a read's norm into the post before it only at DSv4.1's width (make_boundary)
+    attn.fuse_wqa_wkv, attn.attn_tp_size = True, 1
+    attn.wqkv_a = fp8_linear(256 + 64, hidden, "layers.0.self_attn.wqkv_a")
+
+    def rms_norm_module():
+        norm = RMSNorm(hidden, eps=1e-6).to(device=device, dtype=torch.bfloat16)
+        norm.weight.data = 1 + 0.1 * torch.randn(hidden, device=device).bfloat16()
+        return norm
+
+    attn_norm, ffn_norm = rms_norm_module(), rms_norm_module()
+    cfg = mhc.HcConfig(mult=4, sinkhorn_iters=20, eps=1e-6, rms_eps=1e-6, hidden=hidden, pre_from_prev=True,
                        cp_prefill=False)
-    layer = torch.nn.Module()  # a DSv4.1 decoder layer as the attention's mHC read uses it
-    layer.self_attn, layer.boundary_pre_from_prev, layer.hc_cfg = attn, True, cfg
-    layer.hc_stats_stream, layer.attn_hc = None, mhc.HcSubLayer(cfg, None, None, None, norm)
+    layer = torch.nn.Module()  # a DSv4.1 decoder layer as its mHC reads and updates use it
+    layer.self_attn, layer.mlp = attn, types.SimpleNamespace(tp_size=1)
+    layer.input_layernorm, layer.post_attention_layernorm = attn_norm, ffn_norm
+    layer.attn_hc = mhc.HcSubLayer(cfg, None, None, None, attn_norm)
+    layer.ffn_hc = mhc.HcSubLayer(cfg, None, None, None, ffn_norm)
+    layer.boundary_pre_from_prev, layer.boundary_mhc_fusions, layer.engram = True, True, None
+    layer.hc_cfg, layer.hc_stats_stream = cfg, None
     decode = types.SimpleNamespace(forward_mode=types.SimpleNamespace(is_decode=lambda: True,
                                                                       is_target_verify=lambda: False))
-    read = boundary.HcRead(layer, True).bind(decode, boundary.LayerCall())
-    streams = torch.randn(5, 4, 160, device=device).bfloat16()
-    pre = torch.rand(5, 4, device=device) + 0.1
-    for carried, what in ((pre, "the carried pre"), (None, "no pre (the first layer: stream 0)")):
-        x, state = read.read(mhc.HcState(streams, carried), norm, "")  # as the layer-boundary framework calls it
-        want = (mhc_combine_norm(streams, carried, norm.weight, 1e-6) if carried is not None else
-                rms_norm(streams[:, 0], norm.weight, 1e-6))
+
+    def reader(attention):
+        return boundary.HcRead(layer, attention).bind(decode, boundary.LayerCall())
+
+    def pair_checks(what, x, state):
         pair = getattr(state, "quantized", None)
-        check(f"HcReadCall.read with {what} returns fp8chain's combine + RMSNorm", same_bits(x, want))
-        check(f"HcReadCall.read with {what} leaves wqkv_a's pair in ReadState.quantized",
+        check(f"{what} leaves wqkv_a's pair in ReadState.quantized",
               isinstance(pair, QuantizedActivation) and pair.fmt is attn.wqkv_a.input_format
               and torch.equal(pair.data.view(torch.uint8), ref.quantize(x, pair.fmt).data.view(torch.uint8)))
-        check("wqkv_a on that pair is fp8chain's linear on x",
+        check(f"{what}: wqkv_a on that pair is fp8chain's linear on x",
               isinstance(pair, QuantizedActivation) and same_bits(attn.wqkv_a(pair)[0], own_linear(attn.wqkv_a)(x)))
+
+    streams = torch.randn(5, 4, hidden, device=device).bfloat16()
+    pre, post = torch.rand(5, 4, device=device) + 0.1, torch.rand(5, 4, device=device)
+    comb = torch.rand(5, 4, 4, device=device)
+    for carried, what in ((pre, "the carried pre"), (None, "no pre (the first layer: stream 0)")):
+        what = f"HcReadCall.read with {what}"
+        x, state = reader(True).read(mhc.HcState(streams, carried), attn_norm, "")  # as the framework calls it
+        want = (mhc_combine_norm(streams, carried, attn_norm.weight, 1e-6) if carried is not None else
+                rms_norm(streams[:, 0], attn_norm.weight, 1e-6))
+        check(f"{what} returns fp8chain's combine + RMSNorm", same_bits(x, want))
+        pair_checks(what, x, state)
+
+    y = torch.randn(5, hidden, device=device).bfloat16()  # the finished sublayer's output
+    carried = boundary.ReadState(streams, stats=(pre, post, comb), call=boundary.LayerCall())
+    for attention, what in ((True, "the attention's read after the MoE"),
+                            (False, "the FFN's read after the attention")):
+        what = f"HcReadCall.update_and_read ({what})"
+        norm = attn_norm if attention else ffn_norm
+        upstream_posts, upstream_post = [], mhc.post  # the post launch upstream's Hopper path runs
+        mhc.post = lambda *args: upstream_posts.append(args) or upstream_post(*args)
+        try:  # upstream's own post needs a server's published config: it fails here where nothing folds
+            x, state = reader(attention).update_and_read(boundary.HcUpdate(layer, not attention), y, carried, norm)
+        except Exception as exc:
+            check(f"{what} runs", False, f"{type(exc).__name__}: {exc}")
+            continue
+        finally:
+            mhc.post = upstream_post
+        check(f"{what}: upstream's post does not run (folded into fp8chain's launch)", not upstream_posts)
+        new_residual = state.streams
+        check(f"{what}: the post is fp8chain's (R' the reference's)",
+              same_bits(new_residual, ref.mhc_post(y, streams, post, comb)))
+        check(f"{what}: x is fp8chain's combine + RMSNorm of R' from the same launch",
+              same_bits(x, mhc_combine_norm(new_residual, pre, norm.weight, 1e-6)))
+        if attention:
+            pair_checks(what, x, state)
+        else:
+            check(f"{what} leaves no pair", state.quantized is None)
     print(f"{len(failures)} failed" if failures else "every check passed")
     return 1 if failures else 0
 

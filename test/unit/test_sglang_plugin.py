@@ -1,11 +1,13 @@
 """The SGLang plugin: entry point, hook registration, and the hooks on an SGLang-shaped FP8
 linear (a module carrying upstream's ``weight`` / ``weight_scale_inv`` and the request flag)."""
 
+import dataclasses
 import enum
 import importlib.metadata
 import logging
 import sys
 import types
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -62,6 +64,9 @@ def test_install_registers_the_hooks(monkeypatch):
         ("sglang.srt.models.deepseek_v2.DeepseekV2MLP.forward", plugin.around_mlp_forward, hook_type.AROUND),
         ("sglang.srt.models.deepseek_v4_boundary.HcReadCall.read", plugin.around_hc_read, hook_type.AROUND),
         ("sglang.srt.models.deepseek_v4_mhc.combine", plugin.around_hc_combine, hook_type.AROUND),
+        ("sglang.srt.models.deepseek_v4_boundary.HcReadCall.update_and_read", plugin.around_hc_update_and_read,
+         hook_type.AROUND),
+        ("sglang.srt.models.deepseek_v4_mhc._post_fusion", plugin.around_post_fusion, hook_type.AROUND),
     ]
 
 
@@ -687,6 +692,9 @@ def upstream_combine(hc, state, quantized=None):
     """Stands for SGLang's ``deepseek_v4_mhc.combine`` on Hopper: ``RMSNorm(sum_k pre[k] * R[k])``
     in bf16 (stream 0 where no ``pre`` is carried), no pair."""
     upstream_combine.calls += 1
+    if state.input is not None:  # what the previous post already computed
+        upstream_combine.shortcuts += 1
+        return state.input.rows
     streams = state.streams
     mixed = streams[:, 0] if state.pre is None else ref.mhc_combine(streams, state.pre)
     return ref.rms_norm(mixed, hc.norm.weight, hc.norm.variance_epsilon)
@@ -729,7 +737,7 @@ def check_boundary_chain(monkeypatch, rows, hidden, wqkv_a_rows, device, carried
     q_lora_rank = wqkv_a_rows - 64
     read, norm = hc_read(monkeypatch, hidden, device=device, q_lora_rank=q_lora_rank)
     state = hc_state(rows, hidden, device, carried)
-    upstream_read.calls = upstream_combine.calls = 0
+    upstream_read.calls = upstream_combine.calls = upstream_combine.shortcuts = 0
     x, read_state = plugin.around_hc_read(upstream_read, read, state, norm, "")  # as the framework calls it
     assert upstream_read.calls == 1 and upstream_combine.calls == 0
     wqkv_a = read.layer.self_attn.wqkv_a
@@ -801,7 +809,7 @@ def test_the_boundary_hooks_stand_aside_where_no_pair_may_go(monkeypatch):
     plugin.around_process_weights(upstream_process, upstream_method(), unfused.wqkv_a)
     assert upstream_ran(types.SimpleNamespace(layer=types.SimpleNamespace(self_attn=unfused,
                                                                           boundary_pre_from_prev=True), attention=True))
-    for changed in (dict(input=object()), dict(streams=state.streams.float()), dict(pre=state.pre.double()),
+    for changed in (dict(input=HcNormed(torch.zeros(4, 160).bfloat16())), dict(streams=state.streams.float()), dict(pre=state.pre.double()),
                     dict(streams=torch.randn(4, 4, 144).bfloat16(), pre=state.pre)):  # H not whole 32-groups
         odd = types.SimpleNamespace(**{**vars(state), **changed})
         assert upstream_ran(read, state=odd, norm=norm if odd.streams.shape[2] == 160 else UpstreamRMSNorm(144))
@@ -817,6 +825,141 @@ def test_the_boundary_hooks_stand_aside_where_no_pair_may_go(monkeypatch):
     upstream_combine.calls = 0
     plugin.around_hc_combine(upstream_combine, types.SimpleNamespace(norm=norm), state)  # no read around it
     assert upstream_combine.calls == 1
+
+
+class HcNormed(NamedTuple):
+    rows: torch.Tensor
+
+
+class HcQuantized(NamedTuple):
+    rows: torch.Tensor
+    pair: tuple
+
+
+@dataclasses.dataclass
+class HcState:
+    streams: torch.Tensor
+    pre: torch.Tensor = None
+    input: object = None
+    stats: object = None
+
+
+def upstream_post_fusion(hc, y, residual, coefficients, next):
+    """Stands for SGLang's ``deepseek_v4_mhc._post_fusion`` on Hopper: the post alone (``R'``)."""
+    upstream_post_fusion.calls += 1
+    pre, post, comb = coefficients
+    return HcState(ref.mhc_post(y, residual, post, comb), pre)
+
+
+def upstream_update_and_read(read, update, value, residual, norm):
+    """Stands for SGLang's ``HcReadCall.update_and_read`` in the shifted ordering: the finished
+    sublayer's post (with the stats the read carried and this read's boundary) through the post hook,
+    then this read through the read hook."""
+    next_boundary = types.SimpleNamespace(norm=norm, norm_fusable=True, mega_moe_input=None)
+    state = plugin.around_post_fusion(upstream_post_fusion, None, value, residual.streams, residual.stats,
+                                      next_boundary)
+    return plugin.around_hc_read(upstream_read, read, state, norm, "")
+
+
+@pytest.fixture
+def sglang_mhc_module(monkeypatch):
+    """The post stand-in's module, holding the state types as SGLang's ``deepseek_v4_mhc`` does."""
+    module = types.ModuleType("sglang_mhc_stand_in")
+    module.HcState, module.HcNormed, module.HcQuantized = HcState, HcNormed, HcQuantized
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(upstream_post_fusion, "__module__", module.__name__)
+    return module
+
+
+def finished_sublayer(rows, hidden, device=None):
+    """A finished sublayer's output ``y`` and what its read carried: the streams and the stats
+    ``(pre, post, comb)``, with a zero row and a NaN in ``y`` where there are rows enough."""
+    y = torch.randn(rows, hidden, device=device).bfloat16()
+    if rows >= 3:
+        y[1] = 0
+        y[2, 7] = float("nan")
+    streams = hc_state(rows, hidden, device).streams
+    if rows >= 3:
+        streams[2] = 1  # the NaN comes from y alone
+        streams[1] = 0
+    pre, post = torch.rand(rows, 4, device=device) + 0.1, torch.rand(rows, 4, device=device)
+    comb = torch.rand(rows, 4, 4, device=device)
+    return y, types.SimpleNamespace(streams=streams, stats=(pre, post, comb))
+
+
+def check_folded_boundary(monkeypatch, rows, hidden, wqkv_a_rows, device, attention=True):
+    """Inside a read's update_and_read, the post and the read's combine + RMSNorm are one fp8chain
+    launch: R' bitwise the reference post, x correctly rounded from the fp32 norm of R''s combine;
+    for the attention's read wqkv_a's pair, bit for bit the quantize of x, in ReadState.quantized,
+    and wqkv_a's output from it what fp8chain's own linear computes from x; the FFN's read gets x
+    alone. Upstream's post does not run, and its combine only hands on the folded rows."""
+    read, norm = hc_read(monkeypatch, hidden, attention=attention, device=device, q_lora_rank=wqkv_a_rows - 64)
+    y, carried = finished_sublayer(rows, hidden, device)
+    pre, post, comb = carried.stats
+    upstream_post_fusion.calls = upstream_combine.calls = upstream_combine.shortcuts = upstream_read.calls = 0
+    x, read_state = plugin.around_hc_update_and_read(upstream_update_and_read, read, None, y, carried, norm)
+    assert upstream_post_fusion.calls == 0 and upstream_read.calls == 1
+    assert upstream_combine.calls == upstream_combine.shortcuts == 1  # the read takes the folded rows
+    new_residual = read_state.streams
+    assert_same_bf16(new_residual, ref.mhc_post(y, carried.streams, post, comb))
+    mixed = ref.mhc_combine(new_residual, pre)
+    finite = torch.ones(rows, dtype=torch.bool, device=device)
+    if rows >= 3:
+        finite[2] = False
+        assert x[2].isnan().all() and (x[1] == 0).all()
+    assert_close_bf16(x[finite], ref.mhc_norm_fp32(mixed[finite], norm.weight, norm.variance_epsilon))
+    wqkv_a = read.layer.self_attn.wqkv_a
+    if not attention:
+        assert read_state.quantized is None
+        return
+    assert_pairs_equal(read_state.quantized, ref.quantize(x, wqkv_a.input_format))
+    out = plugin.around_apply(upstream_apply, upstream_method(), wqkv_a, read_state.quantized)
+    assert_same_bf16(out, fp8chains_own_linear(wqkv_a)(x))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("rows,attention", [(1, True), (3, True), (5, True), (0, True), (3, False)])
+def test_the_post_folds_the_next_reads_norm_and_pair(monkeypatch, sglang_mhc_module, rows, attention):
+    check_folded_boundary(monkeypatch, rows, 160, 256 + 64, torch.device("cpu"), attention)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 64, 127, 256])
+def test_the_post_folds_the_next_reads_norm_and_pair_gpu(monkeypatch, sglang_mhc_module, rows):
+    """On Hopper at DSv4.1-Flash's boundary: H = 5120, wqkv_a [1280 + 512, 5120]."""
+    check_folded_boundary(monkeypatch, rows, 5120, 1280 + 512, torch.device("cuda"))
+
+
+@pytest.mark.cpu
+def test_the_post_is_upstreams_where_nothing_folds(monkeypatch, sglang_mhc_module):
+    """Upstream's post runs outside a read's update_and_read, for a next norm upstream does not fuse
+    or a boundary feeding the DeepGEMM mega MoE, for inputs it does not compute (fp32 y, bf16
+    coefficients), on a device fp8chain does not serve, and in the forwards _why_no_pair names."""
+    read, norm = hc_read(monkeypatch)
+    y, carried = finished_sublayer(4, 160)
+    fusable = types.SimpleNamespace(norm=norm, norm_fusable=True, mega_moe_input=None)
+
+    def upstream_ran(y=y, stats=carried.stats, next=fusable, inside=True):
+        upstream_post_fusion.calls = 0
+        token = plugin._folding_read.set(read if inside else None)
+        try:
+            state = plugin.around_post_fusion(upstream_post_fusion, None, y, carried.streams, stats, next)
+        finally:
+            plugin._folding_read.reset(token)
+        return upstream_post_fusion.calls == 1 and state.input is None
+
+    assert not upstream_ran()  # the folded case, for contrast
+    assert upstream_ran(inside=False)
+    assert upstream_ran(next=types.SimpleNamespace(norm=norm, norm_fusable=False, mega_moe_input=None))
+    assert upstream_ran(next=types.SimpleNamespace(norm=norm, norm_fusable=True, mega_moe_input=lambda y: y))
+    assert upstream_ran(next=None)
+    assert upstream_ran(y=y.float())
+    assert upstream_ran(stats=tuple(t.bfloat16() for t in carried.stats))
+    monkeypatch.setattr(plugin, "why_idle", lambda device: "sm_80 (test)")
+    assert upstream_ran()
+    monkeypatch.setattr(plugin, "why_idle", lambda device: None)
+    monkeypatch.setattr(plugin, "_why_no_pair", lambda: "deterministic inference (test)")
+    assert upstream_ran()
 
 
 @pytest.mark.cpu

@@ -88,6 +88,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
+import sys
 
 import torch
 
@@ -95,7 +96,7 @@ from fp8chain_kernel.act import silu_mul
 from fp8chain_kernel.einsum import wo_a_einsum
 from fp8chain_kernel.formats import QuantizedActivation
 from fp8chain_kernel.fp8_tile import interpreting
-from fp8chain_kernel.mhc import mhc_combine_norm
+from fp8chain_kernel.mhc import mhc_combine_norm, mhc_mega_boundary
 from fp8chain_kernel.norm import rms_norm
 
 from ..layers.quantization.fp8 import (Fp8LinearMethod, check_pair_input, check_weights, consumer_gemm, input_requested,
@@ -105,9 +106,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["install", "HOOKS", "why_idle", "after_get_quant_method", "around_process_weights", "around_apply",
            "after_mqa_init", "around_normalize_q_lora", "around_mqa_forward", "around_wo_a_bf16_matmul",
-           "after_moe_init", "around_mlp_forward", "around_hc_read", "around_hc_combine", "FP8_CONFIG",
-           "FP8_LINEAR_METHOD", "MQA_LAYER", "WO_A_BF16_MATMUL", "MOE", "MLP", "HC_READ", "HC_COMBINE",
-           "PLUGIN_GROUP"]
+           "after_moe_init", "around_mlp_forward", "around_hc_read", "around_hc_combine",
+           "around_hc_update_and_read", "around_post_fusion", "FP8_CONFIG", "FP8_LINEAR_METHOD", "MQA_LAYER",
+           "WO_A_BF16_MATMUL", "MOE", "MLP", "HC_READ", "HC_COMBINE", "HC_POST_FUSION", "PLUGIN_GROUP"]
 
 PLUGIN_GROUP = "sglang.srt.plugins"  # SGLang's entry point group of general plugins
 FP8_LINEAR_METHOD = "sglang.srt.layers.quantization.fp8.Fp8LinearMethod"
@@ -119,6 +120,7 @@ MOE = "sglang.srt.models.deepseek_v2.DeepseekV2MoE"  # DeepSeek-V4's MoE too (is
 MLP = "sglang.srt.models.deepseek_v2.DeepseekV2MLP"  # its shared expert
 HC_READ = "sglang.srt.models.deepseek_v4_boundary.HcReadCall"  # the mHC boundary's read of a sublayer's input
 HC_COMBINE = "sglang.srt.models.deepseek_v4_mhc.combine"  # RMSNorm(sum_k pre[k] * R[k]), called by the read
+HC_POST_FUSION = "sglang.srt.models.deepseek_v4_mhc._post_fusion"  # a sublayer's post (+ the next read's norm)
 UPSTREAM_HOPPER_Q_LORA_QUANT = "SGLANG_OPT_DSV41_SM90_Q_LORA_QUANT"  # SGLang's own q_norm -> wq_b pair, after 0.5.23
 _BLOCK_SIZES = (32, 128)
 
@@ -389,7 +391,8 @@ def around_hc_read(original, read, residual, norm, *args, **kwargs):
     fmt = _boundary_consumer_format(read)
     if fmt is None or _asks_upstream(_read_asks_format, args, kwargs) or _why_no_pair() is not None:
         return original(read, residual, norm, *args, **kwargs)
-    sink = []
+    folded = getattr(getattr(residual, "input", None), "pair", None)  # the post's fold (around_post_fusion)
+    sink = [folded] if isinstance(folded, QuantizedActivation) and folded.fmt is fmt else []
     token = _boundary_pair_sink.set((fmt, sink))
     try:
         x, state = original(read, residual, norm, *args, **kwargs)
@@ -438,6 +441,67 @@ def around_hc_combine(original, hc, state, quantized=None, *args, **kwargs):
     return x
 
 
+# the mHC read (``HcReadCall``) whose ``update_and_read`` runs: the post it calls is handed the next
+# boundary's norm, not the layer whose wqkv_a reads the result
+_folding_read: contextvars.ContextVar = contextvars.ContextVar("fp8chain_folding_mhc_read", default=None)
+
+
+def around_hc_update_and_read(original, read, *args, **kwargs):
+    """AROUND hook of ``HcReadCall.update_and_read(update, value, residual, norm)``: upstream's, the
+    read known to the post hook below (the finished sublayer's post, then this read)."""
+    token = _folding_read.set(read)
+    try:
+        return original(read, *args, **kwargs)
+    finally:
+        _folding_read.reset(token)
+
+
+def _fold_operands(y, residual, coefficients, next):
+    """``(pre, post, comb, norm)`` of a post fp8chain's boundary launch folds with the next
+    sublayer's combine + RMSNorm, or None: bf16 ``y [T, H]`` and streams ``[T, 4, H]`` with unit
+    stride along H, fp32 ``pre``, ``post [T, 4]`` and ``comb [T, 4, 4]``, and a next boundary whose
+    norm upstream deems fusable and which feeds no DeepGEMM mega-MoE input."""
+    norm = getattr(next, "norm", None)
+    weight = getattr(norm, "weight", None)
+    if (not getattr(next, "norm_fusable", False) or getattr(next, "mega_moe_input", None) is not None
+            or not isinstance(y, torch.Tensor) or not isinstance(residual, torch.Tensor)
+            or not isinstance(weight, torch.Tensor) or not isinstance(coefficients, tuple) or len(coefficients) != 3
+            or y.dtype != torch.bfloat16 or residual.dtype != torch.bfloat16 or y.dim() != 2
+            or residual.shape != (y.shape[0], 4, y.shape[1]) or weight.dtype != torch.bfloat16
+            or weight.shape != y.shape[1:] or not weight.is_contiguous()
+            or (y.numel() and (y.stride(1) != 1 or residual.stride(2) != 1))
+            or any(t.device != y.device for t in (residual, weight))):
+        return None
+    rows = y.shape[0]
+    for mix, shape in zip(coefficients, ((rows, 4), (rows, 4), (rows, 4, 4))):
+        if (not isinstance(mix, torch.Tensor) or mix.dtype != torch.float32 or mix.shape != shape
+                or mix.device != y.device):
+            return None
+    return (*coefficients, norm)
+
+
+def around_post_fusion(original, hc, y, residual, coefficients, next, *args, **kwargs):
+    """AROUND hook of the module function ``_post_fusion(hc, y, residual, (pre, post, comb), next)``
+    (``deepseek_v4_mhc``): inside an mHC read's ``update_and_read`` on a device fp8chain serves, the
+    post, the next sublayer's combine + RMSNorm and, for an attention read whose ``wqkv_a`` reads
+    pairs, that pair, in one ``mhc.mhc_mega_boundary`` launch, returned as upstream's Blackwell fused
+    boundary returns them (``HcState`` with ``HcQuantized`` or ``HcNormed`` input). Upstream's
+    Hopper post writes only the residual; the read's combine follows as its own launch."""
+    read = _folding_read.get()
+    operands = (None if read is None or args or kwargs or why_idle(getattr(y, "device", torch.device("meta")))
+                else _fold_operands(y, residual, coefficients, next))
+    if operands is None or _why_no_pair() is not None:
+        return original(hc, y, residual, coefficients, next, *args, **kwargs)
+    pre, post, comb, norm = operands
+    fmt = _boundary_consumer_format(read)
+    if fmt is not None and y.shape[1] % fmt.group_size:
+        fmt = None
+    new_residual, x, pair = mhc_mega_boundary(y, residual, pre, post, comb, norm.weight, norm.variance_epsilon,
+                                              out_format=fmt)
+    mhc = sys.modules[original.__module__]  # SGLang's deepseek_v4_mhc, whose types the read expects
+    return mhc.HcState(new_residual, pre, mhc.HcNormed(x) if pair is None else mhc.HcQuantized(x, pair))
+
+
 def after_moe_init(result, moe, *args, **kwargs):
     """AFTER hook of ``DeepseekV2MoE.__init__``: in a DeepSeek-V4 layer, the shared expert's
     ``down_proj`` asks for a pre-quantized input where fp8chain's consumers run (the module
@@ -483,4 +547,6 @@ HOOKS = (
     (f"{MLP}.forward", around_mlp_forward, "AROUND"),
     (f"{HC_READ}.read", around_hc_read, "AROUND"),
     (HC_COMBINE, around_hc_combine, "AROUND"),
+    (f"{HC_READ}.update_and_read", around_hc_update_and_read, "AROUND"),
+    (HC_POST_FUSION, around_post_fusion, "AROUND"),
 )
