@@ -34,7 +34,7 @@ Upstream's weights stay where they are: the hook reads ``weight`` (e4m3 ``[N, K]
 method's square ``weight_block_size`` (32 or 128).
 
 ``install()`` also makes four producers of a DeepSeek-V4 layer write the pairs its FP8 linears
-read: the mHC boundary's RMSNorm for ``wqkv_a``, q_norm for ``wq_b`` and the ``wo_a`` einsum for
+read: the mHC boundary (post, combine and RMSNorm in one launch) for ``wqkv_a``, q_norm for ``wq_b`` and the ``wo_a`` einsum for
 ``wo_b`` in the attention (``MQALayer``), SiLU*mul for the shared expert's ``down_proj``
 (``DeepseekV2MLP``):
 
@@ -54,6 +54,16 @@ read: the mHC boundary's RMSNorm for ``wqkv_a``, q_norm for ``wq_b`` and the ``w
   ``wqkv_a`` quantizes it. The bf16 rows are fp8chain's combine and RMSNorm (fp32, the combine
   rounded to bf16 before the norm as upstream's), which may differ from upstream's kernel in the
   last bit of an element.
+* around ``HcReadCall.update_and_read(update, value, residual, norm)`` and the module function
+  ``_post_fusion(hc, y, residual, (pre, post, comb), next)`` its post calls: for both reads (the
+  attention's and the FFN's) on a device fp8chain serves, one ``mhc.mhc_mega_boundary`` launch
+  runs the finished sublayer's post, the read's combine + RMSNorm and, where the read feeds a
+  ``wqkv_a`` that reads pairs, the pair, and returns them as upstream's Blackwell fused boundary
+  does (``HcState`` with an ``HcQuantized`` or ``HcNormed`` input), which the read takes as they
+  are. Upstream's Hopper post writes only the residual, and the read's combine is a launch of its
+  own. The residual ``R'`` is fp8chain's post (fp32, one rounding, the post term first and the
+  streams in order), which may differ from upstream's in the last bit of an element. A post whose
+  next norm upstream does not fuse, or that feeds the DeepGEMM mega MoE, stays upstream's.
 * around ``MQALayer._normalize_q_lora(q)``: upstream returns ``(bf16 normed q, wq_b's input)``,
   the bf16 row for the indexer and the same row for ``wq_b``, which quantizes it. Where ``wq_b``
   became an fp8chain consumer, one ``norm.rms_norm`` launch returns the bf16 row and its pair in
