@@ -34,9 +34,9 @@ Upstream's weights stay where they are: the hook reads ``weight`` (e4m3 ``[N, K]
 method's square ``weight_block_size`` (32 or 128).
 
 ``install()`` also makes four producers of a DeepSeek-V4 layer write the pairs its FP8 linears
-read: the mHC boundary (post, combine and RMSNorm in one launch) for ``wqkv_a``, q_norm for ``wq_b`` and the ``wo_a`` einsum for
-``wo_b`` in the attention (``MQALayer``), SiLU*mul for the shared expert's ``down_proj``
-(``DeepseekV2MLP``):
+read: the mHC boundary (post, combine and RMSNorm in one launch) for ``wqkv_a``, q_norm for
+``wq_b`` and the ``wo_a`` einsum for ``wo_b`` in the attention (``MQALayer``), SiLU*mul for the
+shared expert's ``down_proj`` (``DeepseekV2MLP``):
 
 * after ``MQALayer.__init__``: where fp8chain's consumers run (Hopper, e4m3 weights), ``wqkv_a``
   (where fused: ``fuse_wqa_wkv``), ``wq_b`` and ``wo_b`` ask for a pre-quantized input (the
