@@ -24,7 +24,8 @@ process, calls each plugin's function, then applies the hooks it registered
   Blackwell and later are upstream's. SGLang 0.5.23's DeepSeek-V4 attention asks (on ``wqkv_a``
   and ``wo_b``) only with its mega attention, which runs on Blackwell: on Hopper only the
   ``MQALayer`` and ``DeepseekV2MoE`` hooks below ask (on ``wqkv_a``, ``wq_b``, ``wo_b`` and the
-  shared expert's ``down_proj``); where nothing asks, the plugin logs once that its consumers stay idle.
+  shared expert's ``down_proj``); where nothing asks, the plugin logs once that its consumers stay
+  idle.
 * around ``apply(layer, x, bias=None)``: a ``QuantizedActivation`` goes to that backend's GEMM,
   never re-quantized (a pair in another format, or for a layer that did not ask for one, raises
   ``TypeError``); any other input runs upstream's ``apply`` unchanged.
