@@ -104,6 +104,11 @@ def main() -> int:
     def same_bits(a, b):
         return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
+    def is_quantize_of(pair, x, fmt):
+        """``pair`` is a pair in ``fmt`` whose bytes are the standalone quantize of ``x``'s."""
+        return (isinstance(pair, QuantizedActivation) and pair.fmt is fmt
+                and torch.equal(pair.data.view(torch.uint8), ref.quantize(x, fmt).data.view(torch.uint8)))
+
     wq_b = fp8_linear(512, 256, "layers.0.self_attn.wq_b")
     check("Fp8LinearMethod.process_weights_after_loading serves the request", wq_b.deepgemm_mxfp8_input is True
           and wq_b.input_format is not None, f"{getattr(wq_b.input_format, 'value', None)}")
@@ -118,8 +123,7 @@ def main() -> int:
     attn.q_norm.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(256, device=device).bfloat16(), requires_grad=False)
     attn.q_norm.variance_epsilon = 1e-6
     y, pair = attn._normalize_q_lora(x)
-    check("MQALayer._normalize_q_lora returns the bf16 row and its pair", isinstance(pair, QuantizedActivation)
-          and torch.equal(pair.data.view(torch.uint8), ref.quantize(y, wq_b.input_format).data.view(torch.uint8)))
+    check("MQALayer._normalize_q_lora returns the bf16 row and its pair", is_quantize_of(pair, y, wq_b.input_format))
     check("wq_b on that pair is fp8chain's linear on the row", same_bits(wq_b(pair)[0], own_linear(wq_b)(y)))
 
     attn.wo_a = torch.nn.Module()
@@ -130,10 +134,8 @@ def main() -> int:
     wo_a = attn.wo_a.weight.view(2, 128, 192)
     product = plugin.around_mqa_forward(lambda layer: v4._apply_wo_a_bf16_matmul(o, wo_a, is_decode=True), attn)
     fmt = attn.wo_b.input_format
-    want = ref.quantize(einsum.wo_a_einsum(o, wo_a, tile_group=fmt.group_size), fmt)
     check("_apply_wo_a_bf16_matmul inside an MQALayer forward returns wo_b's pair",
-          isinstance(product, QuantizedActivation) and product.fmt is fmt
-          and torch.equal(product.data.view(torch.uint8), want.data.view(torch.uint8)))
+          is_quantize_of(product, einsum.wo_a_einsum(o, wo_a, tile_group=fmt.group_size), fmt))
     outside = v4._apply_wo_a_bf16_matmul(o, wo_a, is_decode=True)
     check("_apply_wo_a_bf16_matmul outside a forward is upstream's bf16", torch.is_tensor(outside)
           and outside.shape == (5, 2, 128))
@@ -185,9 +187,7 @@ def main() -> int:
 
     def pair_checks(what, x, state):
         pair = getattr(state, "quantized", None)
-        check(f"{what} leaves wqkv_a's pair in ReadState.quantized",
-              isinstance(pair, QuantizedActivation) and pair.fmt is attn.wqkv_a.input_format
-              and torch.equal(pair.data.view(torch.uint8), ref.quantize(x, pair.fmt).data.view(torch.uint8)))
+        check(f"{what} leaves wqkv_a's pair in ReadState.quantized", is_quantize_of(pair, x, attn.wqkv_a.input_format))
         check(f"{what}: wqkv_a on that pair is fp8chain's linear on x",
               isinstance(pair, QuantizedActivation) and same_bits(attn.wqkv_a(pair)[0], own_linear(attn.wqkv_a)(x)))
 

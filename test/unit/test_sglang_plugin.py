@@ -729,6 +729,18 @@ def hc_state(rows, hidden, device=None, carried=True):
     return types.SimpleNamespace(streams=streams, pre=pre, input=None)
 
 
+def check_wqkv_a_reads(wqkv_a, pair, x):
+    """``pair`` is wqkv_a's format and bit for bit the standalone quantize of ``x``; wqkv_a computes
+    from it, without upstream's bf16 path, what fp8chain's own linear computes from ``x``."""
+    assert pair.fmt is wqkv_a.input_format
+    assert_pairs_equal(pair, ref.quantize(x, wqkv_a.input_format))
+    upstream_apply.calls = 0
+    out = plugin.around_apply(upstream_apply, upstream_method(), wqkv_a, pair)
+    assert upstream_apply.calls == 0 and out.shape == (x.shape[0], wqkv_a.weight.shape[0])
+    assert_same_bf16(out, fp8chains_own_linear(wqkv_a)(x))
+    return out
+
+
 def check_boundary_chain(monkeypatch, rows, hidden, wqkv_a_rows, device, carried=True):
     """Where wqkv_a reads pairs, the attention read's combine is one fp8chain launch: its bf16 x (the
     indexer's; the fp32 RMSNorm of the bf16 combine, rounded once) and the pair of that x, bit for
@@ -740,10 +752,7 @@ def check_boundary_chain(monkeypatch, rows, hidden, wqkv_a_rows, device, carried
     upstream_read.calls = upstream_combine.calls = upstream_combine.shortcuts = 0
     x, read_state = plugin.around_hc_read(upstream_read, read, state, norm, "")  # as the framework calls it
     assert upstream_read.calls == 1 and upstream_combine.calls == 0
-    wqkv_a = read.layer.self_attn.wqkv_a
-    pair = read_state.quantized
-    assert pair.fmt is wqkv_a.input_format and x.shape == (rows, hidden)
-    assert_pairs_equal(pair, ref.quantize(x, wqkv_a.input_format))
+    assert x.shape == (rows, hidden)
     mixed = state.streams[:, 0] if state.pre is None else ref.mhc_combine(state.streams, state.pre)
     finite = torch.ones(rows, dtype=torch.bool, device=device)
     if rows >= 3:
@@ -751,10 +760,8 @@ def check_boundary_chain(monkeypatch, rows, hidden, wqkv_a_rows, device, carried
         assert x[2].isnan().all() if carried else not x[2].isnan().any()
         assert (x[1] == 0).all()
     assert_close_bf16(x[finite], ref.mhc_norm_fp32(mixed[finite], norm.weight, norm.variance_epsilon))
-    upstream_apply.calls = 0
-    out = plugin.around_apply(upstream_apply, upstream_method(), wqkv_a, pair)
-    assert upstream_apply.calls == 0 and out.shape == (rows, wqkv_a_rows)
-    assert_same_bf16(out, fp8chains_own_linear(wqkv_a)(x))
+    out = check_wqkv_a_reads(read.layer.self_attn.wqkv_a, read_state.quantized, x)
+    assert out.shape == (rows, wqkv_a_rows)
     if rows >= 3 and carried:
         assert out[2].isnan().all() and not out[[0, 1]].isnan().any()
 
@@ -908,13 +915,10 @@ def check_folded_boundary(monkeypatch, rows, hidden, wqkv_a_rows, device, attent
         finite[2] = False
         assert x[2].isnan().all() and (x[1] == 0).all()
     assert_close_bf16(x[finite], ref.mhc_norm_fp32(mixed[finite], norm.weight, norm.variance_epsilon))
-    wqkv_a = read.layer.self_attn.wqkv_a
     if not attention:
         assert read_state.quantized is None
         return
-    assert_pairs_equal(read_state.quantized, ref.quantize(x, wqkv_a.input_format))
-    out = plugin.around_apply(upstream_apply, upstream_method(), wqkv_a, read_state.quantized)
-    assert_same_bf16(out, fp8chains_own_linear(wqkv_a)(x))
+    check_wqkv_a_reads(read.layer.self_attn.wqkv_a, read_state.quantized, x)
 
 
 @pytest.mark.cpu

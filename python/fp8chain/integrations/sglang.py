@@ -414,22 +414,38 @@ def around_hc_read(original, read, residual, norm, *args, **kwargs):
     return x, state
 
 
+def _bf16_streams(residual) -> bool:
+    """Whether ``residual`` holds mHC streams fp8chain's boundary launches read: bf16 ``[T, 4, H]``,
+    unit stride along H."""
+    return (isinstance(residual, torch.Tensor) and residual.dtype == torch.bfloat16 and residual.dim() == 3
+            and residual.shape[1] == 4 and not (residual.numel() and residual.stride(2) != 1))
+
+
+def _fp32_on(t, shape, device) -> bool:
+    """Whether ``t`` is an fp32 tensor of ``shape`` on ``device`` (the mHC coefficients)."""
+    return isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape == shape and t.device == device
+
+
+def _norm_weight(norm, cols: int, device):
+    """``norm.weight`` as fp8chain's norm launches read it (bf16, contiguous, ``[cols]`` on
+    ``device``), or None."""
+    weight = getattr(norm, "weight", None)
+    if (not isinstance(weight, torch.Tensor) or weight.dtype != torch.bfloat16 or weight.shape != (cols,)
+            or not weight.is_contiguous() or weight.device != device):
+        return None
+    return weight
+
+
 def _combine_operands(hc, state, fmt):
     """``(R, pre, norm)`` of a combine fp8chain's launch computes as upstream's does, or None:
     bf16 streams ``[T, 4, H]`` with fp32 ``pre [T, 4]`` (None: the first layer, which normalizes
     ``R[:, 0]``), a plain bf16 RMSNorm over H, H a multiple of the pair's group."""
     residual, pre, norm = getattr(state, "streams", None), getattr(state, "pre", None), getattr(hc, "norm", None)
-    weight = getattr(norm, "weight", None)
-    if (getattr(state, "input", None) is not None or not isinstance(residual, torch.Tensor)
-            or not isinstance(weight, torch.Tensor) or residual.dtype != torch.bfloat16 or residual.dim() != 3
-            or residual.shape[1] != 4 or weight.dtype != torch.bfloat16 or weight.shape != residual.shape[2:]
-            or not weight.is_contiguous() or weight.device != residual.device
-            or residual.shape[2] % fmt.group_size or (residual.numel() and residual.stride(2) != 1)
-            or getattr(norm, "cast_x_before_out_mul", False)
-            or getattr(norm, "variance_size_override", None) is not None):
-        return None
-    if pre is not None and (not isinstance(pre, torch.Tensor) or pre.dtype != torch.float32
-                            or pre.shape != residual.shape[:2] or pre.device != residual.device):
+    if (getattr(state, "input", None) is not None or not _bf16_streams(residual)
+            or _norm_weight(norm, residual.shape[2], residual.device) is None
+            or residual.shape[2] % fmt.group_size or getattr(norm, "cast_x_before_out_mul", False)
+            or getattr(norm, "variance_size_override", None) is not None
+            or (pre is not None and not _fp32_on(pre, residual.shape[:2], residual.device))):
         return None
     return residual, pre, norm
 
@@ -473,21 +489,17 @@ def _fold_operands(y, residual, coefficients, next):
     stride along H, fp32 ``pre``, ``post [T, 4]`` and ``comb [T, 4, 4]``, and a next boundary whose
     norm upstream deems fusable and which feeds no DeepGEMM mega-MoE input."""
     norm = getattr(next, "norm", None)
-    weight = getattr(norm, "weight", None)
     if (not getattr(next, "norm_fusable", False) or getattr(next, "mega_moe_input", None) is not None
-            or not isinstance(y, torch.Tensor) or not isinstance(residual, torch.Tensor)
-            or not isinstance(weight, torch.Tensor) or not isinstance(coefficients, tuple) or len(coefficients) != 3
-            or y.dtype != torch.bfloat16 or residual.dtype != torch.bfloat16 or y.dim() != 2
-            or residual.shape != (y.shape[0], 4, y.shape[1]) or weight.dtype != torch.bfloat16
-            or weight.shape != y.shape[1:] or not weight.is_contiguous()
-            or (y.numel() and (y.stride(1) != 1 or residual.stride(2) != 1))
-            or any(t.device != y.device for t in (residual, weight))):
+            or not isinstance(y, torch.Tensor) or y.dtype != torch.bfloat16 or y.dim() != 2
+            or (y.numel() and y.stride(1) != 1) or not _bf16_streams(residual)
+            or residual.shape != (y.shape[0], 4, y.shape[1]) or residual.device != y.device
+            or _norm_weight(norm, y.shape[1], y.device) is None
+            or not isinstance(coefficients, tuple) or len(coefficients) != 3):
         return None
     rows = y.shape[0]
-    for mix, shape in zip(coefficients, ((rows, 4), (rows, 4), (rows, 4, 4))):
-        if (not isinstance(mix, torch.Tensor) or mix.dtype != torch.float32 or mix.shape != shape
-                or mix.device != y.device):
-            return None
+    shapes = ((rows, 4), (rows, 4), (rows, 4, 4))
+    if not all(_fp32_on(mix, shape, y.device) for mix, shape in zip(coefficients, shapes)):
+        return None
     return (*coefficients, norm)
 
 
