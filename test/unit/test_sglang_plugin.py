@@ -613,15 +613,15 @@ def upstream_mlp_forward(mlp, x, **kwargs):
 
 
 def chained_moe(monkeypatch, is_deepseek_v4=True, **shape):
-    """A DeepSeek-V4 MoE's shared expert built and loaded with the hooks, in a forward where a pair may go."""
+    """A DeepSeek-V4 MoE (``DeepseekV2MoE``) with its shared expert built and loaded with the hooks,
+    in a forward where a pair may go."""
     monkeypatch.setattr(plugin, "_why_no_pair", lambda: None)
     moe = types.SimpleNamespace(shared_experts=UpstreamSharedExpert(**shape), is_deepseek_v4=is_deepseek_v4)
     assert plugin.after_moe_init(None, moe) is None
-    mlp = moe.shared_experts
-    assert mlp.gate_up_proj.deepgemm_mxfp8_input is False  # its input is the MoE's bf16 x
-    for linear in (mlp.gate_up_proj, mlp.down_proj):
+    for linear in (moe.shared_experts.gate_up_proj, moe.shared_experts.down_proj):
+        assert linear.deepgemm_mxfp8_input is is_deepseek_v4
         plugin.around_process_weights(upstream_process, upstream_method(), linear)
-    return mlp
+    return moe
 
 
 def check_silu_mul_chain(monkeypatch, rows, hidden, intermediate, device):
@@ -629,15 +629,15 @@ def check_silu_mul_chain(monkeypatch, rows, hidden, intermediate, device):
     pair of its bf16 output (bit for bit the standalone quantize of the bf16-only launch's output),
     and down_proj computing from it, without a quantize, what fp8chain's own linear computes from
     that bf16; a NaN row stays NaN, the clamp applied."""
-    mlp = chained_moe(monkeypatch, hidden=hidden, intermediate=intermediate, device=device)
-    assert mlp.down_proj.input_format is backends.input_format_for(32)
+    mlp = chained_moe(monkeypatch, hidden=hidden, intermediate=intermediate, device=device).shared_experts
+    assert mlp.down_proj.input_format is mlp.gate_up_proj.input_format is backends.input_format_for(32)
     x = torch.randn(rows, hidden, device=device).bfloat16()
     if rows >= 3:
         x[1] = 0
         x[2, 3] = float("nan")
     upstream_mlp_forward.calls = upstream_gemm.calls = 0
     out = plugin.around_mlp_forward(upstream_mlp_forward, mlp, x)
-    assert upstream_mlp_forward.calls == 0 and upstream_gemm.calls == 1  # gate_up's, upstream's
+    assert upstream_mlp_forward.calls == 0 and upstream_gemm.calls == 1  # gate_up's on bf16 x, upstream's
     upstream_gemm.calls = 0
     gate_up, _ = mlp.gate_up_proj(x)
     y = act.silu_mul(gate_up, limit=mlp.swiglu_limit)
@@ -667,7 +667,7 @@ def test_mlp_hook_stands_aside_where_no_pair_may_go(monkeypatch):
     """Upstream's MLP forward runs for a MoE that is not DeepSeek-V4's (no request), an input
     already quantized for gate_up or with arguments this hook does not know, no rows, a non-bf16
     input, and in the forwards _why_no_pair names."""
-    mlp = chained_moe(monkeypatch)
+    mlp = chained_moe(monkeypatch).shared_experts
     x = torch.randn(4, 128).bfloat16()
 
     def upstream_ran(layer, x, **kwargs):
@@ -683,7 +683,7 @@ def test_mlp_hook_stands_aside_where_no_pair_may_go(monkeypatch):
     assert upstream_ran(mlp, x.float())
     monkeypatch.setattr(plugin, "_why_no_pair", lambda: "sequence parallelism (test)")
     assert upstream_ran(mlp, x)
-    other = chained_moe(monkeypatch, is_deepseek_v4=False)
+    other = chained_moe(monkeypatch, is_deepseek_v4=False).shared_experts
     assert other.down_proj.deepgemm_mxfp8_input is False and getattr(other.down_proj, "input_format", None) is None
     assert upstream_ran(other, x)
 
@@ -710,11 +710,12 @@ def upstream_read(read, residual, norm, *args, **kwargs):
     return x, types.SimpleNamespace(streams=residual.streams, quantized=None, stats=None)
 
 
-def hc_read(monkeypatch, hidden=160, attention=True, pre_from_prev=True, device=None, **shape):
-    """An attention read (``HcReadCall``) of a DSv4.1 layer whose MQA was built and loaded with
-    the hooks, and the read's RMSNorm (``input_layernorm``)."""
+def hc_read(monkeypatch, hidden=160, attention=True, pre_from_prev=True, device=None, intermediate=96, **shape):
+    """An attention (or FFN) read (``HcReadCall``) of a DSv4.1 layer whose MQA and MoE were built
+    and loaded with the hooks, and the read's RMSNorm (``input_layernorm``)."""
     attn = chained_mqa(monkeypatch, hidden=hidden, device=device, **shape)
-    layer = types.SimpleNamespace(self_attn=attn, boundary_pre_from_prev=pre_from_prev)
+    moe = chained_moe(monkeypatch, hidden=hidden, intermediate=intermediate, device=device)
+    layer = types.SimpleNamespace(self_attn=attn, mlp=moe, boundary_pre_from_prev=pre_from_prev)
     return types.SimpleNamespace(layer=layer, attention=attention), UpstreamRMSNorm(hidden, device)
 
 
@@ -729,15 +730,15 @@ def hc_state(rows, hidden, device=None, carried=True):
     return types.SimpleNamespace(streams=streams, pre=pre, input=None)
 
 
-def check_wqkv_a_reads(wqkv_a, pair, x):
-    """``pair`` is wqkv_a's format and bit for bit the standalone quantize of ``x``; wqkv_a computes
-    from it, without upstream's bf16 path, what fp8chain's own linear computes from ``x``."""
-    assert pair.fmt is wqkv_a.input_format
-    assert_pairs_equal(pair, ref.quantize(x, wqkv_a.input_format))
+def check_linear_reads(linear, pair, x):
+    """``pair`` is the linear's format and bit for bit the standalone quantize of ``x``; the linear
+    computes from it, without upstream's bf16 path, what fp8chain's own linear computes from ``x``."""
+    assert pair.fmt is linear.input_format
+    assert_pairs_equal(pair, ref.quantize(x, linear.input_format))
     upstream_apply.calls = 0
-    out = plugin.around_apply(upstream_apply, upstream_method(), wqkv_a, pair)
-    assert upstream_apply.calls == 0 and out.shape == (x.shape[0], wqkv_a.weight.shape[0])
-    assert_same_bf16(out, fp8chains_own_linear(wqkv_a)(x))
+    out = plugin.around_apply(upstream_apply, upstream_method(), linear, pair)
+    assert upstream_apply.calls == 0 and out.shape == (x.shape[0], linear.weight.shape[0])
+    assert_same_bf16(out, fp8chains_own_linear(linear)(x))
     return out
 
 
@@ -760,7 +761,7 @@ def check_boundary_chain(monkeypatch, rows, hidden, wqkv_a_rows, device, carried
         assert x[2].isnan().all() if carried else not x[2].isnan().any()
         assert (x[1] == 0).all()
     assert_close_bf16(x[finite], ref.mhc_norm_fp32(mixed[finite], norm.weight, norm.variance_epsilon))
-    out = check_wqkv_a_reads(read.layer.self_attn.wqkv_a, read_state.quantized, x)
+    out = check_linear_reads(read.layer.self_attn.wqkv_a, read_state.quantized, x)
     assert out.shape == (rows, wqkv_a_rows)
     if rows >= 3 and carried:
         assert out[2].isnan().all() and not out[[0, 1]].isnan().any()
@@ -785,9 +786,64 @@ def test_the_boundary_hands_wqkv_a_the_pair_of_its_normed_rows_gpu(monkeypatch, 
     check_boundary_chain(monkeypatch, rows, 5120, 1280 + 512, torch.device("cuda"))
 
 
+def check_shared_expert_reads(read, read_state, x):
+    """The FFN read left gate_up's pair with the shared expert beside the very rows it quantizes (none
+    in ``ReadState.quantized``): bit for bit the quantize of ``x``, which gate_up computes from as
+    fp8chain's own linear does from ``x``. The MLP forward on ``x`` takes it once: neither linear
+    runs upstream's bf16 path, and the output is fp8chain's own chain from ``x``; rows of another
+    tensor (the same values copied) go upstream's bf16 way into gate_up. NaN stays visible."""
+    mlp = read.layer.mlp.shared_experts
+    assert read_state.quantized is None
+    rows, pair = mlp.fp8chain_gate_up_input
+    assert rows is x
+    check_linear_reads(mlp.gate_up_proj, pair, x)
+    upstream_mlp_forward.calls = upstream_gemm.calls = 0
+    out = plugin.around_mlp_forward(upstream_mlp_forward, mlp, x)
+    assert upstream_mlp_forward.calls == upstream_gemm.calls == 0 and mlp.fp8chain_gate_up_input is None
+    gate_up = fp8chains_own_linear(mlp.gate_up_proj)(x)
+    assert_same_bf16(out, fp8chains_own_linear(mlp.down_proj)(act.silu_mul(gate_up, limit=mlp.swiglu_limit)))
+    assert torch.equal(out.isnan().any(1), x.isnan().any(1))
+    mlp.fp8chain_gate_up_input = (x, pair)
+    plugin.around_mlp_forward(upstream_mlp_forward, mlp, x.clone())
+    assert upstream_gemm.calls == 1 and mlp.fp8chain_gate_up_input is None  # gate_up's, on bf16
+
+
+def check_ffn_boundary_chain(monkeypatch, rows, hidden, intermediate, device):
+    """Where the shared expert's gate_up and down_proj read pairs, the FFN read's combine is one
+    fp8chain launch: x (the router's and the routed experts'), correctly rounded from the fp32 norm,
+    and gate_up's pair beside it, which the shared expert reads (check_shared_expert_reads)."""
+    read, norm = hc_read(monkeypatch, hidden, attention=False, device=device, intermediate=intermediate)
+    state = hc_state(rows, hidden, device)
+    upstream_read.calls = upstream_combine.calls = 0
+    x, read_state = plugin.around_hc_read(upstream_read, read, state, norm, "")
+    assert upstream_read.calls == 1 and upstream_combine.calls == 0
+    finite = torch.ones(rows, dtype=torch.bool, device=device)
+    if rows >= 3:
+        finite[2] = False
+        assert x[2].isnan().all() and (x[1] == 0).all()
+    mixed = ref.mhc_combine(state.streams, state.pre)
+    assert_close_bf16(x[finite], ref.mhc_norm_fp32(mixed[finite], norm.weight, norm.variance_epsilon))
+    check_shared_expert_reads(read, read_state, x)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_the_ffn_boundary_hands_the_shared_gate_up_its_pair(monkeypatch, rows):
+    check_ffn_boundary_chain(monkeypatch, rows, 160, 96, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 64, 127])
+def test_the_ffn_boundary_hands_the_shared_gate_up_its_pair_gpu(monkeypatch, rows):
+    """On Hopper at DSv4.1-Flash's shared expert: H = 5120, gate_up [4608, 5120], down [5120, 2304]."""
+    check_ffn_boundary_chain(monkeypatch, rows, 5120, 2304, torch.device("cuda"))
+
+
 @pytest.mark.cpu
 def test_the_boundary_hooks_stand_aside_where_no_pair_may_go(monkeypatch):
-    """Upstream's read and combine run for the FFN's read, a read outside DSv4.1's shifted ordering,
+    """Upstream's read and combine run for an FFN read whose shared expert reads no pairs (a MoE not
+    DeepSeek-V4's, a down_proj its consumers do not serve, a DeepGEMM mega MoE), a read outside
+    DSv4.1's shifted ordering,
     an unfused wq_a / wkv (no request), a wqkv_a that reads no pairs or an MQA taking upstream's own
     swizzled input, a read with arguments the hook does not know, in the forwards _why_no_pair
     names; the combine outside such a read, or of a state it cannot compute as upstream does."""
@@ -803,7 +859,16 @@ def test_the_boundary_hooks_stand_aside_where_no_pair_may_go(monkeypatch):
     assert not upstream_ran(read, quant_format="", post_residual_addition=None)  # the framework's defaults
     assert upstream_ran(read, post_residual_addition=torch.zeros(4, 160).bfloat16())
     assert upstream_ran(read, a_later_argument=1)
-    assert upstream_ran(hc_read(monkeypatch, attention=False)[0])
+    ffn, _ = hc_read(monkeypatch, attention=False)
+    assert not upstream_ran(ffn)  # the chained FFN read, for contrast
+    ffn.layer.mlp = chained_moe(monkeypatch, is_deepseek_v4=False, hidden=160)
+    assert upstream_ran(ffn)
+    ffn.layer.mlp = chained_moe(monkeypatch, hidden=160)
+    ffn.layer.mlp.shared_experts.down_proj.input_format = None
+    assert upstream_ran(ffn)
+    ffn.layer.mlp = chained_moe(monkeypatch, hidden=160)
+    ffn.layer.mlp.mega_shared_l1_weights = ()
+    assert upstream_ran(ffn)
     assert upstream_ran(hc_read(monkeypatch, pre_from_prev=False)[0])
     assert upstream_ran(read, quant_format="fp8")
     swizzled, _ = hc_read(monkeypatch)
@@ -898,8 +963,8 @@ def check_folded_boundary(monkeypatch, rows, hidden, wqkv_a_rows, device, attent
     """Inside a read's update_and_read, the post and the read's combine + RMSNorm are one fp8chain
     launch: R' bitwise the reference post, x correctly rounded from the fp32 norm of R''s combine;
     for the attention's read wqkv_a's pair, bit for bit the quantize of x, in ReadState.quantized,
-    and wqkv_a's output from it what fp8chain's own linear computes from x; the FFN's read gets x
-    alone. Upstream's post does not run, and its combine only hands on the folded rows."""
+    and wqkv_a's output from it what fp8chain's own linear computes from x; for the FFN's read the
+    shared gate_up's pair, left with the shared expert (check_shared_expert_reads). Upstream's post does not run, and its combine only hands on the folded rows."""
     read, norm = hc_read(monkeypatch, hidden, attention=attention, device=device, q_lora_rank=wqkv_a_rows - 64)
     y, carried = finished_sublayer(rows, hidden, device)
     pre, post, comb = carried.stats
@@ -915,23 +980,24 @@ def check_folded_boundary(monkeypatch, rows, hidden, wqkv_a_rows, device, attent
         finite[2] = False
         assert x[2].isnan().all() and (x[1] == 0).all()
     assert_close_bf16(x[finite], ref.mhc_norm_fp32(mixed[finite], norm.weight, norm.variance_epsilon))
-    if not attention:
-        assert read_state.quantized is None
-        return
-    check_wqkv_a_reads(read.layer.self_attn.wqkv_a, read_state.quantized, x)
+    if attention:
+        check_linear_reads(read.layer.self_attn.wqkv_a, read_state.quantized, x)
+    else:
+        check_shared_expert_reads(read, read_state, x)
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("rows,attention", [(1, True), (3, True), (5, True), (0, True), (3, False)])
+@pytest.mark.parametrize("rows,attention", [(1, True), (3, True), (5, True), (0, True), (1, False), (3, False)])
 def test_the_post_folds_the_next_reads_norm_and_pair(monkeypatch, sglang_mhc_module, rows, attention):
     check_folded_boundary(monkeypatch, rows, 160, 256 + 64, torch.device("cpu"), attention)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 3, 64, 127, 256])
-def test_the_post_folds_the_next_reads_norm_and_pair_gpu(monkeypatch, sglang_mhc_module, rows):
+@pytest.mark.parametrize("rows,attention", [(1, True), (3, True), (64, True), (127, True), (256, True), (3, False),
+                                            (64, False)])
+def test_the_post_folds_the_next_reads_norm_and_pair_gpu(monkeypatch, sglang_mhc_module, rows, attention):
     """On Hopper at DSv4.1-Flash's boundary: H = 5120, wqkv_a [1280 + 512, 5120]."""
-    check_folded_boundary(monkeypatch, rows, 5120, 1280 + 512, torch.device("cuda"))
+    check_folded_boundary(monkeypatch, rows, 5120, 1280 + 512, torch.device("cuda"), attention)
 
 
 @pytest.mark.cpu

@@ -24,8 +24,8 @@ process, calls each plugin's function, then applies the hooks it registered
   Blackwell and later are upstream's. SGLang 0.5.23's DeepSeek-V4 attention asks (on ``wqkv_a``
   and ``wo_b``) only with its mega attention, which runs on Blackwell: on Hopper only the
   ``MQALayer`` and ``DeepseekV2MoE`` hooks below ask (on ``wqkv_a``, ``wq_b``, ``wo_b`` and the
-  shared expert's ``down_proj``); where nothing asks, the plugin logs once that its consumers stay
-  idle.
+  shared expert's ``gate_up_proj`` and ``down_proj``); where nothing asks, the plugin logs once
+  that its consumers stay idle.
 * around ``apply(layer, x, bias=None)``: a ``QuantizedActivation`` goes to that backend's GEMM,
   never re-quantized (a pair in another format, or for a layer that did not ask for one, raises
   ``TypeError``); any other input runs upstream's ``apply`` unchanged.
@@ -35,9 +35,9 @@ Upstream's weights stay where they are: the hook reads ``weight`` (e4m3 ``[N, K]
 method's square ``weight_block_size`` (32 or 128).
 
 ``install()`` also makes four producers of a DeepSeek-V4 layer write the pairs its FP8 linears
-read: the mHC boundary (post, combine and RMSNorm in one launch) for ``wqkv_a``, q_norm for
-``wq_b`` and the ``wo_a`` einsum for ``wo_b`` in the attention (``MQALayer``), SiLU*mul for the
-shared expert's ``down_proj`` (``DeepseekV2MLP``):
+read: the mHC boundary (post, combine and RMSNorm in one launch) for ``wqkv_a`` and the shared
+expert's ``gate_up_proj``, q_norm for ``wq_b`` and the ``wo_a`` einsum for ``wo_b`` in the attention
+(``MQALayer``), SiLU*mul for the shared expert's ``down_proj`` (``DeepseekV2MLP``):
 
 * after ``MQALayer.__init__``: where fp8chain's consumers run (Hopper, e4m3 weights), ``wqkv_a``
   (where fused: ``fuse_wqa_wkv``), ``wq_b`` and ``wo_b`` ask for a pre-quantized input (the
@@ -54,12 +54,15 @@ shared expert's ``down_proj`` (``DeepseekV2MLP``):
   ``x_quant`` and the forward to ``wqkv_a``. Upstream's Hopper read writes bf16 ``x`` and
   ``wqkv_a`` quantizes it. The bf16 rows are fp8chain's combine and RMSNorm (fp32, the combine
   rounded to bf16 before the norm as upstream's), which may differ from upstream's kernel in the
-  last bit of an element.
+  last bit of an element. The FFN's read does the same where the shared expert's ``gate_up_proj``
+  and ``down_proj`` became consumers, with ``gate_up_proj``'s format; its ``x`` also feeds the
+  router and the routed experts, and the MoE forward takes no pair beside it, so the read leaves
+  the pair with the shared expert together with the rows it quantizes, for the MLP hook below.
 * around ``HcReadCall.update_and_read(update, value, residual, norm)`` and the module function
   ``_post_fusion(hc, y, residual, (pre, post, comb), next)`` its post calls: for both reads (the
   attention's and the FFN's) on a device fp8chain serves, one ``mhc.mhc_mega_boundary`` launch
   runs the finished sublayer's post, the read's combine + RMSNorm and, where the read feeds a
-  ``wqkv_a`` that reads pairs, the pair, and returns them as upstream's Blackwell fused boundary
+  linear that reads pairs (as above), the pair, and returns them as upstream's Blackwell fused boundary
   does (``HcState`` with an ``HcQuantized`` or ``HcNormed`` input), which the read takes as they
   are. Upstream's Hopper post writes only the residual, and the read's combine is a launch of its
   own. The residual ``R'`` is fp8chain's post (fp32, one rounding, the post term first and the
@@ -78,9 +81,10 @@ shared expert's ``down_proj`` (``DeepseekV2MLP``):
   ``wo_b.input_format``, which ``_project_wo_b`` hands to ``wo_b`` as it is. Its bf16 values are
   fp8chain's einsum (fp32 sums rounded once), which may differ from upstream's GEMM in the last bit.
 * after ``DeepseekV2MoE.__init__``: in a DeepSeek-V4 layer (``is_deepseek_v4``), the shared
-  expert's ``down_proj`` asks, as above.
-* around ``DeepseekV2MLP.forward(x)``: where ``down_proj`` became a consumer, ``gate_up_proj``
-  (upstream's, on bf16 ``x``), then one ``act.silu_mul`` launch with the MLP's ``swiglu_limit``
+  expert's ``gate_up_proj`` and ``down_proj`` ask, as above.
+* around ``DeepseekV2MLP.forward(x)``: where ``down_proj`` became a consumer, ``gate_up_proj`` on
+  the pair the FFN's read left for this very ``x`` (the same tensor object: rows gathered, sliced
+  or copied on the way read bf16, through upstream's path), then one ``act.silu_mul`` launch with the MLP's ``swiglu_limit``
   returns the pair in ``down_proj.input_format``, and ``down_proj`` reads it. Upstream's forward
   writes the bf16 activation (``silu_and_mul_clamp``) and ``down_proj`` quantizes it. fp8chain's
   SiLU*mul rounds once from fp32 and keeps a NaN gate NaN where upstream's clamp (a bf16 minimum)
@@ -372,14 +376,32 @@ def around_wo_a_bf16_matmul(original, o, wo_a, *args, **kwargs):
 _boundary_pair_sink: contextvars.ContextVar = contextvars.ContextVar("fp8chain_boundary_pair_sink", default=None)
 
 
+def _shared_expert_reading_pairs(layer):
+    """The shared expert (``DeepseekV2MLP``) of a DeepSeek-V4 layer whose ``gate_up_proj`` and
+    ``down_proj`` both read pairs (None otherwise): the MLP hook chains the two only then, and a
+    DeepGEMM mega MoE takes an input of its own."""
+    moe = getattr(layer, "mlp", None)
+    shared = getattr(moe, "shared_experts", None)
+    if (not getattr(moe, "is_deepseek_v4", False) or hasattr(moe, "mega_shared_l1_weights")
+            or getattr(getattr(shared, "gate_up_proj", None), "input_format", None) is None
+            or getattr(getattr(shared, "down_proj", None), "input_format", None) is None):
+        return None
+    return shared
+
+
 def _boundary_consumer_format(read):
-    """The input format of the ``wqkv_a`` an mHC read feeds where it reads pairs (None: upstream's
-    read): the attention's read in DSv4.1's shifted ordering, the projection fused, and no
-    pre-quantized input of upstream's own (Blackwell's swizzled MXFP8)."""
+    """The input format of the linear an mHC read feeds where it reads pairs (None: upstream's
+    read), in DSv4.1's shifted ordering: for the attention's read a fused ``wqkv_a`` without a
+    pre-quantized input of upstream's own (Blackwell's swizzled MXFP8), for the FFN's read the
+    shared expert's ``gate_up_proj``."""
     layer = getattr(read, "layer", None)
+    if not getattr(layer, "boundary_pre_from_prev", False):
+        return None
+    if not getattr(read, "attention", False):
+        shared = _shared_expert_reading_pairs(layer)
+        return None if shared is None else shared.gate_up_proj.input_format
     attn = getattr(layer, "self_attn", None)
-    if not (getattr(read, "attention", False) and getattr(layer, "boundary_pre_from_prev", False)
-            and getattr(attn, "fuse_wqa_wkv", False)):
+    if not getattr(attn, "fuse_wqa_wkv", False):
         return None
     swizzled = getattr(attn, "accepts_mxfp8_swizzled_input", None)
     if swizzled is None or swizzled():
@@ -395,10 +417,11 @@ def _read_asks_format(quant_format="", post_residual_addition=None) -> bool:
 
 
 def around_hc_read(original, read, residual, norm, *args, **kwargs):
-    """AROUND hook of ``HcReadCall.read(residual, norm)``: upstream's read; for the attention's
-    read where ``wqkv_a`` reads pairs, its combine (the hook below) also writes the pair of the
-    normed rows, which goes where upstream puts its own pre-quantized input (``ReadState.quantized``,
-    handed to ``MQALayer.forward`` as ``x_quant`` and from there to ``wqkv_a``)."""
+    """AROUND hook of ``HcReadCall.read(residual, norm)``: upstream's read; where the linear it feeds
+    reads pairs, its combine (the hook below) also writes the pair of the normed rows. The attention
+    read's pair goes where upstream puts its own pre-quantized input (``ReadState.quantized``, handed
+    to ``MQALayer.forward`` as ``x_quant`` and from there to ``wqkv_a``); the FFN read's goes to the
+    shared expert with the rows it quantizes (``fp8chain_gate_up_input``), for the MLP hook."""
     fmt = _boundary_consumer_format(read)
     if fmt is None or _asks_upstream(_read_asks_format, args, kwargs) or _why_no_pair() is not None:
         return original(read, residual, norm, *args, **kwargs)
@@ -409,7 +432,9 @@ def around_hc_read(original, read, residual, norm, *args, **kwargs):
         x, state = original(read, residual, norm, *args, **kwargs)
     finally:
         _boundary_pair_sink.reset(token)
-    if sink and getattr(state, "quantized", False) is None:
+    if not read.attention:
+        _shared_expert_reading_pairs(read.layer).fp8chain_gate_up_input = (x, sink[0]) if sink else None
+    elif sink and getattr(state, "quantized", False) is None:
         state.quantized = sink[0]
     return x, state
 
@@ -506,8 +531,8 @@ def _fold_operands(y, residual, coefficients, next):
 def around_post_fusion(original, hc, y, residual, coefficients, next, *args, **kwargs):
     """AROUND hook of the module function ``_post_fusion(hc, y, residual, (pre, post, comb), next)``
     (``deepseek_v4_mhc``): inside an mHC read's ``update_and_read`` on a device fp8chain serves, the
-    post, the next sublayer's combine + RMSNorm and, for an attention read whose ``wqkv_a`` reads
-    pairs, that pair, in one ``mhc.mhc_mega_boundary`` launch, returned as upstream's Blackwell fused
+    post, the next sublayer's combine + RMSNorm and, where the read feeds a linear that reads pairs
+    (``_boundary_consumer_format``), that pair, in one ``mhc.mhc_mega_boundary`` launch, returned as upstream's Blackwell fused
     boundary returns them (``HcState`` with ``HcQuantized`` or ``HcNormed`` input). Upstream's
     Hopper post writes only the residual; the read's combine follows as its own launch."""
     read = _folding_read.get()
@@ -527,11 +552,14 @@ def around_post_fusion(original, hc, y, residual, coefficients, next, *args, **k
 
 def after_moe_init(result, moe, *args, **kwargs):
     """AFTER hook of ``DeepseekV2MoE.__init__``: in a DeepSeek-V4 layer, the shared expert's
-    ``down_proj`` asks for a pre-quantized input where fp8chain's consumers run (the module
-    docstring). A shared expert fused into the routed experts has no ``shared_experts``."""
-    down = getattr(getattr(moe, "shared_experts", None), "down_proj", None)
-    if getattr(moe, "is_deepseek_v4", False) and _fp8chain_serves_weight(getattr(down, "weight", None)):
-        down.deepgemm_mxfp8_input = True
+    ``gate_up_proj`` and ``down_proj`` ask for a pre-quantized input where fp8chain's consumers run
+    (the module docstring). A shared expert fused into the routed experts has no ``shared_experts``."""
+    if not getattr(moe, "is_deepseek_v4", False):
+        return None
+    for name in ("gate_up_proj", "down_proj"):
+        linear = getattr(getattr(moe, "shared_experts", None), name, None)
+        if _fp8chain_serves_weight(getattr(linear, "weight", None)):
+            linear.deepgemm_mxfp8_input = True
     return None
 
 
@@ -541,17 +569,33 @@ def _mlp_input_prequantized(forward_batch=None, gemm_output_zero_allocator=None,
     return gateup_pre_quant is not None
 
 
+def _gate_up_input(mlp, x):
+    """What ``gate_up_proj`` reads for ``x``: the pair the FFN's mHC read left with these very rows
+    (``around_hc_read``), else ``x``. The pair is taken once; a row gather, a slice or a copy of the
+    read's rows between the read and the shared expert makes another tensor, which reads bf16."""
+    carried = getattr(mlp, "fp8chain_gate_up_input", None)
+    mlp.fp8chain_gate_up_input = None
+    if carried is None or carried[0] is not x:
+        return x
+    pair = carried[1]
+    if x.is_cuda:  # the shared expert may run on a side stream; the pair was written on the read's
+        for t in pair:
+            t.record_stream(torch.cuda.current_stream(x.device))
+    return pair
+
+
 def around_mlp_forward(original, mlp, x, *args, **kwargs):
-    """AROUND hook of ``DeepseekV2MLP.forward``: where ``down_proj`` reads pairs, gate_up (upstream's
-    linear), then one ``act.silu_mul`` launch writing the pair of the clamped SiLU*mul in
-    ``down_proj.input_format``, then ``down_proj`` on that pair."""
+    """AROUND hook of ``DeepseekV2MLP.forward``: where ``down_proj`` reads pairs, gate_up (on the
+    pair of ``x`` the FFN's mHC read wrote, where there is one, else upstream's bf16 path), then one
+    ``act.silu_mul`` launch writing the pair of the clamped SiLU*mul in ``down_proj.input_format``,
+    then ``down_proj`` on that pair."""
     fmt = getattr(getattr(mlp, "down_proj", None), "input_format", None)
     if (fmt is None or _asks_upstream(_mlp_input_prequantized, args, kwargs)
             or not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2
             or x.shape[0] == 0 or getattr(mlp, "_enable_nvfp4_gemm_swiglu_fusion", False)
             or _why_no_pair() is not None):
         return original(mlp, x, *args, **kwargs)
-    gate_up, _ = mlp.gate_up_proj(x)
+    gate_up, _ = mlp.gate_up_proj(_gate_up_input(mlp, x))
     pair = silu_mul(gate_up, limit=getattr(mlp, "swiglu_limit", None), out_format=fmt, return_bf16=False)
     out, _ = mlp.down_proj(pair)
     return out
