@@ -6,9 +6,9 @@ SGLang's own ``HookRegistry`` applies the plugin's hooks to its real modules, th
 methods run on minimal layers holding only what they read (random DSv4.1-style FP8 weights, 32x32
 blocks, small shapes): ``Fp8LinearMethod.process_weights_after_loading`` and ``apply``,
 ``MQALayer._normalize_q_lora``, ``_apply_wo_a_bf16_matmul`` inside and outside an ``MQALayer``
-forward, ``DeepseekV2MLP.__call__``, the attention's mHC read ``HcReadCall.read`` (with the
-module function ``combine`` it calls) and both reads' ``update_and_read`` (with the post's
-``_post_fusion``). Each result is compared bit for bit with fp8chain's own
+forward, ``DeepseekV2MLP.__call__``, both mHC reads ``HcReadCall.read`` (with the module
+function ``combine`` they call; the FFN's feeding a shared expert's ``DeepseekV2MLP``) and both
+reads' ``update_and_read`` (with the post's ``_post_fusion``). Each result is compared bit for bit with fp8chain's own
 linear. Prints one line per check; exit status 1 if any fails. The runtime modes the hooks read at
 each forward (sequence parallelism, deterministic inference) are published only inside a server,
 so the checks run as outside those modes.
@@ -145,15 +145,18 @@ def main() -> int:
     gate_up = torch.randn(5, 2 * 96, device=device).bfloat16()  # gate_up_proj stays upstream's: bf16 in and out
     mlp.gate_up_proj = torch.nn.Module()
     mlp.gate_up_proj.forward = lambda x: (gate_up, None)
-    mlp.down_proj = fp8_linear(256, 96, "layers.0.mlp.shared_experts.down_proj")
     mlp.swiglu_limit = 1.0
+
+    def recording(layer, received):
+        """``layer`` (an ``fp8_linear``) whose forward also appends its input to ``received``."""
+        def forward(x):
+            received.append(x)
+            return method.apply(layer, x), None
+        layer.forward = forward
+        return layer
+
     received = []
-
-    def down_forward(x):
-        received.append(x)
-        return method.apply(mlp.down_proj, x), None
-
-    mlp.down_proj.forward = down_forward
+    mlp.down_proj = recording(fp8_linear(256, 96, "layers.0.mlp.shared_experts.down_proj"), received)
     out = mlp(x)
     check("DeepseekV2MLP.__call__ hands down_proj the pair of SiLU*mul", len(received) == 1
           and isinstance(received[0], QuantizedActivation) and out.shape == (5, 256))
@@ -170,10 +173,21 @@ def main() -> int:
         return norm
 
     attn_norm, ffn_norm = rms_norm_module(), rms_norm_module()
+    shared = v2.DeepseekV2MLP.__new__(v2.DeepseekV2MLP)  # the shared expert the FFN's read feeds
+    torch.nn.Module.__init__(shared)
+    gate_up_inputs = []
+    shared.gate_up_proj = recording(fp8_linear(2 * 96, hidden, "layers.0.mlp.shared_experts.gate_up_proj"),
+                                    gate_up_inputs)
+    shared.down_proj = fp8_linear(hidden, 96, "layers.0.mlp.shared_experts.down_proj")
+    shared.swiglu_limit = 1.0
     cfg = mhc.HcConfig(mult=4, sinkhorn_iters=20, eps=1e-6, rms_eps=1e-6, hidden=hidden, pre_from_prev=True,
                        cp_prefill=False)
     layer = torch.nn.Module()  # a DSv4.1 decoder layer as its mHC reads and updates use it
-    layer.self_attn, layer.mlp = attn, types.SimpleNamespace(tp_size=1)
+    layer.self_attn = attn
+    layer.mlp = v2.DeepseekV2MoE.__new__(v2.DeepseekV2MoE)
+    torch.nn.Module.__init__(layer.mlp)
+    layer.mlp.shared_experts, layer.mlp.num_fused_shared_experts = shared, 0
+    layer.mlp.tp_size, layer.mlp.is_deepseek_v4 = 1, True
     layer.input_layernorm, layer.post_attention_layernorm = attn_norm, ffn_norm
     layer.attn_hc = mhc.HcSubLayer(cfg, None, None, None, attn_norm)
     layer.ffn_hc = mhc.HcSubLayer(cfg, None, None, None, ffn_norm)
@@ -191,6 +205,18 @@ def main() -> int:
         check(f"{what}: wqkv_a on that pair is fp8chain's linear on x",
               isinstance(pair, QuantizedActivation) and same_bits(attn.wqkv_a(pair)[0], own_linear(attn.wqkv_a)(x)))
 
+    def shared_expert_checks(what, x):
+        rows, pair = getattr(shared, "fp8chain_gate_up_input", None) or (None, None)
+        check(f"{what} leaves the shared gate_up's pair with the shared expert, beside x",
+              rows is x and is_quantize_of(pair, x, shared.gate_up_proj.input_format))
+        gate_up_inputs.clear()
+        out = layer.mlp._forward_shared_experts(x)
+        check(f"{what}: DeepseekV2MoE._forward_shared_experts(x) hands gate_up that pair",
+              len(gate_up_inputs) == 1 and gate_up_inputs[0] is pair)
+        gate_up = own_linear(shared.gate_up_proj)(x)
+        check(f"{what}: the shared expert's output is fp8chain's linears' from x",
+              same_bits(out, own_linear(shared.down_proj)(ref.silu_mul(gate_up, limit=1.0))))
+
     streams = torch.randn(5, 4, hidden, device=device).bfloat16()
     pre, post = torch.rand(5, 4, device=device) + 0.1, torch.rand(5, 4, device=device)
     comb = torch.rand(5, 4, 4, device=device)
@@ -201,6 +227,11 @@ def main() -> int:
                 rms_norm(streams[:, 0], attn_norm.weight, 1e-6))
         check(f"{what} returns fp8chain's combine + RMSNorm", same_bits(x, want))
         pair_checks(what, x, state)
+    x, state = reader(False).read(mhc.HcState(streams, pre), ffn_norm, "")
+    check("HcReadCall.read (the FFN's) returns fp8chain's combine + RMSNorm",
+          same_bits(x, mhc_combine_norm(streams, pre, ffn_norm.weight, 1e-6)))
+    check("HcReadCall.read (the FFN's) leaves no pair in ReadState.quantized", state.quantized is None)
+    shared_expert_checks("HcReadCall.read (the FFN's)", x)
 
     y = torch.randn(5, hidden, device=device).bfloat16()  # the finished sublayer's output
     carried = boundary.ReadState(streams, stats=(pre, post, comb), call=boundary.LayerCall())
@@ -226,7 +257,8 @@ def main() -> int:
         if attention:
             pair_checks(what, x, state)
         else:
-            check(f"{what} leaves no pair", state.quantized is None)
+            check(f"{what} leaves no pair in ReadState.quantized", state.quantized is None)
+            shared_expert_checks(what, x)
     print(f"{len(failures)} failed" if failures else "every check passed")
     return 1 if failures else 0
 
