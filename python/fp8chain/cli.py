@@ -219,7 +219,7 @@ def _sglang_plugin_status() -> str:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     idle = why_idle(device)
     acts = ("leaves every layer to upstream: " + idle if idle else
-            "feeds DeepSeek-V4's wqkv_a, wq_b, wo_b and shared-expert down_proj from fp8chain's producers")
+            "feeds DeepSeek-V4's wqkv_a, wq_b, wo_b and shared-expert gate_up_proj and down_proj from fp8chain's producers")
     return f"SGLang plugin: {PLUGIN_GROUP} entry point {registered}; sglang {sglang}; on {device.type}: {acts}"
 
 

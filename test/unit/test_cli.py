@@ -196,7 +196,7 @@ def test_info_lists_backends(capsys):
     assert f"mHC stats finish: {'one token' if past_swept else 'up to 256 tokens'} a program" in out
     assert f"mHC stats partial sums at decode: {'unpipelined' if past_swept else 'pipelined'}" in out
     assert "SGLang plugin: sglang.srt.plugins entry point registered (fp8chain.integrations.sglang:install)" in out
-    assert "on cpu: feeds DeepSeek-V4's wqkv_a, wq_b, wo_b and shared-expert down_proj from fp8chain's producers" in out
+    assert "on cpu: feeds DeepSeek-V4's wqkv_a, wq_b, wo_b and shared-expert gate_up_proj and down_proj from fp8chain's producers" in out
 
 
 @pytest.mark.parametrize("argv", [["demo", "--prompts", "0"], ["demo", "--tokens", "-2"], ["demo", "--layers", "x"],

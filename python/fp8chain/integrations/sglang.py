@@ -204,8 +204,8 @@ def _note_idle(name: str) -> None:
     if not _idle_noted:
         _idle_noted = True
         logger.info("%s asks no pre-quantized input; fp8chain's consumers take only layers whose model asks "
-                    "(in SGLang on Hopper: DeepSeek-V4's wqkv_a, wq_b, wo_b and shared-expert down_proj, fed by "
-                    "fp8chain's producers). Logged once.", name)
+                    "(in SGLang on Hopper: DeepSeek-V4's wqkv_a, wq_b, wo_b and shared-expert gate_up_proj and "
+                    "down_proj, fed by fp8chain's producers). Logged once.", name)
 
 
 def around_process_weights(original, method, layer, *args, **kwargs):
