@@ -959,13 +959,14 @@ def finished_sublayer(rows, hidden, device=None):
     return y, types.SimpleNamespace(streams=streams, stats=(pre, post, comb))
 
 
-def check_folded_boundary(monkeypatch, rows, hidden, wqkv_a_rows, device, attention=True):
+def check_folded_boundary(monkeypatch, rows, hidden, wqkv_a_rows, device, attention=True, intermediate=96):
     """Inside a read's update_and_read, the post and the read's combine + RMSNorm are one fp8chain
     launch: R' bitwise the reference post, x correctly rounded from the fp32 norm of R''s combine;
     for the attention's read wqkv_a's pair, bit for bit the quantize of x, in ReadState.quantized,
     and wqkv_a's output from it what fp8chain's own linear computes from x; for the FFN's read the
     shared gate_up's pair, left with the shared expert (check_shared_expert_reads). Upstream's post does not run, and its combine only hands on the folded rows."""
-    read, norm = hc_read(monkeypatch, hidden, attention=attention, device=device, q_lora_rank=wqkv_a_rows - 64)
+    read, norm = hc_read(monkeypatch, hidden, attention=attention, device=device, intermediate=intermediate,
+                         q_lora_rank=wqkv_a_rows - 64)
     y, carried = finished_sublayer(rows, hidden, device)
     pre, post, comb = carried.stats
     upstream_post_fusion.calls = upstream_combine.calls = upstream_combine.shortcuts = upstream_read.calls = 0
@@ -996,8 +997,9 @@ def test_the_post_folds_the_next_reads_norm_and_pair(monkeypatch, sglang_mhc_mod
 @pytest.mark.parametrize("rows,attention", [(1, True), (3, True), (64, True), (127, True), (256, True), (3, False),
                                             (64, False)])
 def test_the_post_folds_the_next_reads_norm_and_pair_gpu(monkeypatch, sglang_mhc_module, rows, attention):
-    """On Hopper at DSv4.1-Flash's boundary: H = 5120, wqkv_a [1280 + 512, 5120]."""
-    check_folded_boundary(monkeypatch, rows, 5120, 1280 + 512, torch.device("cuda"), attention)
+    """On Hopper at DSv4.1-Flash's boundary: H = 5120, wqkv_a [1280 + 512, 5120], the shared expert's
+    gate_up [4608, 5120] and down [5120, 2304]."""
+    check_folded_boundary(monkeypatch, rows, 5120, 1280 + 512, torch.device("cuda"), attention, 2304)
 
 
 @pytest.mark.cpu
