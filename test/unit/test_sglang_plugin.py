@@ -839,6 +839,38 @@ def test_the_ffn_boundary_hands_the_shared_gate_up_its_pair_gpu(monkeypatch, row
     check_ffn_boundary_chain(monkeypatch, rows, 5120, 2304, torch.device("cuda"))
 
 
+@pytest.mark.gpu
+def test_the_shared_expert_reads_the_pair_on_a_side_stream_in_a_cuda_graph_gpu(monkeypatch):
+    """As SGLang's dual-stream MoE runs it inside a captured decode graph: the FFN read writes the
+    pair on the capture stream and the shared expert reads it on a side stream (the pair recorded
+    there). Capture raises nothing, the replay gives the eager step's output bit for bit, and no
+    linear runs upstream's bf16 path."""
+    device = torch.device("cuda")
+    read, norm = hc_read(monkeypatch, 5120, attention=False, device=device, intermediate=2304)
+    state = hc_state(64, 5120, device)
+    mlp, side = read.layer.mlp.shared_experts, torch.cuda.Stream()
+
+    def step():
+        x, _ = plugin.around_hc_read(upstream_read, read, state, norm, "")
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = plugin.around_mlp_forward(upstream_mlp_forward, mlp, x)
+        torch.cuda.current_stream().wait_stream(side)
+        return out
+
+    upstream_mlp_forward.calls = upstream_gemm.calls = 0
+    eager = step()  # also compiles every launch before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    captured.fill_(float("nan"))  # the replay must write every element
+    graph.replay()
+    torch.cuda.synchronize()
+    assert upstream_mlp_forward.calls == upstream_gemm.calls == 0
+    assert_same_bf16(captured, eager)
+    assert not eager[~state.streams.isnan().any(2).any(1)].isnan().any()
+
+
 @pytest.mark.cpu
 def test_the_boundary_hooks_stand_aside_where_no_pair_may_go(monkeypatch):
     """Upstream's read and combine run for an FFN read whose shared expert reads no pairs (a MoE not
