@@ -996,7 +996,8 @@ def check_folded_boundary(monkeypatch, rows, hidden, wqkv_a_rows, device, attent
     launch: R' bitwise the reference post, x correctly rounded from the fp32 norm of R''s combine;
     for the attention's read wqkv_a's pair, bit for bit the quantize of x, in ReadState.quantized,
     and wqkv_a's output from it what fp8chain's own linear computes from x; for the FFN's read the
-    shared gate_up's pair, left with the shared expert (check_shared_expert_reads). Upstream's post does not run, and its combine only hands on the folded rows."""
+    shared gate_up's pair, left with the shared expert (check_shared_expert_reads). Upstream's post
+    does not run, and its combine only hands on the folded rows."""
     read, norm = hc_read(monkeypatch, hidden, attention=attention, device=device, intermediate=intermediate,
                          q_lora_rank=wqkv_a_rows - 64)
     y, carried = finished_sublayer(rows, hidden, device)

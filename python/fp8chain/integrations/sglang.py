@@ -62,9 +62,9 @@ expert's ``gate_up_proj``, q_norm for ``wq_b`` and the ``wo_a`` einsum for ``wo_
   ``_post_fusion(hc, y, residual, (pre, post, comb), next)`` its post calls: for both reads (the
   attention's and the FFN's) on a device fp8chain serves, one ``mhc.mhc_mega_boundary`` launch
   runs the finished sublayer's post, the read's combine + RMSNorm and, where the read feeds a
-  linear that reads pairs (as above), the pair, and returns them as upstream's Blackwell fused boundary
-  does (``HcState`` with an ``HcQuantized`` or ``HcNormed`` input), which the read takes as they
-  are. Upstream's Hopper post writes only the residual, and the read's combine is a launch of its
+  linear that reads pairs (as above), the pair, and returns them as upstream's Blackwell fused
+  boundary does (``HcState`` with an ``HcQuantized`` or ``HcNormed`` input), which the read takes
+  as they are. Upstream's Hopper post writes only the residual, and the read's combine is a launch of its
   own. The residual ``R'`` is fp8chain's post (fp32, one rounding, the post term first and the
   streams in order), which may differ from upstream's in the last bit of an element. A post whose
   next norm upstream does not fuse, or that feeds the DeepGEMM mega MoE, stays upstream's.
@@ -84,11 +84,11 @@ expert's ``gate_up_proj``, q_norm for ``wq_b`` and the ``wo_a`` einsum for ``wo_
   expert's ``gate_up_proj`` and ``down_proj`` ask, as above.
 * around ``DeepseekV2MLP.forward(x)``: where ``down_proj`` became a consumer, ``gate_up_proj`` on
   the pair the FFN's read left for this very ``x`` (the same tensor object: rows gathered, sliced
-  or copied on the way read bf16, through upstream's path), then one ``act.silu_mul`` launch with the MLP's ``swiglu_limit``
-  returns the pair in ``down_proj.input_format``, and ``down_proj`` reads it. Upstream's forward
-  writes the bf16 activation (``silu_and_mul_clamp``) and ``down_proj`` quantizes it. fp8chain's
-  SiLU*mul rounds once from fp32 and keeps a NaN gate NaN where upstream's clamp (a bf16 minimum)
-  turns it into the limit.
+  or copied on the way read bf16, through upstream's path), then one ``act.silu_mul`` launch with
+  the MLP's ``swiglu_limit`` returns the pair in ``down_proj.input_format``, and ``down_proj`` reads
+  it. Upstream's forward writes the bf16 activation (``silu_and_mul_clamp``) and ``down_proj``
+  quantizes it. fp8chain's SiLU*mul rounds once from fp32 and keeps a NaN gate NaN where
+  upstream's clamp (a bf16 minimum) turns it into the limit.
 
 Upstream's own method runs wherever no pair may be handed on: sequence parallelism (``wq_b``
 all-gathers its input, ``wo_b`` and ``down_proj`` reduce-scatter their output, as tensors),
@@ -532,9 +532,10 @@ def around_post_fusion(original, hc, y, residual, coefficients, next, *args, **k
     """AROUND hook of the module function ``_post_fusion(hc, y, residual, (pre, post, comb), next)``
     (``deepseek_v4_mhc``): inside an mHC read's ``update_and_read`` on a device fp8chain serves, the
     post, the next sublayer's combine + RMSNorm and, where the read feeds a linear that reads pairs
-    (``_boundary_consumer_format``), that pair, in one ``mhc.mhc_mega_boundary`` launch, returned as upstream's Blackwell fused
-    boundary returns them (``HcState`` with ``HcQuantized`` or ``HcNormed`` input). Upstream's
-    Hopper post writes only the residual; the read's combine follows as its own launch."""
+    (``_boundary_consumer_format``), that pair, in one ``mhc.mhc_mega_boundary`` launch, returned
+    as upstream's Blackwell fused boundary returns them (``HcState`` with ``HcQuantized`` or
+    ``HcNormed`` input). Upstream's Hopper post writes only the residual; the read's combine
+    follows as its own launch."""
     read = _folding_read.get()
     operands = (None if read is None or args or kwargs or why_idle(getattr(y, "device", torch.device("meta")))
                 else _fold_operands(y, residual, coefficients, next))
@@ -578,7 +579,7 @@ def _gate_up_input(mlp, x):
     if carried is None or carried[0] is not x:
         return x
     pair = carried[1]
-    if x.is_cuda:  # the shared expert may run on a side stream; the pair was written on the read's
+    if x.is_cuda:  # the shared expert may run on a side stream, the read wrote the pair on its own
         for t in pair:
             t.record_stream(torch.cuda.current_stream(x.device))
     return pair
