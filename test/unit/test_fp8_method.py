@@ -298,7 +298,9 @@ def test_get_quantization_config():
 
 def test_gate_up_silu_mul_epilogue_is_the_two_launches(monkeypatch):
     """``consumer_gemm_silu_mul``: on the Triton backend the pair of ``act.silu_mul(layer(pair))``
-    from one launch, byte for byte; None for a backend without the epilogue or a layer with a bias."""
+    from one launch, byte for byte; None for a backend without the epilogue, a layer with a bias
+    (fp8chain's ``forward_bias``, or ``bias`` on a layer without it, as SGLang's) or gate and up
+    halves that are not whole weight blocks."""
     from fp8chain.layers.quantization.fp8 import consumer_gemm_silu_mul
     from fp8chain_kernel import act, gemv
     from helpers import assert_pairs_equal
@@ -311,6 +313,17 @@ def test_gate_up_silu_mul_epilogue_is_the_two_launches(monkeypatch):
     assert_pairs_equal(got, act.silu_mul(layer(pair), limit=7.0, out_format=fmt, return_bf16=False))
     biased, _ = make_layer(256, 256, request=True, prefix="gate_up", bias=True)
     assert consumer_gemm_silu_mul(biased, pair, 7.0, fmt) is None
+    sglang_style = torch.nn.Module()  # a prepared layer with upstream's attributes only
+    for name in ("weight", "weight_scale_inv", "gemm_backend", "derived_weight_names", "input_format"):
+        setattr(sglang_style, name, getattr(layer, name))
+    for name in layer.derived_weight_names:
+        setattr(sglang_style, name, getattr(layer, name))
+    sglang_style.bias = None
+    assert_pairs_equal(consumer_gemm_silu_mul(sglang_style, pair, 7.0, fmt, "gate_up_proj"), got)
+    sglang_style.bias = torch.zeros(256)
+    assert consumer_gemm_silu_mul(sglang_style, pair, 7.0, fmt, "gate_up_proj") is None
+    halves, _ = make_layer(96, 256, request=True, prefix="gate_up")  # I = 48: not whole 32-row blocks
+    assert consumer_gemm_silu_mul(halves, pair, 7.0, fmt) is None
     one = quantize(torch.randn(1, 256).bfloat16(), fmt)
     assert consumer_gemm_silu_mul(layer, one, 7.0, fmt) is not None
     monkeypatch.setitem(gemv.GEMV_TABLE, (1, 256, 256, 32), gemv.GemvConfig(4, 256))

@@ -15,7 +15,7 @@ import torch
 from fp8chain.integrations import sglang as plugin
 from fp8chain.layers.linear import ReplicatedLinear
 from fp8chain.layers.loading import load_weights
-from fp8chain.layers.quantization.fp8 import Fp8Config
+from fp8chain.layers.quantization.fp8 import Fp8Config, consumer_gemm_silu_mul
 from fp8chain_kernel import act, backends, einsum
 from fp8chain_kernel import reference as ref
 from fp8chain_kernel.formats import ActFormat
@@ -786,20 +786,26 @@ def test_the_boundary_hands_wqkv_a_the_pair_of_its_normed_rows_gpu(monkeypatch, 
     check_boundary_chain(monkeypatch, rows, 5120, 1280 + 512, torch.device("cuda"))
 
 
-def check_shared_expert_reads(read, read_state, x):
+def check_shared_expert_reads(monkeypatch, read, read_state, x):
     """The FFN read left gate_up's pair with the shared expert beside the very rows it quantizes (none
     in ``ReadState.quantized``): bit for bit the quantize of ``x``, which gate_up computes from as
     fp8chain's own linear does from ``x``. The MLP forward on ``x`` takes it once: neither linear
-    runs upstream's bf16 path, and the output is fp8chain's own chain from ``x``; rows of another
-    tensor (the same values copied) go upstream's bf16 way into gate_up. NaN stays visible."""
+    runs upstream's bf16 path, SiLU*mul is gate_up's GEMM epilogue wherever that pays (no launch of
+    its own), and the output is fp8chain's own chain from ``x``; rows of another tensor (the same
+    values copied) go upstream's bf16 way into gate_up. NaN stays visible."""
     mlp = read.layer.mlp.shared_experts
     assert read_state.quantized is None
     rows, pair = mlp.fp8chain_gate_up_input
     assert rows is x
     check_linear_reads(mlp.gate_up_proj, pair, x)
+    fused = consumer_gemm_silu_mul(mlp.gate_up_proj, pair, mlp.swiglu_limit, mlp.down_proj.input_format,
+                                   "gate_up_proj") is not None
+    silu_mul_launches = []
+    monkeypatch.setattr(plugin, "silu_mul", lambda *a, **k: silu_mul_launches.append(1) or act.silu_mul(*a, **k))
     upstream_mlp_forward.calls = upstream_gemm.calls = 0
     out = plugin.around_mlp_forward(upstream_mlp_forward, mlp, x)
     assert upstream_mlp_forward.calls == upstream_gemm.calls == 0 and mlp.fp8chain_gate_up_input is None
+    assert len(silu_mul_launches) == (0 if fused else 1)
     gate_up = fp8chains_own_linear(mlp.gate_up_proj)(x)
     assert_same_bf16(out, fp8chains_own_linear(mlp.down_proj)(act.silu_mul(gate_up, limit=mlp.swiglu_limit)))
     assert torch.equal(out.isnan().any(1), x.isnan().any(1))
@@ -823,11 +829,11 @@ def check_ffn_boundary_chain(monkeypatch, rows, hidden, intermediate, device):
         assert x[2].isnan().all() and (x[1] == 0).all()
     mixed = ref.mhc_combine(state.streams, state.pre)
     assert_close_bf16(x[finite], ref.mhc_norm_fp32(mixed[finite], norm.weight, norm.variance_epsilon))
-    check_shared_expert_reads(read, read_state, x)
+    check_shared_expert_reads(monkeypatch, read, read_state, x)
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("rows", [1, 3, 5, 64])  # 64: gate_up's SiLU*mul epilogue pays
 def test_the_ffn_boundary_hands_the_shared_gate_up_its_pair(monkeypatch, rows):
     check_ffn_boundary_chain(monkeypatch, rows, 160, 96, torch.device("cpu"))
 
@@ -1017,7 +1023,7 @@ def check_folded_boundary(monkeypatch, rows, hidden, wqkv_a_rows, device, attent
     if attention:
         check_linear_reads(read.layer.self_attn.wqkv_a, read_state.quantized, x)
     else:
-        check_shared_expert_reads(read, read_state, x)
+        check_shared_expert_reads(monkeypatch, read, read_state, x)
 
 
 @pytest.mark.cpu

@@ -114,8 +114,8 @@ from fp8chain_kernel.fp8_tile import interpreting
 from fp8chain_kernel.mhc import mhc_combine_norm, mhc_mega_boundary
 from fp8chain_kernel.norm import rms_norm
 
-from ..layers.quantization.fp8 import (Fp8LinearMethod, check_pair_input, check_weights, consumer_gemm, input_requested,
-                                       prepare_consumer)
+from ..layers.quantization.fp8 import (Fp8LinearMethod, check_pair_input, check_weights, consumer_gemm,
+                                       consumer_gemm_silu_mul, input_requested, prepare_consumer)
 
 logger = logging.getLogger(__name__)
 
@@ -589,15 +589,22 @@ def around_mlp_forward(original, mlp, x, *args, **kwargs):
     """AROUND hook of ``DeepseekV2MLP.forward``: where ``down_proj`` reads pairs, gate_up (on the
     pair of ``x`` the FFN's mHC read wrote, where there is one, else upstream's bf16 path), then one
     ``act.silu_mul`` launch writing the pair of the clamped SiLU*mul in ``down_proj.input_format``,
-    then ``down_proj`` on that pair."""
+    then ``down_proj`` on that pair. On a pair, where gate_up's GEMM has the SiLU*mul epilogue and it
+    pays (``consumer_gemm_silu_mul``), the two are one launch, bit for bit the same pair."""
     fmt = getattr(getattr(mlp, "down_proj", None), "input_format", None)
     if (fmt is None or _asks_upstream(_mlp_input_prequantized, args, kwargs)
             or not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2
             or x.shape[0] == 0 or getattr(mlp, "_enable_nvfp4_gemm_swiglu_fusion", False)
             or _why_no_pair() is not None):
         return original(mlp, x, *args, **kwargs)
-    gate_up, _ = mlp.gate_up_proj(_gate_up_input(mlp, x))
-    pair = silu_mul(gate_up, limit=getattr(mlp, "swiglu_limit", None), out_format=fmt, return_bf16=False)
+    gate_up_input, limit = _gate_up_input(mlp, x), getattr(mlp, "swiglu_limit", None)
+    pair = None
+    if isinstance(gate_up_input, QuantizedActivation):  # gate_up with the SiLU*mul epilogue, where it pays
+        gate_up_proj = mlp.gate_up_proj
+        pair = consumer_gemm_silu_mul(gate_up_proj, gate_up_input, limit, fmt, _layer_name(gate_up_proj))
+    if pair is None:
+        gate_up, _ = mlp.gate_up_proj(gate_up_input)
+        pair = silu_mul(gate_up, limit=limit, out_format=fmt, return_bf16=False)
     out, _ = mlp.down_proj(pair)
     return out
 

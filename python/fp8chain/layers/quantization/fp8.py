@@ -356,14 +356,19 @@ def consumer_gemm(layer, pair: QuantizedActivation, block: int) -> torch.Tensor:
     return backend.gemm(pair, layer.weight, layer.weight_scale_inv, _derived_tensors(layer))
 
 
-def consumer_gemm_silu_mul(layer, pair: QuantizedActivation, limit: float | None,
-                           out_format) -> QuantizedActivation | None:
+def consumer_gemm_silu_mul(layer, pair: QuantizedActivation, limit: float | None, out_format,
+                           name: str | None = None) -> QuantizedActivation | None:
     """The FP8 pair of ``act.silu_mul(layer(pair), limit=limit)`` in ``out_format`` from one launch,
-    where the layer (a gate_up projection, no bias) runs on a backend with that epilogue; else None."""
+    where the layer (a gate_up projection, no bias) runs on a backend with that epilogue; else None.
+    ``layer`` is fp8chain's linear or another prepared by ``prepare_consumer`` (SGLang's, whose bias
+    is ``bias``); ``name`` names it in errors (default: its ``display_name``)."""
     fused = getattr(layer.gemm_backend, "gemm_silu_mul", None)  # a backend need not have it
-    if fused is None or layer.forward_bias is not None:
+    bias = layer.forward_bias if hasattr(layer, "forward_bias") else getattr(layer, "bias", None)
+    if fused is None or bias is not None:
         return None
-    check_pair_input(layer, pair, layer.display_name)
+    check_pair_input(layer, pair, name or layer.display_name)
+    if layer.weight.shape[0] % (2 * pair.fmt.group_size):  # not gate and up halves of whole groups
+        return None
     return fused(pair, layer.weight, layer.weight_scale_inv, _derived_tensors(layer), limit, out_format)
 
 
