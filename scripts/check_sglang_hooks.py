@@ -40,6 +40,7 @@ def main() -> int:
     from fp8chain.layers.linear import ReplicatedLinear
     from fp8chain.layers.loading import load_weights
     from fp8chain.layers.quantization.fp8 import Fp8Config as OwnFp8Config
+    from fp8chain.layers.quantization.fp8 import consumer_gemm_silu_mul
     from fp8chain_kernel import einsum
     from fp8chain_kernel.mhc import mhc_combine_norm
     from fp8chain_kernel.norm import rms_norm
@@ -209,10 +210,16 @@ def main() -> int:
         rows, pair = getattr(shared, "fp8chain_gate_up_input", None) or (None, None)
         check(f"{what} leaves the shared gate_up's pair with the shared expert, beside x",
               rows is x and is_quantize_of(pair, x, shared.gate_up_proj.input_format))
+        epilogue = consumer_gemm_silu_mul(shared.gate_up_proj, pair, 1.0, shared.down_proj.input_format,
+                                          "gate_up_proj") is not None  # where it pays at these rows
         gate_up_inputs.clear()
         out = layer.mlp._forward_shared_experts(x)
-        check(f"{what}: DeepseekV2MoE._forward_shared_experts(x) hands gate_up that pair",
-              len(gate_up_inputs) == 1 and gate_up_inputs[0] is pair)
+        if epilogue:
+            check(f"{what}: DeepseekV2MoE._forward_shared_experts(x) runs gate_up with the SiLU*mul epilogue "
+                  "on that pair (not gate_up's forward)", not gate_up_inputs)
+        else:
+            check(f"{what}: DeepseekV2MoE._forward_shared_experts(x) hands gate_up that pair",
+                  len(gate_up_inputs) == 1 and gate_up_inputs[0] is pair)
         gate_up = own_linear(shared.gate_up_proj)(x)
         check(f"{what}: the shared expert's output is fp8chain's linears' from x",
               same_bits(out, own_linear(shared.down_proj)(ref.silu_mul(gate_up, limit=1.0))))
