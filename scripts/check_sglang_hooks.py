@@ -189,6 +189,7 @@ def main() -> int:
     torch.nn.Module.__init__(layer.mlp)
     layer.mlp.shared_experts, layer.mlp.num_fused_shared_experts = shared, 0
     layer.mlp.tp_size, layer.mlp.is_deepseek_v4 = 1, True
+    layer.mlp.mega_shared_l1_weights = None  # as DeepseekV2MoE.__init__ leaves it off the mega MoE
     layer.input_layernorm, layer.post_attention_layernorm = attn_norm, ffn_norm
     layer.attn_hc = mhc.HcSubLayer(cfg, None, None, None, attn_norm)
     layer.ffn_hc = mhc.HcSubLayer(cfg, None, None, None, ffn_norm)

@@ -616,7 +616,8 @@ def chained_moe(monkeypatch, is_deepseek_v4=True, **shape):
     """A DeepSeek-V4 MoE (``DeepseekV2MoE``) with its shared expert built and loaded with the hooks,
     in a forward where a pair may go."""
     monkeypatch.setattr(plugin, "_why_no_pair", lambda: None)
-    moe = types.SimpleNamespace(shared_experts=UpstreamSharedExpert(**shape), is_deepseek_v4=is_deepseek_v4)
+    moe = types.SimpleNamespace(shared_experts=UpstreamSharedExpert(**shape), is_deepseek_v4=is_deepseek_v4,
+                                mega_shared_l1_weights=None)  # as upstream's __init__ leaves them off the mega MoE
     assert plugin.after_moe_init(None, moe) is None
     for linear in (moe.shared_experts.gate_up_proj, moe.shared_experts.down_proj):
         assert linear.deepgemm_mxfp8_input is is_deepseek_v4
@@ -905,7 +906,7 @@ def test_the_boundary_hooks_stand_aside_where_no_pair_may_go(monkeypatch):
     ffn.layer.mlp.shared_experts.down_proj.input_format = None
     assert upstream_ran(ffn)
     ffn.layer.mlp = chained_moe(monkeypatch, hidden=160)
-    ffn.layer.mlp.mega_shared_l1_weights = ()
+    ffn.layer.mlp.mega_shared_l1_weights = torch.zeros(1)  # the shared expert fused into the mega MoE
     assert upstream_ran(ffn)
     assert upstream_ran(hc_read(monkeypatch, pre_from_prev=False)[0])
     assert upstream_ran(read, quant_format="fp8")

@@ -379,10 +379,11 @@ _boundary_pair_sink: contextvars.ContextVar = contextvars.ContextVar("fp8chain_b
 def _shared_expert_reading_pairs(layer):
     """The shared expert (``DeepseekV2MLP``) of a DeepSeek-V4 layer whose ``gate_up_proj`` and
     ``down_proj`` both read pairs (None otherwise): the MLP hook chains the two only then, and a
-    DeepGEMM mega MoE takes an input of its own."""
+    shared expert fused into the DeepGEMM mega MoE (``mega_shared_l1_weights``, None otherwise)
+    does not run as a ``DeepseekV2MLP``."""
     moe = getattr(layer, "mlp", None)
     shared = getattr(moe, "shared_experts", None)
-    if (not getattr(moe, "is_deepseek_v4", False) or hasattr(moe, "mega_shared_l1_weights")
+    if (not getattr(moe, "is_deepseek_v4", False) or getattr(moe, "mega_shared_l1_weights", None) is not None
             or getattr(getattr(shared, "gate_up_proj", None), "input_format", None) is None
             or getattr(getattr(shared, "down_proj", None), "input_format", None) is None):
         return None
