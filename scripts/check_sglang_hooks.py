@@ -8,8 +8,8 @@ blocks, small shapes): ``Fp8LinearMethod.process_weights_after_loading`` and ``a
 ``MQALayer._normalize_q_lora``, ``_apply_wo_a_bf16_matmul`` inside and outside an ``MQALayer``
 forward, ``DeepseekV2MLP.__call__``, both mHC reads ``HcReadCall.read`` (with the module
 function ``combine`` they call; the FFN's feeding a shared expert's ``DeepseekV2MLP``) and both
-reads' ``update_and_read`` (with the post's ``_post_fusion``). Each result is compared bit for bit with fp8chain's own
-linear. Prints one line per check; exit status 1 if any fails. The runtime modes the hooks read at
+reads' ``update_and_read`` (with the post's ``_post_fusion``). Each result is compared bit for bit
+with fp8chain's own linear. Prints one line per check; exit status 1 if any fails. The runtime modes the hooks read at
 each forward (sequence parallelism, deterministic inference) are published only inside a server,
 so the checks run as outside those modes.
 """

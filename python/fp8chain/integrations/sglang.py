@@ -64,8 +64,8 @@ expert's ``gate_up_proj``, q_norm for ``wq_b`` and the ``wo_a`` einsum for ``wo_
   runs the finished sublayer's post, the read's combine + RMSNorm and, where the read feeds a
   linear that reads pairs (as above), the pair, and returns them as upstream's Blackwell fused
   boundary does (``HcState`` with an ``HcQuantized`` or ``HcNormed`` input), which the read takes
-  as they are. Upstream's Hopper post writes only the residual, and the read's combine is a launch of its
-  own. The residual ``R'`` is fp8chain's post (fp32, one rounding, the post term first and the
+  as they are. Upstream's Hopper post writes only the residual, and the read's combine is a launch
+  of its own. The residual ``R'`` is fp8chain's post (fp32, one rounding, the post term first and the
   streams in order), which may differ from upstream's in the last bit of an element. A post whose
   next norm upstream does not fuse, or that feeds the DeepGEMM mega MoE, stays upstream's.
 * around ``MQALayer._normalize_q_lora(q)``: upstream returns ``(bf16 normed q, wq_b's input)``,
@@ -283,17 +283,22 @@ def why_idle(device: torch.device) -> str | None:
     return _why_not_fp8chain(device)
 
 
+def _ask_for_pair(linear) -> None:
+    """``linear`` asks for a pre-quantized input (before its weights load) where fp8chain's consumers
+    read its weight."""
+    if _fp8chain_serves_weight(getattr(linear, "weight", None)):
+        linear.deepgemm_mxfp8_input = True
+
+
 def after_mqa_init(result, attn, *args, **kwargs):
     """AFTER hook of ``MQALayer.__init__``: ``wq_b``, ``wo_b`` and a fused ``wqkv_a`` ask for a
     pre-quantized input where fp8chain's consumers run, before their weights load (the module
     docstring)."""
     for name in ("wqkv_a", "wq_b", "wo_b"):
-        linear = getattr(attn, name, None)
         if ((name == "wq_b" and _upstream_feeds_wq_b())
                 or (name == "wqkv_a" and not getattr(attn, "fuse_wqa_wkv", False))):  # wq_a and wkv read bf16
             continue
-        if _fp8chain_serves_weight(getattr(linear, "weight", None)):
-            linear.deepgemm_mxfp8_input = True
+        _ask_for_pair(getattr(attn, name, None))
     return None
 
 
@@ -538,9 +543,8 @@ def around_post_fusion(original, hc, y, residual, coefficients, next, *args, **k
     ``HcNormed`` input). Upstream's Hopper post writes only the residual; the read's combine
     follows as its own launch."""
     read = _folding_read.get()
-    operands = (None if read is None or args or kwargs or why_idle(getattr(y, "device", torch.device("meta")))
-                else _fold_operands(y, residual, coefficients, next))
-    if operands is None or _why_no_pair() is not None:
+    operands = None if read is None or args or kwargs else _fold_operands(y, residual, coefficients, next)
+    if operands is None or why_idle(y.device) is not None or _why_no_pair() is not None:
         return original(hc, y, residual, coefficients, next, *args, **kwargs)
     pre, post, comb, norm = operands
     fmt = _boundary_consumer_format(read)
@@ -559,9 +563,7 @@ def after_moe_init(result, moe, *args, **kwargs):
     if not getattr(moe, "is_deepseek_v4", False):
         return None
     for name in ("gate_up_proj", "down_proj"):
-        linear = getattr(getattr(moe, "shared_experts", None), name, None)
-        if _fp8chain_serves_weight(getattr(linear, "weight", None)):
-            linear.deepgemm_mxfp8_input = True
+        _ask_for_pair(getattr(getattr(moe, "shared_experts", None), name, None))
     return None
 
 
