@@ -743,6 +743,18 @@ def check_linear_reads(linear, pair, x):
     return out
 
 
+def check_normed_rows(x, mixed, norm, nan_row=True):
+    """``x`` is the RMSNorm of the combine ``mixed``, correctly rounded from fp32 where finite; where
+    there are rows enough (``hc_state``, ``finished_sublayer``) row 1 is zero, and row 2 is NaN
+    where ``nan_row`` (finite otherwise)."""
+    finite = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    if x.shape[0] >= 3:
+        finite[2] = not nan_row
+        assert x[2].isnan().all() if nan_row else not x[2].isnan().any()
+        assert (x[1] == 0).all()
+    assert_close_bf16(x[finite], ref.mhc_norm_fp32(mixed[finite], norm.weight, norm.variance_epsilon))
+
+
 def check_boundary_chain(monkeypatch, rows, hidden, wqkv_a_rows, device, carried=True):
     """Where wqkv_a reads pairs, the attention read's combine is one fp8chain launch: its bf16 x (the
     indexer's; the fp32 RMSNorm of the bf16 combine, rounded once) and the pair of that x, bit for
@@ -756,12 +768,7 @@ def check_boundary_chain(monkeypatch, rows, hidden, wqkv_a_rows, device, carried
     assert upstream_read.calls == 1 and upstream_combine.calls == 0
     assert x.shape == (rows, hidden)
     mixed = state.streams[:, 0] if state.pre is None else ref.mhc_combine(state.streams, state.pre)
-    finite = torch.ones(rows, dtype=torch.bool, device=device)
-    if rows >= 3:
-        finite[2] = not carried  # the NaN in stream 3 reaches x only through the combine
-        assert x[2].isnan().all() if carried else not x[2].isnan().any()
-        assert (x[1] == 0).all()
-    assert_close_bf16(x[finite], ref.mhc_norm_fp32(mixed[finite], norm.weight, norm.variance_epsilon))
+    check_normed_rows(x, mixed, norm, nan_row=carried)  # the NaN in stream 3 reaches x only through the combine
     out = check_linear_reads(read.layer.self_attn.wqkv_a, read_state.quantized, x)
     assert out.shape == (rows, wqkv_a_rows)
     if rows >= 3 and carried:
@@ -824,12 +831,7 @@ def check_ffn_boundary_chain(monkeypatch, rows, hidden, intermediate, device):
     upstream_read.calls = upstream_combine.calls = 0
     x, read_state = plugin.around_hc_read(upstream_read, read, state, norm, "")
     assert upstream_read.calls == 1 and upstream_combine.calls == 0
-    finite = torch.ones(rows, dtype=torch.bool, device=device)
-    if rows >= 3:
-        finite[2] = False
-        assert x[2].isnan().all() and (x[1] == 0).all()
-    mixed = ref.mhc_combine(state.streams, state.pre)
-    assert_close_bf16(x[finite], ref.mhc_norm_fp32(mixed[finite], norm.weight, norm.variance_epsilon))
+    check_normed_rows(x, ref.mhc_combine(state.streams, state.pre), norm)
     check_shared_expert_reads(monkeypatch, read, read_state, x)
 
 
@@ -920,7 +922,8 @@ def test_the_boundary_hooks_stand_aside_where_no_pair_may_go(monkeypatch):
     plugin.around_process_weights(upstream_process, upstream_method(), unfused.wqkv_a)
     assert upstream_ran(types.SimpleNamespace(layer=types.SimpleNamespace(self_attn=unfused,
                                                                           boundary_pre_from_prev=True), attention=True))
-    for changed in (dict(input=HcNormed(torch.zeros(4, 160).bfloat16())), dict(streams=state.streams.float()), dict(pre=state.pre.double()),
+    for changed in (dict(input=HcNormed(torch.zeros(4, 160).bfloat16())), dict(streams=state.streams.float()),
+                    dict(pre=state.pre.double()),
                     dict(streams=torch.randn(4, 4, 144).bfloat16(), pre=state.pre)):  # H not whole 32-groups
         odd = types.SimpleNamespace(**{**vars(state), **changed})
         assert upstream_ran(read, state=odd, norm=norm if odd.streams.shape[2] == 160 else UpstreamRMSNorm(144))
@@ -1015,12 +1018,7 @@ def check_folded_boundary(monkeypatch, rows, hidden, wqkv_a_rows, device, attent
     assert upstream_combine.calls == upstream_combine.shortcuts == 1  # the read takes the folded rows
     new_residual = read_state.streams
     assert_same_bf16(new_residual, ref.mhc_post(y, carried.streams, post, comb))
-    mixed = ref.mhc_combine(new_residual, pre)
-    finite = torch.ones(rows, dtype=torch.bool, device=device)
-    if rows >= 3:
-        finite[2] = False
-        assert x[2].isnan().all() and (x[1] == 0).all()
-    assert_close_bf16(x[finite], ref.mhc_norm_fp32(mixed[finite], norm.weight, norm.variance_epsilon))
+    check_normed_rows(x, ref.mhc_combine(new_residual, pre), norm)
     if attention:
         check_linear_reads(read.layer.self_attn.wqkv_a, read_state.quantized, x)
     else:
